@@ -1,0 +1,1 @@
+"""rl4bit.kernels: formats (reference + Triton)."""

@@ -1,0 +1,84 @@
+"""Philox4x32-10 counter-based random bits in plain PyTorch.
+
+Matches Triton's ``tl.randint(seed, offset)`` / ``tl.randint4x`` (Salmon et al.,
+"Parallel random numbers: as easy as 1, 2, 3", SC'11; triton
+``python/triton/language/random.py``) bit for bit: key = (seed low 32 bits,
+seed high 32 bits), counter = (offset low 32, offset high 32, 0, 0), ten
+rounds. The Triton kernels in this package call the same generator
+(``philox_triton.py``), so a stochastically rounded tensor is identical
+whether the reference or a kernel produced it.
+
+Every value is carried in int64 holding a uint32 (0 .. 2**32-1): PyTorch's
+uint32 arithmetic is incomplete on CPU. Products are split into 16-bit halves
+so no intermediate leaves int64's range.
+
+Leaves out: other round counts, and the 64-bit Philox variant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+_KEY_A = 0x9E3779B9
+_KEY_B = 0xBB67AE85
+_ROUND_A = 0xD2511F53
+_ROUND_B = 0xCD9E8D57
+N_ROUNDS = 10
+
+
+def _mul_hi_lo(a: torch.Tensor, const: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(high 32 bits, low 32 bits) of a * const for uint32 a (int64 tensor) and a uint32 constant."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    c_hi, c_lo = const >> 16, const & 0xFFFF
+    mid = a_hi * c_lo + a_lo * c_hi  # < 2**33
+    low = a_lo * c_lo + ((mid & 0xFFFF) << 16)  # < 2**33
+    high = a_hi * c_hi + (mid >> 16) + (low >> 32)
+    return high & _MASK32, low & _MASK32
+
+
+def philox4x32(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Four uint32 streams (as int64 tensors) for each offset, like ``tl.randint4x``.
+
+    ``seed`` is a Python int in [0, 2**64); ``offsets`` an integer tensor of
+    non-negative element offsets (< 2**63).
+    """
+    if not 0 <= int(seed) < 2**64:
+        raise ValueError(f"philox seed must be in [0, 2**64), got {seed}")
+    offsets = offsets.to(torch.int64)
+    if offsets.numel() and int(offsets.min()) < 0:
+        raise ValueError("philox offsets must be non-negative")
+    seed = int(seed)
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    c0 = offsets & _MASK32
+    c1 = (offsets >> 32) & _MASK32
+    c2 = torch.zeros_like(c0)
+    c3 = torch.zeros_like(c0)
+    for _ in range(N_ROUNDS):
+        hi_b, lo_b = _mul_hi_lo(c2, _ROUND_B)
+        hi_a, lo_a = _mul_hi_lo(c0, _ROUND_A)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + _KEY_A) & _MASK32
+        k1 = (k1 + _KEY_B) & _MASK32
+    return c0, c1, c2, c3
+
+
+def random_bits(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """The first Philox stream: one uint32 (in int64) per offset, like ``tl.randint(seed, offsets)``."""
+    return philox4x32(seed, offsets)[0]
+
+
+def derive_seed(*keys: int) -> int:
+    """Fold integer keys (seed, step, layer, tensor id, ...) into one 64-bit seed.
+
+    Uses Philox itself as the mixing function, so distinct key tuples give
+    independent streams and the derivation is reproducible everywhere.
+    """
+    state = 0x243F6A8885A308D3
+    for k in keys:
+        k = int(k)
+        if k < 0:
+            raise ValueError(f"seed keys must be non-negative, got {k}")
+        c0, c1, _, _ = philox4x32(state, torch.tensor([k & (2**63 - 1)]))
+        state = (int(c0) << 32) | int(c1)
+    return state

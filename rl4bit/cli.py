@@ -1,0 +1,159 @@
+"""The `rl4bit` command: train, parity, bench, export, inspect, config.
+
+Each subcommand is a thin shell over one module; heavy imports (torch, ray)
+happen inside the handlers so `rl4bit --help` is instant. A subcommand whose
+feature has not been built says so and exits with status 2: no fake output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+BENCHES = {
+    "kernels": ("rl4bit.bench_kernels", "format kernels: us and GB/s against a device copy"),
+    "ce": ("rl4bit.bench_ce", "compute efficiency: loss curves of bf16 / mxfp8 / nvfp4 and the CE gap"),
+    "train": ("rl4bit.bench_train", "trainer tokens/s and peak memory per recipe"),
+    "rollout": ("rl4bit.bench_rollout", "sampler tokens/s: NVFP4 vs BF16 weights vs HF generate"),
+    "sync": ("rl4bit.bench_sync", "weight-sync bytes and seconds, NVFP4 vs BF16"),
+    "comm": ("rl4bit.bench_comm", "expert-parallel dispatch/combine all-to-all"),
+}
+
+
+class NotBuilt(Exception):
+    """A feature whose issue has not landed yet."""
+
+
+def _require(module: str, what: str):
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        if e.name == module:
+            raise NotBuilt(f"{what} is not built yet ({module} does not exist in this version of rl4bit)") from None
+        raise
+
+
+def _overrides(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config value, e.g. -o trainer.lr=1e-6 -o sampler.backend=embedded (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="rl4bit",
+        description="RL post-training of LLMs on 4-bit numerics (NVFP4 forward, MXFP8 backward, exact-weight sync).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("train", help="run an RL fine-tuning job", description="Run an RL job from a YAML config; writes a run dir.")
+    p.add_argument("config", help="YAML job file, e.g. configs/quickstart.yaml")
+    p.add_argument("--out", help="run directory (default runs/<name>-<timestamp>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    _overrides(p)
+
+    p = sub.add_parser("parity", help="reward parity of recipes (nvfp4 vs mxfp8 vs bf16)",
+                       description="Run one job per recipe and seed; write parity.md, parity.png and parity.json.")
+    p.add_argument("config")
+    p.add_argument("--recipes", default="nvfp4,mxfp8,bf16")
+    p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--out")
+    _overrides(p)
+
+    p = sub.add_parser("bench", help="benchmarks (each figure beside its ceiling or baseline)",
+                       description="Benchmarks: " + "; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items()))
+    p.add_argument("what", choices=[*BENCHES, "all"])
+    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--quick", action="store_true", help="small shapes, for smoke runs on a CPU")
+    p.add_argument("--out", help="directory for plots and JSON results")
+
+    p = sub.add_parser("export", help="write a quantized checkpoint (compressed-tensors layout vLLM reads)")
+    p.add_argument("source", help="a config file (its model, quantized by its recipe) or a run dir (its latest checkpoint)")
+    p.add_argument("--out", required=True)
+    _overrides(p)
+
+    p = sub.add_parser("inspect", help="per-module formats, bits and bytes of a quantized checkpoint")
+    p.add_argument("dir")
+
+    p = sub.add_parser("config", help="print the fully resolved config and derived batch sizes")
+    p.add_argument("config")
+    _overrides(p)
+    return parser
+
+
+def _device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def cmd_config(args) -> int:
+    from rl4bit.config import dump_yaml, load_config
+
+    cfg = load_config(args.config, args.override)
+    print(dump_yaml(cfg), end="")
+    print("# derived")
+    for k, v in cfg.derived().items():
+        print(f"# {k}: {v}")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    names = list(BENCHES) if args.what == "all" else [args.what]
+    status = 0
+    for name in names:
+        module, what = BENCHES[name]
+        try:
+            mod = _require(module, f"`rl4bit bench {name}` ({what})")
+        except NotBuilt as e:
+            print(f"rl4bit bench {name}: {e}", file=sys.stderr)
+            status = 2
+            continue
+        mod.run(device=_device(args.device), quick=args.quick, out=args.out)
+    return status
+
+
+def cmd_train(args) -> int:
+    mod = _require("rl4bit.driver", "`rl4bit train` (the RL loop)")
+    return mod.main(args.config, out=args.out, resume=args.resume, overrides=args.override)
+
+
+def cmd_parity(args) -> int:
+    mod = _require("rl4bit.parity", "`rl4bit parity` (reward parity runs)")
+    return mod.main(args.config, recipes=args.recipes.split(","), seeds=args.seeds, out=args.out, overrides=args.override)
+
+
+def cmd_export(args) -> int:
+    mod = _require("rl4bit.export", "`rl4bit export` (quantized checkpoints)")
+    return mod.main(args.source, out=args.out, overrides=args.override)
+
+
+def cmd_inspect(args) -> int:
+    mod = _require("rl4bit.export", "`rl4bit inspect` (quantized checkpoints)")
+    return mod.inspect_main(args.dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {
+        "config": cmd_config, "bench": cmd_bench, "train": cmd_train,
+        "parity": cmd_parity, "export": cmd_export, "inspect": cmd_inspect,
+    }[args.command]
+    from rl4bit.config import ConfigError
+
+    try:
+        return handler(args)
+    except NotBuilt as e:
+        print(f"rl4bit {args.command}: {e}", file=sys.stderr)
+        return 2
+    except (ConfigError, FileNotFoundError, FileExistsError) as e:
+        print(f"rl4bit {args.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

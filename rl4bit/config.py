@@ -1,0 +1,478 @@
+"""The job configuration: one tree of typed dataclasses, loaded from YAML.
+
+Every field has a docstring (the string under it). `load_config(path,
+overrides)` maps a YAML file plus `-o key.path=value` overrides onto `JobConfig`
+and validates it: an unknown key, a wrong type or an impossible value raises
+`ConfigError` naming the key path, the value and the valid choices (or the
+closest known key). `rl4bit config CFG` prints the resolved tree.
+
+One batch vocabulary: `rl.prompts_per_step` prompts are sampled each step,
+`rl.samples_per_prompt` completions per prompt (a GRPO group), and the trainer
+packs them into micro-batches of at most `trainer.tokens_per_microbatch`
+tokens. Everything else (rollouts per step, ...) is derived: `derived()`.
+
+The recipe section (`RecipeConfig`) lives beside the code that applies it, in
+`rl4bit.trainer.recipe`; it is part of this tree all the same.
+
+Leaves out: environment-variable interpolation and config inheritance; a job
+is one file plus overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from rl4bit.trainer.recipe import RecipeConfig
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the key path and the fix."""
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train."""
+
+    path: Optional[str] = None
+    """Local Hugging Face checkpoint directory (config.json + safetensors). None: build `tiny` from scratch."""
+    tiny: Literal["qwen3_moe", "olmoe", "qwen3"] = "qwen3_moe"
+    """Architecture of the model built from scratch when `path` is None (tests, quickstart)."""
+    hidden_size: int = 64
+    """Hidden size of the built model (multiple of 32, the MXFP8 block)."""
+    num_layers: int = 6
+    """Decoder layers of the built model."""
+    num_experts: int = 8
+    """Experts per MoE layer of the built model."""
+    experts_per_token: int = 2
+    """Top-k routing of the built model."""
+    expert_intermediate_size: int = 64
+    """Expert MLP width of the built model (multiple of 32)."""
+    num_heads: int = 4
+    """Attention heads of the built model."""
+    max_seq_len: int = 256
+    """Longest prompt + completion the model serves, in tokens."""
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    """Dtype of the non-quantized parts (attention, norms, embeddings, lm_head)."""
+
+    def validate(self, path: str) -> None:
+        if self.path is not None and not Path(self.path).expanduser().is_dir():
+            raise ConfigError(f"{path}.path: {self.path!r} is not a directory; point it at a local HF checkpoint or set it to null to build `tiny`")
+        for name, mult in (("hidden_size", 32), ("expert_intermediate_size", 32)):
+            v = getattr(self, name)
+            if v <= 0 or v % mult:
+                raise ConfigError(f"{path}.{name}: {v} must be a positive multiple of {mult} (NVFP4 blocks of 16, MXFP8 blocks of 32 along K)")
+        _positive(self, path, "num_layers", "num_experts", "experts_per_token", "num_heads", "max_seq_len")
+        if self.experts_per_token > self.num_experts:
+            raise ConfigError(f"{path}.experts_per_token: {self.experts_per_token} exceeds num_experts={self.num_experts}")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(f"{path}.num_heads: {self.num_heads} does not divide hidden_size={self.hidden_size}")
+
+
+@dataclass
+class SamplerConfig:
+    """The rollout engines."""
+
+    backend: Literal["embedded", "vllm"] = "embedded"
+    """`embedded`: our engine, the trainer's exact numerics (CPU and GPU). `vllm`: vLLM on GPUs."""
+    replicas: int = 1
+    """Sampler actors (each holds a full copy of the weights)."""
+    max_new_tokens: int = 32
+    """Completion length cap, in tokens."""
+    temperature: float = 1.0
+    """Sampling temperature (0 = greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass (1 = off)."""
+    top_k: int = 0
+    """Keep the k most likely tokens (0 = off)."""
+    min_p: float = 0.0
+    """Drop tokens below min_p x the top probability (0 = off)."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings; a completion ends at the first one (included in the text)."""
+    max_batch_size: int = 64
+    """Most sequences decoded together."""
+    gpu_memory_utilization: float = 0.5
+    """vLLM only: fraction of GPU memory vLLM may take."""
+
+    def validate(self, path: str) -> None:
+        _positive(self, path, "replicas", "max_new_tokens", "max_batch_size")
+        if self.temperature < 0:
+            raise ConfigError(f"{path}.temperature: {self.temperature} must be >= 0 (0 = greedy)")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"{path}.top_p: {self.top_p} must be in (0, 1]")
+        if self.top_k < 0:
+            raise ConfigError(f"{path}.top_k: {self.top_k} must be >= 0 (0 = off)")
+        if not 0 <= self.min_p < 1:
+            raise ConfigError(f"{path}.min_p: {self.min_p} must be in [0, 1)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"{path}.gpu_memory_utilization: {self.gpu_memory_utilization} must be in (0, 1]")
+
+
+@dataclass
+class TrainerConfig:
+    """The policy optimizer."""
+
+    lr: float = 1e-5
+    """AdamW learning rate."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """AdamW betas."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip (0 = off)."""
+    tokens_per_microbatch: int = 4096
+    """Most tokens (prompt + completion, summed over sequences) in one forward/backward."""
+    device: str = "auto"
+    """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available)."""
+    max_nonfinite_steps: int = 3
+    """Stop the job after this many consecutive steps with a NaN/Inf loss or gradient."""
+    expert_parallel: int = 1
+    """Ranks the experts are sharded over (1 = no expert parallelism)."""
+    combine: Literal["rht_s2f6", "mxfp8", "bf16"] = "rht_s2f6"
+    """Format of the expert-parallel combine all-to-all."""
+
+    def validate(self, path: str) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"{path}.lr: {self.lr} must be > 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"{path}.betas: {self.betas} must be two numbers in [0, 1)")
+        if self.grad_clip < 0 or self.weight_decay < 0:
+            raise ConfigError(f"{path}: grad_clip and weight_decay must be >= 0")
+        _positive(self, path, "tokens_per_microbatch", "max_nonfinite_steps", "expert_parallel")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"{path}.device: {self.device!r}; valid: auto, cpu, cuda, cuda:N")
+
+
+@dataclass
+class RLConfig:
+    """The RL algorithm (GRPO with PPO-clip) and the batch vocabulary."""
+
+    steps: int = 20
+    """RL steps (one sample -> train -> sync round each)."""
+    prompts_per_step: int = 16
+    """Prompts sampled per step."""
+    samples_per_prompt: int = 8
+    """Completions per prompt (the GRPO group size)."""
+    ppo_epochs: int = 1
+    """Optimizer passes over each step's rollouts."""
+    clip_eps: float = 0.2
+    """PPO ratio clip epsilon."""
+    kl_coef: float = 0.0
+    """KL penalty to the frozen initial policy (0 = off, no reference model kept)."""
+    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
+    """Loss aggregation: mean over all tokens, or mean of per-sequence token means."""
+    tis_cap: Optional[float] = None
+    """Truncated importance sampling cap on pi_train/pi_sampler. None: on (cap 2) only when the sampler is not bitwise-matched (vLLM)."""
+    normalize_std: bool = True
+    """Divide group-centred rewards by the group std (GRPO); False keeps only centring (Dr. GRPO)."""
+
+    def validate(self, path: str) -> None:
+        _positive(self, path, "steps", "prompts_per_step", "samples_per_prompt", "ppo_epochs")
+        if self.clip_eps <= 0:
+            raise ConfigError(f"{path}.clip_eps: {self.clip_eps} must be > 0")
+        if self.kl_coef < 0:
+            raise ConfigError(f"{path}.kl_coef: {self.kl_coef} must be >= 0")
+        if self.tis_cap is not None and self.tis_cap < 1:
+            raise ConfigError(f"{path}.tis_cap: {self.tis_cap} must be >= 1 or null")
+
+
+@dataclass
+class RewardConfig:
+    """One reward function and its weight."""
+
+    fn: str = "rl4bit.rewards:exact_match"
+    """`pkg.module:function` or `path/to/file.py:function`; called as fn(prompt, completion, **sample) -> float."""
+    weight: float = 1.0
+    """Weight of this reward in the sum."""
+
+
+@dataclass
+class RewardsConfig:
+    """How completions are scored."""
+
+    functions: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
+    """The rewards summed (with weights) into one scalar per completion."""
+    timeout_s: float = 10.0
+    """Per-call timeout; a reward past it counts as an error."""
+    max_error_fraction: float = 0.1
+    """The job fails when more than this fraction of a step's samples fail to score."""
+    workers: int = 1
+    """Reward worker processes."""
+
+    def validate(self, path: str) -> None:
+        if not self.functions:
+            raise ConfigError(f"{path}.functions: empty; give at least one reward, e.g. rl4bit.rewards:exact_match")
+        for i, r in enumerate(self.functions):
+            if ":" not in r.fn:
+                raise ConfigError(f"{path}.functions[{i}].fn: {r.fn!r} must be 'pkg.module:function' or 'path/file.py:function'")
+        if self.timeout_s <= 0:
+            raise ConfigError(f"{path}.timeout_s: {self.timeout_s} must be > 0")
+        if not 0 <= self.max_error_fraction <= 1:
+            raise ConfigError(f"{path}.max_error_fraction: {self.max_error_fraction} must be in [0, 1]")
+        _positive(self, path, "workers")
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from."""
+
+    task: Literal["arithmetic", "file"] = "arithmetic"
+    """`arithmetic`: the built-in seeded synthetic task. `file`: prompts from `train_file`/`eval_file`."""
+    train_file: Optional[str] = None
+    """JSONL or Parquet with `prompt`, optional `answer` and extra fields (task: file)."""
+    eval_file: Optional[str] = None
+    """Held-out prompts in the same format (task: file)."""
+    digits: int = 2
+    """Arithmetic task: operand digits."""
+    eval_size: int = 64
+    """Prompts in the evaluation split."""
+    eval_every: int = 5
+    """Evaluate every this many steps (and before the first step)."""
+    seed: int = 0
+    """Seed of the task generator and the prompt order."""
+
+    def validate(self, path: str) -> None:
+        if self.task == "file" and not self.train_file:
+            raise ConfigError(f"{path}.train_file: required when {path}.task is 'file'")
+        _positive(self, path, "digits", "eval_size", "eval_every")
+
+
+@dataclass
+class RayConfig:
+    """Where the actors run."""
+
+    mode: Literal["auto", "ray", "local"] = "auto"
+    """`ray`: actors on a Ray cluster; `local`: the same classes in-process (pdb works); `auto`: ray when installed."""
+    address: Optional[str] = None
+    """An existing cluster's address; None starts a private local one bound to 127.0.0.1, no dashboard."""
+    temp_dir: Optional[str] = None
+    """Ray's temp/session files; None puts them under the run directory."""
+    num_cpus: Optional[int] = None
+    """CPUs the private local cluster may use (None: all)."""
+
+
+@dataclass
+class ParityConfig:
+    """Live reward tracking against a reference run."""
+
+    reference: Optional[str] = None
+    """A finished run dir (same config, mxfp8) to log `parity/reward_gap` against."""
+    threshold: float = 0.02
+    """Gap (in reward/accuracy units) beyond which divergence is flagged."""
+
+
+@dataclass
+class RunConfig:
+    """Run bookkeeping."""
+
+    name: str = "rl4bit"
+    """Run name; the default run dir is runs/<name>-<timestamp>."""
+    seed: int = 0
+    """Global seed (model init, sampling, stochastic rounding)."""
+    checkpoint_every: int = 10
+    """Save the full training state every this many steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept on disk (oldest removed first)."""
+    warmup_sft_steps: int = 0
+    """Supervised warm-start steps on the task before RL (quickstart)."""
+    warmup_lr: float = 3e-3
+    """Learning rate of the supervised warm start."""
+    tensorboard: bool = True
+    """Also write TensorBoard event files."""
+
+    def validate(self, path: str) -> None:
+        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.warmup_sft_steps < 0:
+            raise ConfigError(f"{path}: checkpoint_every and warmup_sft_steps must be >= 0, keep_checkpoints >= 1")
+
+
+@dataclass
+class JobConfig:
+    """A whole rl4bit job."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    recipe: RecipeConfig = field(default_factory=RecipeConfig)
+    """The numerics recipe (bf16, mxfp8, nvfp4) and its ablation switches."""
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    """Rollout engines."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Optimizer and micro-batching."""
+    rl: RLConfig = field(default_factory=RLConfig)
+    """Algorithm and batch vocabulary."""
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    """Reward functions."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Actor placement."""
+    parity: ParityConfig = field(default_factory=ParityConfig)
+    """Live parity tracking."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """Bookkeeping."""
+
+    def derived(self) -> dict[str, Any]:
+        """Quantities derived from the batch vocabulary, printed with the config."""
+        return {
+            "rollouts_per_step": self.rl.prompts_per_step * self.rl.samples_per_prompt,
+            "max_tokens_per_rollout": self.model.max_seq_len,
+            "optimizer_steps_per_rl_step": self.rl.ppo_epochs,
+        }
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Read a YAML job (or the defaults when path is None), apply `key.path=value` overrides, validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections, got {type(raw).__name__}")
+    for item in overrides or []:
+        apply_override(raw, item)
+    cfg = from_dict(JobConfig, raw, "")
+    validate(cfg)
+    return cfg
+
+
+def apply_override(raw: dict[str, Any], item: str) -> None:
+    """Set `a.b.c=value` in a raw dict; the value is parsed as YAML (so 1e-6, true, [1, 2] work)."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like key.path=value, e.g. trainer.lr=1e-6")
+    key, _, text = item.partition("=")
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"override {item!r}: empty key segment in {key!r}")
+    node = raw
+    for p in parts[:-1]:
+        nxt = node.setdefault(p, {})
+        if not isinstance(nxt, dict):
+            raise ConfigError(f"override {item!r}: {p!r} is not a section")
+        node = nxt
+    try:
+        node[parts[-1]] = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {item!r}: value is not valid YAML: {e}") from None
+
+
+def from_dict(cls: type, raw: Any, path: str) -> Any:
+    """Build dataclass `cls` from a raw mapping, checking keys and types recursively."""
+    where = path or "<top level>"
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a mapping for {cls.__name__}, got {type(raw).__name__} {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in raw.items():
+        key_path = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ConfigError(f"{key_path}: unknown key; {hint}valid keys: {', '.join(names)}")
+        kwargs[key] = _coerce(hints[key], value, key_path)
+    return cls(**kwargs)
+
+
+def _coerce(tp: Any, value: Any, path: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, path)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(inner[0], value, path)
+    if origin is Literal:
+        if value not in args:
+            close = difflib.get_close_matches(str(value), [str(a) for a in args], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{path}: {value!r} is not one of {', '.join(map(repr, args))}{hint}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{path}: expected a list, got {type(value).__name__} {value!r}")
+        return [_coerce(args[0], v, f"{path}[{i}]") for i, v in enumerate(value)]
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{path}: expected an integer, got {type(value).__name__} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{path}: expected a string, got {type(value).__name__} {value!r}")
+        return value
+    raise TypeError(f"config field {path} has an unsupported type {tp}")  # a bug in this file, not user input
+
+
+def validate(cfg: JobConfig) -> None:
+    """Run each section's `validate(path)` and the cross-section checks."""
+    for f in dataclasses.fields(cfg):
+        section = getattr(cfg, f.name)
+        check = getattr(section, "validate", None)
+        if check is None:
+            continue
+        try:
+            check(f.name) if _takes_path(check) else check()
+        except ConfigError:
+            raise
+        except ValueError as e:  # sections defined outside this file raise plain ValueError
+            raise ConfigError(f"{f.name}: {e}") from None
+    if cfg.sampler.max_new_tokens >= cfg.model.max_seq_len:
+        raise ConfigError(
+            f"sampler.max_new_tokens: {cfg.sampler.max_new_tokens} leaves no room for the prompt within model.max_seq_len={cfg.model.max_seq_len}"
+        )
+    if cfg.rl.samples_per_prompt == 1:
+        raise ConfigError("rl.samples_per_prompt: 1 gives every GRPO group zero reward spread (no learning signal); use >= 2")
+    if cfg.model.num_experts % cfg.trainer.expert_parallel:
+        raise ConfigError(
+            f"trainer.expert_parallel: {cfg.trainer.expert_parallel} does not divide model.num_experts={cfg.model.num_experts}"
+        )
+
+
+def _takes_path(fn: Any) -> bool:
+    import inspect
+
+    return len(inspect.signature(fn).parameters) >= 1
+
+
+def _positive(obj: Any, path: str, *names: str) -> None:
+    for name in names:
+        v = getattr(obj, name)
+        if v <= 0:
+            raise ConfigError(f"{path}.{name}: {v} must be > 0")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """The resolved config as plain data (what `rl4bit config` prints and run dirs store)."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: JobConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

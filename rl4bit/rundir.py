@@ -1,0 +1,35 @@
+"""The run directory every command writes into.
+
+Layout of `RUN_DIR` (default `runs/<name>-<timestamp>`, or `--out DIR`):
+`config.yaml` (the resolved config), `metrics.jsonl` (one JSON object a
+line), `logs/`, `plots/`, `checkpoints/`, `tensorboard/`. Leaves out: remote
+storage; a run dir is a local folder.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rl4bit.atomic import atomic_write_text
+from rl4bit.config import JobConfig, dump_yaml
+
+SUBDIRS = ("logs", "plots", "checkpoints", "tensorboard")
+
+
+def default_run_dir(name: str, root: str | Path = "runs") -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path(root) / f"{name}-{stamp}"
+
+
+def create_run_dir(cfg: JobConfig, out: str | Path | None = None) -> Path:
+    """Create the run dir (refusing to overwrite another run's config) and store the resolved config."""
+    run_dir = Path(out) if out is not None else default_run_dir(cfg.run.name)
+    if (run_dir / "config.yaml").exists():
+        raise FileExistsError(
+            f"{run_dir} already holds a run (config.yaml exists); pass --resume {run_dir} to continue it or choose another --out"
+        )
+    for sub in SUBDIRS:
+        (run_dir / sub).mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))
+    return run_dir

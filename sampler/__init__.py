@@ -1,0 +1,1 @@
+"""rl4bit.sampler"""
