@@ -1,1 +1,26 @@
-"""rl4bit.kernels: formats (reference + Triton)."""
+"""rl4bit.kernels: NVFP4 / MXFP8 / S2F6 quantization with stochastic rounding, 4/6 and RHT.
+
+Plain-PyTorch references (one concept per file: e2m1, e4m3, e8m0, nvfp4,
+four_over_six, mxfp8, s2f6, hadamard, requant, stochastic, philox) and, on
+CUDA, Triton kernels bitwise equal to them (``*_triton.py``, picked by
+``api.py`` through ``triton_dispatch.py``). Importing this package never
+imports Triton, so it works on machines without it. Spec:
+``shared/docs/numerics.md``.
+"""
+
+from rl4bit.kernels.api import dequantize, quantize, quantize_reference, requantize
+from rl4bit.kernels.hadamard import inverse_rht, rht
+from rl4bit.kernels.philox import derive_seed, random_bits
+from rl4bit.kernels.qtensor import QTensor
+
+__all__ = [
+    "QTensor",
+    "quantize",
+    "quantize_reference",
+    "dequantize",
+    "requantize",
+    "rht",
+    "inverse_rht",
+    "derive_seed",
+    "random_bits",
+]
