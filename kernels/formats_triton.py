@@ -1,0 +1,162 @@
+"""Bit-exact element and scale codecs for the Triton kernels (E2M1, E4M3, E8M0).
+
+Every cast is done on integers and exact fp32 arithmetic, never with hardware
+fp8/fp4 conversions: sm_90 has no ``cvt.e2m1`` and no ``cvt.rs``, the CPU
+interpreter handles fp8 dtypes poorly, and integer codes make the result the
+same on every backend. Kernels store the uint8 codes; the host views them as
+``float8_e4m3fn`` / ``float8_e8m0fnu``. Division is always ``div_rn`` (Triton's
+``/`` is the approximate ``div.full.f32`` on NVIDIA), and kernels are launched
+with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA.
+
+Matches numerics.md and the plain-PyTorch reference in this package
+(``e2m1.py``, ``mxfp8.py``): E2M1 round-to-nearest-even with saturation at 6,
+E4M3 round-to-nearest-even (callers clamp to 448 first), and the shared
+stochastic-rounding rule: round up iff ``(bits >> 8) < frac * 2**24``.
+
+Leaves out: E5M2, FP6, and anything with Inf/NaN semantics (callers handle NaN).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_FLAGS: dict = {}
+
+
+def nonfinite_flag(device) -> torch.Tensor:
+    """A persistent int32 [1] zero per device that kernels set to 1 on a non-finite input.
+
+    Kept between calls so a quantize launches no extra memset; whoever reads a
+    set flag (``triton_dispatch``) resets it to 0 before raising.
+    """
+    device = torch.device(device)
+    flag = _FLAGS.get(device)
+    if flag is None:
+        flag = _FLAGS[device] = torch.zeros((1,), dtype=torch.int32, device=device)
+    return flag
+
+
+@triton.jit
+def pow2(e):
+    """2**e as fp32 for an int32 tensor e in [-149, 127], subnormals included (exact, from the bits)."""
+    sub = 1 << tl.minimum(tl.maximum(e + 149, 0), 22)
+    return tl.where(e >= -126, (tl.maximum(e, -126) + 127) << 23, sub).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e4m3_split(y):
+    """For 0 <= y <= 448: (code of the E4M3 grid point at or below y, y's distance above it in steps).
+
+    e = max(floor(log2 y), -6) picks the binade (-6: the subnormal range), the
+    step there is 2**(e-3), and t = y / step is exact; the code is then
+    (e + 6) * 8 + trunc(t) for normal and subnormal values alike.
+    """
+    bits = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
+    t = y * pow2(3 - e)
+    n = t.to(tl.int32)
+    frac = t - n.to(tl.float32)
+    return (e + 6) * 8 + n, frac
+
+
+@triton.jit
+def rint_small(t):
+    """(int32 round-half-even(t), as float) for 0 <= t < 2**22: t + 2**23 rounds t to an integer (fp32 ulp 1)."""
+    m = t + 8388608.0
+    return m.to(tl.int32, bitcast=True) - 0x4B000000, m - 8388608.0
+
+
+@triton.jit
+def e4m3_code_rn(y):
+    """E4M3 code (0..126) of 0 <= y <= 448, round to nearest, ties to even code.
+
+    e = max(floor(log2 y), -6) and t = y * 2**(3 - e) (exact, in [0, 16]); the
+    code is (e + 6) * 8 + rint(t): a carry to 16 is the next binade's code.
+    Integer and add-only, no float<->int conversion instructions.
+    """
+    e = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) - 127, -6)
+    t = y * ((130 - e) << 23).to(tl.float32, bitcast=True)
+    n, _ = rint_small(t)
+    return (e + 6) * 8 + n
+
+
+@triton.jit
+def e4m3_code_sr(y, bits):
+    """E4M3 code of 0 <= y <= 448 rounded stochastically with uint32 random bits."""
+    lo, frac = e4m3_split(y)
+    u = (bits >> 8).to(tl.float32)
+    up = u < frac * 16777216.0
+    return lo + up.to(tl.int32)
+
+
+@triton.jit
+def e4m3_value(code):
+    """fp32 value of a non-negative E4M3 code (0..126)."""
+    ex = code >> 3
+    m = code & 7
+    normal = ((ex + 120) << 23 | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(ex == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def e2m1_value(idx):
+    """fp32 magnitude of an E2M1 index 0..7 (0, .5, 1, 1.5, 2, 3, 4, 6), built from the bits."""
+    bits = tl.where(idx < 2, idx * 0x3F000000, ((126 + (idx >> 1)) << 23) | ((idx & 1) << 22))
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def e2m1_round(y):
+    """(|e2m1_RN(y)| as fp32, its magnitude index 0..7): nearest, ties to the even code, saturating at 6.
+
+    The grid step is 0.5 below 2, 1 below 4 and 2 up to 6 (j = 0, 1, 2). Adding
+    C = step * 2**23 rounds a = min(|y|, 6) to a multiple n of the step, ties to
+    even n (the ulp at C is the step), and within each range the code index
+    n + 2j has the parity of n, so this is round-to-nearest-even on codes.
+    m - C is the value and bits(m) - bits(C) = n, so no conversion is needed.
+    """
+    a = tl.minimum(tl.abs(y), 6.0)
+    j = (a >= 2.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+    c_bits = 0x4A800000 + (j << 23)
+    c = c_bits.to(tl.float32, bitcast=True)
+    m = a + c
+    return m - c, m.to(tl.int32, bitcast=True) - c_bits + 2 * j
+
+
+@triton.jit
+def e2m1_code_sr(y, bits):
+    """E2M1 magnitude index of 0 <= y rounded stochastically (y >= 6 gives 6).
+
+    Neighbours lo <= y <= hi on the grid; frac = (y - lo) / (hi - lo) is exact
+    (the steps are 0.5, 1 and 2); round up iff (bits >> 8) < frac * 2**24.
+    """
+    ys = tl.minimum(y, 6.0)
+    step = tl.where(ys < 2.0, 0.5, tl.where(ys < 4.0, 1.0, 2.0))
+    k = tl.div_rn(ys, step).to(tl.int32)  # exact quotient of a power of two; trunc = floor
+    lo = k.to(tl.float32) * step
+    frac = tl.div_rn(ys - lo, step)
+    # index of lo: [0,2) -> k, [2,4) -> 2 + k, [4,6] -> 4 + k with k in {2} (lo=4) or 3 (lo=6)
+    lo_idx = tl.where(ys < 2.0, k, tl.where(ys < 4.0, k + 2, k + 4))
+    u = (bits >> 8).to(tl.float32)
+    up = u < frac * 16777216.0
+    return tl.minimum(lo_idx + up.to(tl.int32), 7)
+
+
+@triton.jit
+def e8m0_rceil_of_quotient(amax, MAN: tl.constexpr, SHIFT: tl.constexpr, ZERO_MAX_BITS: tl.constexpr):
+    """``e8m0.rceil_biased(f32(amax / D))`` for finite amax >= 0 without a division (D = 1.man * 2**SHIFT).
+
+    For a normal quotient, RN(amax / D) <= 2**p iff amax <= D * 2**p: the only
+    reals that round down onto 2**p lie within half an ulp above it, and no fp32
+    sits between D * 2**p and D * 2**p * (1 + 2**-24) when D has few mantissa
+    bits (448 = 1.75 * 2**8, 127/64 = 1.984375). So with amax = 1.m * 2**E the
+    answer is E_biased - SHIFT, plus 1 if m > man. A subnormal non-zero quotient
+    gives 1 (the reference's exponent 0 + mantissa bump); amax <= ZERO_MAX
+    (the largest amax whose quotient rounds to 0) gives 0. Tested against the
+    reference on every binade and on the mantissa boundary (test_triton_formats).
+    """
+    bits = amax.to(tl.int32, bitcast=True)
+    e = (bits >> 23) - SHIFT + ((bits & 0x7FFFFF) > MAN).to(tl.int32)
+    return tl.where(bits <= ZERO_MAX_BITS, 0, tl.minimum(tl.maximum(e, 1), 254))

@@ -1,0 +1,227 @@
+"""Triton MXFP8 quantize: rowwise, columnwise, and the fused NVFP4 -> MXFP8 requantize.
+
+Bitwise equal to the plain-PyTorch reference (``mxfp8.py``, ``requant.py``) on
+every backend: E4M3 elements with an E8M0 scale per 32 along the last dim,
+RCEIL scale (the biased exponent of f32(amax/448), plus one if its mantissa
+is non-zero; found without a division, ``e8m0_rceil_of_quotient``), values
+clamped to 448 before rounding, round to nearest even or
+stochastic rounding with Philox bits keyed by the element's flat index in the
+OUTPUT tensor. A block holding NaN gets scale 0xFF.
+
+- ``quantize_rows(x2d)``: x [M, K] -> data [M, K], scale [M, K/32].
+- ``quantize_cols(x, src=...)``: the transposed quantize in one pass over
+  memory. Source [B, M, K] is either floating point (columnwise MXFP8: the
+  32x1 blocks of TE's ``mxfp8.rst``, quantized from high precision) or a
+  saved NVFP4 tensor (the backward's requantize: dequantize -> transpose ->
+  SR to MXFP8). Output [B, K, M] with scale [B, K, M/32].
+
+Each program loads a [BLOCK_M, BLOCK_K] tile once, reduces 32-blocks in
+registers and writes the (transposed) codes once: one read and one write of
+the bytes, nothing else. Stochastic rounding costs one Philox4x32-10 (about
+100 integer instructions) per element, which on an H200 outweighs the memory
+time several times over; see the benchmark. Codes are built on integers (``formats_triton``) and
+stored as uint8; callers view them as float8.
+
+Leaves out: the FLOOR scale mode (the Triton path is RCEIL only; the dispatch
+falls back to the reference) and Inf inputs (rejected before the kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl4bit.kernels.formats_triton import (
+    nonfinite_flag,
+    e2m1_value,
+    e4m3_code_rn,
+    e4m3_code_sr,
+    e4m3_value,
+    e8m0_rceil_of_quotient,
+    pow2,
+)
+from rl4bit.kernels.philox_triton import philox_bits, split_seed
+
+MX_BLOCK = 32
+
+
+@triton.jit
+def _mx_quant_blocks(x3, offs3, seed_lo, seed_hi, AXIS: tl.constexpr, STOCHASTIC: tl.constexpr,
+                     CHECK_NAN: tl.constexpr):
+    """Quantize fp32 x3 in blocks of 32 along AXIS (its size-32 axis) -> (uint8 codes like x3, uint8 E8M0).
+
+    The scale is rceil_biased(f32(amax / 448)) computed without the division
+    (formats_triton.e8m0_rceil_of_quotient). CHECK_NAN=False skips the NaN-block
+    pass for sources that cannot hold NaN (decoded NVFP4).
+    """
+    ax = tl.abs(x3)
+    amax = tl.max(ax, axis=AXIS)
+    sc = e8m0_rceil_of_quotient(amax, 0x600000, 8, 224)
+    y = tl.minimum(ax * tl.expand_dims(pow2(127 - sc), AXIS), 448.0)
+    if STOCHASTIC:
+        code = e4m3_code_sr(y, philox_bits(seed_lo, seed_hi, offs3))
+    else:
+        code = e4m3_code_rn(y)
+    code = code | (((x3.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
+    if CHECK_NAN:  # a NaN block: scale 0xFF and every element byte 0x7F (mxfp8.py)
+        has_nan = tl.max((x3 != x3).to(tl.int32), axis=AXIS) > 0
+        code = tl.where(tl.expand_dims(has_nan, AXIS), 0x7F, code)
+        sc = tl.where(has_nan, 255, sc)
+    return code.to(tl.uint8), sc.to(tl.uint8)
+
+
+@triton.jit
+def _flag_inf(x, flag_ptr):
+    """Set *flag_ptr to 1 if the tile holds an Inf (the caller raises the reference's error)."""
+    bad = tl.max(tl.max((tl.abs(x) == float("inf")).to(tl.int32), axis=1), axis=0)
+    if bad > 0:
+        tl.atomic_max(flag_ptr, bad)
+
+
+@triton.jit
+def _mxfp8_rows_kernel(x_ptr, data_ptr, scale_ptr, flag_ptr, M, K, seed_lo, seed_hi,
+                       BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, STOCHASTIC: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    G: tl.constexpr = BLOCK_K // 32
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    _flag_inf(x, flag_ptr)
+    x3 = tl.reshape(x, [BLOCK_M, G, 32])
+    offs3 = tl.reshape(offs, [BLOCK_M, G, 32])
+    code, sc = _mx_quant_blocks(x3, offs3, seed_lo, seed_hi, 2, STOCHASTIC, True)
+    tl.store(data_ptr + offs, tl.reshape(code, [BLOCK_M, BLOCK_K]), mask=mask)
+    scols = pid_k * G + tl.arange(0, G)
+    smask = (rows < M)[:, None] & (scols < K // 32)[None, :]
+    tl.store(scale_ptr + rows.to(tl.int64)[:, None] * (K // 32) + scols[None, :], sc, mask=smask)
+
+
+@triton.jit
+def _mxfp8_cols_kernel(src_ptr, src_scale_ptr, src_outer_ptr, data_ptr, scale_ptr, flag_ptr, M, K,
+                       seed_lo, seed_hi, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                       SRC_NVFP4: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """Source [B, M, K] (float, or NVFP4 packed [B, M, K/2] + scales + per-row outer) -> [B, K, M]."""
+    pid_m = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+    G: tl.constexpr = BLOCK_M // 32
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows < M)[:, None] & (cols < K)[None, :]
+    rows64 = b * M + rows.to(tl.int64)
+    if SRC_NVFP4:
+        # packed bytes [BLOCK_M, BLOCK_K/2] and scales [BLOCK_M, BLOCK_K/16], each loaded once
+        pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+        pmask = (rows < M)[:, None] & (pcols < K // 2)[None, :]
+        byte = tl.load(src_ptr + rows64[:, None] * (K // 2) + pcols[None, :], mask=pmask, other=0).to(tl.int32)
+        nib = tl.reshape(tl.join(byte & 0xF, byte >> 4), [BLOCK_M, BLOCK_K // 16, 16])  # element 2i: low nibble
+        scols = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+        smask_in = (rows < M)[:, None] & (scols < K // 16)[None, :]
+        sbyte = tl.load(src_scale_ptr + rows64[:, None] * (K // 16) + scols[None, :], mask=smask_in, other=0)
+        outer = tl.load(src_outer_ptr + rows64, mask=rows < M, other=1.0)
+        # (code value * scale) * outer as nvfp4.dequantize_nvfp4; q * s is exact, so the
+        # sign can be put on the product (bit 31, which keeps -0.0 like the reference).
+        mag = e2m1_value(nib & 7) * e4m3_value(sbyte.to(tl.int32) & 0x7F)[:, :, None]
+        val = (mag.to(tl.int32, bitcast=True) | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
+        x = tl.reshape(val, [BLOCK_M, BLOCK_K]) * outer[:, None]
+    else:
+        x = tl.load(src_ptr + rows64[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        _flag_inf(x, flag_ptr)
+    # blocks of 32 along M: reduce over axis 1 of [G, 32, BLOCK_K], then transpose only the uint8 codes
+    out_offs = (b * K + cols.to(tl.int64))[None, :] * M + rows[:, None]  # [BLOCK_M, BLOCK_K], in [B, K, M]
+    x3 = tl.reshape(x, [G, 32, BLOCK_K])
+    offs3 = tl.reshape(out_offs, [G, 32, BLOCK_K])
+    code, sc = _mx_quant_blocks(x3, offs3, seed_lo, seed_hi, 1, STOCHASTIC, not SRC_NVFP4)
+    code_t = tl.trans(tl.reshape(code, [BLOCK_M, BLOCK_K]))  # [BLOCK_K, BLOCK_M]
+    t_offs = (b * K + cols.to(tl.int64))[:, None] * M + rows[None, :]
+    t_mask = (cols < K)[:, None] & (rows < M)[None, :]
+    tl.store(data_ptr + t_offs, code_t, mask=t_mask)
+    srows = pid_m * G + tl.arange(0, G)
+    smask = (cols < K)[:, None] & (srows < M // 32)[None, :]
+    s_offs = (b * K + cols.to(tl.int64))[:, None] * (M // 32) + srows[None, :]
+    sc = tl.trans(sc)  # [BLOCK_K, G]
+    tl.store(scale_ptr + s_offs, sc, mask=smask)
+
+
+def _check_last(n: int, what: str) -> None:
+    if n % MX_BLOCK:
+        raise ValueError(f"{what} {n} is not a multiple of 32 (MXFP8 block); pad it to {-(-n // 32) * 32}")
+
+
+def _seed_args(stochastic: bool, seed):
+    if not stochastic:
+        return 0, 0
+    if seed is None:
+        raise ValueError("stochastic rounding needs a seed (an int in [0, 2**64))")
+    return split_seed(seed)
+
+
+def quantize_rows(x: torch.Tensor, *, stochastic: bool = False, seed=None,
+                  block_m: int = 16, block_k: int = 256, num_warps: int = 4):
+    """MXFP8 along the last dim of x [..., K] -> (uint8 codes [..., K], uint8 E8M0 [..., K/32], Inf flag int32 [1])."""
+    K = x.shape[-1]
+    _check_last(K, "last dimension")
+    x2 = x.contiguous().reshape(-1, K)
+    M = x2.shape[0]
+    data = torch.empty((M, K), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((M, K // MX_BLOCK), dtype=torch.uint8, device=x.device)
+    block_k = min(block_k, triton.next_power_of_2(K))
+    flag = nonfinite_flag(x.device)
+    lo, hi = _seed_args(stochastic, seed)
+    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k))
+    _mxfp8_rows_kernel[grid](x2, data, scale, flag, M, K, lo, hi, BLOCK_M=block_m, BLOCK_K=block_k,
+                             STOCHASTIC=stochastic, num_warps=num_warps, enable_fp_fusion=False)
+    return data.reshape(x.shape), scale.reshape(*x.shape[:-1], K // MX_BLOCK), flag
+
+
+def _launch_cols(src, src_scale, src_outer, B, M, K, device, stochastic, seed, block_m, block_k, nvfp4, num_warps):
+    _check_last(M, "transposed dimension M =")
+    data = torch.empty((B, K, M), dtype=torch.uint8, device=device)
+    scale = torch.empty((B, K, M // MX_BLOCK), dtype=torch.uint8, device=device)
+    flag = nonfinite_flag(device)
+    lo, hi = _seed_args(stochastic, seed)
+    block_m = min(block_m, triton.next_power_of_2(M))
+    block_k = min(block_k, triton.next_power_of_2(K))
+    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k), B)
+    _mxfp8_cols_kernel[grid](src, src_scale, src_outer, data, scale, flag, M, K, lo, hi,
+                             BLOCK_M=block_m, BLOCK_K=block_k, SRC_NVFP4=nvfp4,
+                             STOCHASTIC=stochastic, num_warps=num_warps, enable_fp_fusion=False)
+    return data, scale, flag
+
+
+def quantize_cols(x: torch.Tensor, *, stochastic: bool = False, seed=None,
+                  block_m: int = 64, block_k: int = 64, num_warps: int = 4):
+    """Columnwise MXFP8 of x [..., M, K]: quantize x.transpose(-2, -1) along M -> ([..., K, M], [..., K, M/32], Inf flag)."""
+    if x.dim() < 2:
+        raise ValueError(f"columnwise MXFP8 needs a tensor of at least 2 dims, got shape {tuple(x.shape)}")
+    *lead, M, K = x.shape
+    x3 = x.contiguous().reshape(-1, M, K)
+    data, scale, flag = _launch_cols(x3, x3, x3, x3.shape[0], M, K, x.device, stochastic, seed,
+                               block_m, block_k, nvfp4=False, num_warps=num_warps)
+    return data.reshape(*lead, K, M), scale.reshape(*lead, K, M // MX_BLOCK), flag
+
+
+def requantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, outer_rows: torch.Tensor, shape, *,
+                     stochastic: bool = True, seed=None, block_m: int = 64, block_k: int = 64,
+                     num_warps: int = 4):
+    """Fused NVFP4 [..., M, K] -> dequantize -> transpose -> MXFP8 along M.
+
+    ``data`` uint8 [..., M, K/2], ``scale`` uint8 view of the E4M3 scales
+    [..., M, K/16], ``outer_rows`` fp32 with one decode multiplier per row
+    (B*M values: the caller expands a per-tensor or per-group outer).
+    Returns (uint8 codes [..., K, M], uint8 E8M0 [..., K, M/32]).
+    """
+    *lead, M, K = shape
+    B = 1
+    for d in lead:
+        B *= d
+    d3 = data.contiguous().reshape(B, M, K // 2)
+    s3 = scale.contiguous().reshape(B, M, K // 16)
+    o = outer_rows.contiguous().reshape(B * M).to(torch.float32)
+    out, sc, _ = _launch_cols(d3, s3, o, B, M, K, data.device, stochastic, seed, block_m, block_k, nvfp4=True,
+                             num_warps=num_warps)
+    return out.reshape(*lead, K, M), sc.reshape(*lead, K, M // MX_BLOCK)

@@ -1,0 +1,213 @@
+"""Triton NVFP4 quantize: TE scale chain, per-tensor / per-row / per-group outer scales, 4/6, SR.
+
+Bitwise equal to the plain-PyTorch reference (``nvfp4.py``, ``four_over_six.py``),
+same fp32 op order (see those docstrings):
+
+    S_enc = min(div(bound*6, A), FLT_MAX), 1 if A == 0 or S_enc == 0;  S_dec = 1 / S_enc
+    v = b * (S_enc * f32(1/6))  [* 1.5 for the 4/6 "scale to 4" candidate]  [* 17/16 for SR]
+    s_b = e4m3_RN(min(v, 448));  enc_b = 0 if s_b == 0 else min(1 / (s_b * S_dec), FLT_MAX)
+    q = e2m1(x * enc_b)  (nearest-even, or SR with Philox offset = flat element index),
+        forced to code 0 where s_b == 0
+    4/6: err_k = pairwise tree sum of (x - (q_k * s_k) * S_dec)^2; pick 4 iff err4 < err6
+
+One program holds BLOCK_R rows x BLOCK_K columns; with ``outer="row"`` it holds
+whole rows and computes the row amax in registers, so activations (per token,
+4/6) take exactly one read of x and one write of codes + scales. Per-tensor
+and per-group amaxes are one ``torch.amax`` before the kernel. Every division
+is ``div_rn`` and launches use ``enable_fp_fusion=False`` (no FMA contraction),
+so the GPU rounds exactly like the reference.
+
+A non-finite input sets a flag the caller turns into the reference's
+ValueError (``checks.check_input``) instead of returning codes.
+
+Leaves out: 16x16 tiles (the dispatch falls back to the reference), SR with
+4/6 (the reference does not define it), and swizzled scale layouts.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl4bit.kernels.formats_triton import (
+    e2m1_code_sr,
+    e2m1_round,
+    e4m3_code_rn,
+    e4m3_value,
+    nonfinite_flag,
+)
+from rl4bit.kernels.philox_triton import philox_bits, split_seed
+
+NV_BLOCK = 16
+MAX_ROW_K = 16384  # widest row held in one program; wider rows get their amax from torch first
+
+
+@triton.jit
+def _block_scale(v):
+    """(E4M3 code, fp32 value) of e4m3_RN(min(v, 448))."""
+    code = e4m3_code_rn(tl.minimum(v, 448.0))
+    return code, e4m3_value(code)
+
+
+@triton.jit
+def _scaled(x3, s_val, s_dec):
+    """y = x * enc_b for blocked x3 [R, G, 16]; enc_b = 0 if s_b == 0 else min(1 / (s_b * S_dec), FLT_MAX)."""
+    enc = tl.minimum(tl.div_rn(tl.full(s_val.shape, 1.0, tl.float32), s_val * s_dec[:, None]), 3.4028234663852886e38)
+    enc = tl.where(s_val == 0.0, 0.0, enc)
+    return x3 * enc[:, :, None]
+
+
+@triton.jit
+def _codes(y, idx, s_val):
+    """E2M1 codes from the magnitude index and the sign of y; code 0 where s_b == 0 (nvfp4.encode_codes)."""
+    code = idx | (((y.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
+    return tl.where((s_val == 0.0)[:, :, None], 0, code)
+
+
+@triton.jit
+def _pair_sum(t, N: tl.constexpr, R: tl.constexpr, G: tl.constexpr):
+    """t [R, G, N] -> [R, G, N/2]: t[..., 0::2] + t[..., 1::2]."""
+    a, b = tl.split(tl.reshape(t, [R, G, N // 2, 2]))
+    return a + b
+
+
+@triton.jit
+def _sq_err(x3, y, v, s_val, s_dec, R: tl.constexpr, G: tl.constexpr):
+    """pairwise_sum16((x - x_hat)^2) per block, x_hat = (q * s) * S_dec (four_over_six.py order).
+
+    q = v with y's sign. Where s_b == 0 the reference's q is +0 and ours may be
+    -0; x - (+-0) squared is the same, so the error is too.
+    """
+    q = (v.to(tl.int32, bitcast=True) | (y.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
+    d = x3 - (q * s_val[:, :, None]) * s_dec[:, None, None]
+    t = d * d
+    t = _pair_sum(t, 16, R, G)
+    t = _pair_sum(t, 8, R, G)
+    t = _pair_sum(t, 4, R, G)
+    t = _pair_sum(t, 2, R, G)
+    return tl.reshape(t, [R, G])
+
+
+@triton.jit
+def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, R, K, rows_per_amax,
+                  seed_lo, seed_hi, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ROW_AMAX: tl.constexpr,
+                  FOUR_SIX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    pid_r = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    G: tl.constexpr = BLOCK_K // 16
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rmask = rows < R
+    mask = rmask[:, None] & (cols < K)[None, :]
+    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    ax = tl.abs(x)
+    bad = tl.max(tl.max(((ax == float("inf")) | (x != x)).to(tl.int32), axis=1), axis=0)
+    if bad > 0:
+        tl.atomic_max(flag_ptr, bad)
+    if ROW_AMAX:
+        amax = tl.max(ax, axis=1)
+    else:
+        amax = tl.load(amax_ptr + rows // rows_per_amax, mask=rmask, other=0.0)
+    if FOUR_SIX:
+        s_enc = tl.div_rn(tl.full(amax.shape, 1536.0, tl.float32), amax)
+    else:
+        s_enc = tl.div_rn(tl.full(amax.shape, 2688.0, tl.float32), amax)
+    s_enc = tl.minimum(s_enc, 3.4028234663852886e38)
+    s_enc = tl.where((amax == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    s_dec = tl.div_rn(tl.full(s_enc.shape, 1.0, tl.float32), s_enc)
+    if pid_k == 0:
+        tl.store(outer_ptr + rows, s_dec, mask=rmask)
+
+    x3 = tl.reshape(x, [BLOCK_R, G, 16])
+    offs3 = tl.reshape(offs, [BLOCK_R, G, 16])
+    b = tl.max(tl.reshape(ax, [BLOCK_R, G, 16]), axis=2)
+    v = b * (s_enc * 0.1666666716337204)[:, None]  # f32(1/6)
+    if STOCHASTIC:
+        v = v * 1.0625
+    s_code, s_val = _block_scale(v)
+    y = _scaled(x3, s_val, s_dec)
+    if STOCHASTIC:
+        idx = e2m1_code_sr(tl.abs(y), philox_bits(seed_lo, seed_hi, offs3))
+        code = tl.where((s_val == 0.0)[:, :, None], 0, idx | (((y.to(tl.int32, bitcast=True) >> 31) & 1) << 3))
+    else:
+        r, idx = e2m1_round(y)
+        if FOUR_SIX:
+            s4_code, s4_val = _block_scale(v * 1.5)
+            y4 = _scaled(x3, s4_val, s_dec)
+            r4, idx4 = e2m1_round(y4)
+            pick4 = _sq_err(x3, y4, r4, s4_val, s_dec, BLOCK_R, G) < _sq_err(x3, y, r, s_val, s_dec, BLOCK_R, G)
+            p3 = pick4[:, :, None]
+            y = tl.where(p3, y4, y)
+            idx = tl.where(p3, idx4, idx)
+            s_val = tl.where(pick4, s4_val, s_val)
+            s_code = tl.where(pick4, s4_code, s_code)
+        code = _codes(y, idx, s_val)
+
+    lo, hi = tl.split(tl.reshape(code, [BLOCK_R, BLOCK_K // 2, 2]))
+    packed = (lo | (hi << 4)).to(tl.uint8)
+    pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    pmask = rmask[:, None] & (pcols < K // 2)[None, :]
+    tl.store(data_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], packed, mask=pmask)
+    scols = pid_k * G + tl.arange(0, G)
+    smask = rmask[:, None] & (scols < K // 16)[None, :]
+    tl.store(scale_ptr + rows.to(tl.int64)[:, None] * (K // 16) + scols[None, :], s_code.to(tl.uint8), mask=smask)
+
+
+def _tile(K: int, row_amax: bool, target: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_K): whole rows when the row amax is computed in the kernel, ~target elements a program."""
+    if row_amax:
+        block_k = max(16, triton.next_power_of_2(K))
+    else:
+        block_k = min(max(16, triton.next_power_of_2(K)), 2048)
+    return max(1, target // block_k), block_k
+
+
+def _abs_max(x2: torch.Tensor) -> torch.Tensor:
+    """fp32 max |x| per row of a 2D view in one read (aminmax; no |x| temporary). Exact."""
+    lo, hi = torch.aminmax(x2, dim=1)
+    return torch.maximum(-lo, hi).float().contiguous()
+
+
+def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: bool = False,
+                   stochastic: bool = False, seed=None, block_elems: int = 4096, num_warps: int | None = None):
+    """NVFP4 codes of x [..., K] -> (packed uint8 [..., K/2], E4M3 codes uint8 [..., K/16],
+    per-row S_dec fp32 [rows], non-finite flag int32 [1]).
+
+    The caller shapes the per-row S_dec into the QTensor's outer ([1]*ndim,
+    [..., 1] or [E, 1, 1]) and checks the flag.
+    """
+    K = x.shape[-1]
+    if K % NV_BLOCK:
+        raise ValueError(f"nvfp4: last dimension {K} of shape {tuple(x.shape)} is not a multiple of 16 "
+                         f"(NVFP4 block); pad it with zeros to {-(-K // 16) * 16}")
+    x2 = x.contiguous().reshape(-1, K)
+    R = x2.shape[0]
+    dev = x.device
+    row_amax = outer == "row" and K <= MAX_ROW_K
+    if outer == "tensor":
+        amax, rows_per_amax = _abs_max(x2.reshape(1, -1)), R
+    elif outer == "group":
+        if x.dim() != 3:
+            raise ValueError(f"nvfp4: outer='group' needs a 3D [E, N, K] tensor, got shape {tuple(x.shape)}")
+        amax, rows_per_amax = _abs_max(x2.reshape(x.shape[0], -1)), x.shape[1]
+    elif outer == "row":
+        amax = x2 if row_amax else _abs_max(x2)
+        rows_per_amax = 1
+    else:
+        raise ValueError(f"outer={outer!r} is not one of ('tensor', 'row', 'group')")
+    data = torch.empty((R, K // 2), dtype=torch.uint8, device=dev)
+    scale = torch.empty((R, K // NV_BLOCK), dtype=torch.uint8, device=dev)
+    outer_rows = torch.empty((R,), dtype=torch.float32, device=dev)
+    flag = nonfinite_flag(dev)
+    lo, hi = split_seed(seed) if stochastic else (0, 0)
+    block_r, block_k = _tile(K, row_amax, block_elems)
+    grid = (triton.cdiv(R, block_r), triton.cdiv(K, block_k))
+    # ~16 elements a thread: 4/6 keeps two candidates live, and more spills registers
+    warps = num_warps or min(16, max(4, block_r * block_k // 512))
+    _nvfp4_kernel[grid](x2, amax, data, scale, outer_rows, flag, R, K, max(rows_per_amax, 1), lo, hi,
+                        BLOCK_R=block_r, BLOCK_K=block_k, ROW_AMAX=row_amax, FOUR_SIX=four_over_six,
+                        STOCHASTIC=stochastic, num_warps=warps, enable_fp_fusion=False)
+    lead = x.shape[:-1]
+    return data.reshape(*lead, K // 2), scale.reshape(*lead, K // NV_BLOCK), outer_rows, flag

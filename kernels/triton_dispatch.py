@@ -1,0 +1,129 @@
+"""Route ``rl4bit.kernels.quantize`` / ``requantize`` to the Triton kernels; None = no kernel here.
+
+``api.py`` calls this on CUDA (unless RL4BIT_KERNELS=reference). Every function
+returns a QTensor in exactly the reference's layout (``qtensor.py``), bitwise
+equal to what the reference would return, or None when no kernel covers the
+case (16x16 tiles, FLOOR scales, bad arguments): the reference then runs and
+raises its own error message. A non-finite input is found by the kernel (a
+flag), and the reference's ``checks.check_input`` raises the same ValueError
+it would have raised; reading the flag is one device sync per call.
+
+Leaves out: autotuning (tile sizes are fixed heuristics in each ``*_triton.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl4bit.kernels import mxfp8_triton, nvfp4_triton, s2f6_triton
+from rl4bit.kernels.checks import FLOAT_DTYPES, check_input
+from rl4bit.kernels.qtensor import BLOCK, QTensor
+from rl4bit.kernels.stochastic import check_seed
+
+
+def _plain_ok(x, block: int) -> bool:
+    """True when x passes the reference's cheap checks (type, dtype, shape); values are checked in-kernel."""
+    return (isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and x.dim() > 0 and x.numel() > 0
+            and x.shape[-1] % block == 0)
+
+
+def _raise_if_flagged(flag: torch.Tensor, x: torch.Tensor, fmt: str, allow_nan: bool) -> None:
+    if int(flag.item()) != 0:
+        flag.zero_()
+        check_input(x, fmt, BLOCK[fmt], allow_nan=allow_nan)  # raises the reference's message
+        raise ValueError(f"{fmt}: input of shape {tuple(x.shape)} has non-finite values")
+
+
+def nvfp4_outer(outer_rows: torch.Tensor, shape: torch.Size, outer: str) -> torch.Tensor:
+    """The QTensor.outer of the reference from one S_dec per row of the flattened [rows, K] view."""
+    if outer == "tensor":
+        return outer_rows[:1].reshape((1,) * len(shape)).clone()
+    if outer == "row":
+        return outer_rows.reshape(*shape[:-1], 1)
+    return outer_rows.reshape(shape[0], shape[1])[:, :1].reshape(shape[0], 1, 1).clone()
+
+
+def quantize(x: torch.Tensor, fmt: str, *, rounding: str = "nearest", outer: str = "tensor",
+             four_over_six: bool = False, seed=None, tiles_16x16: bool = False):
+    """QTensor from a Triton kernel, or None where the reference must run."""
+    if fmt not in BLOCK or rounding not in ("nearest", "stochastic") or not _plain_ok(x, BLOCK[fmt]):
+        return None
+    stochastic = rounding == "stochastic"
+    if fmt == "nvfp4":
+        if tiles_16x16 or outer not in ("tensor", "row", "group") or (four_over_six and stochastic):
+            return None
+        if outer == "group" and x.dim() != 3:
+            return None
+        if stochastic:
+            seed = check_seed(seed, "nvfp4")
+        data, scale, outer_rows, flag = nvfp4_triton.quantize_nvfp4(
+            x, outer=outer, four_over_six=four_over_six, stochastic=stochastic, seed=seed)
+        _raise_if_flagged(flag, x, "nvfp4", allow_nan=False)
+        return QTensor(data=data, scale=scale.view(torch.float8_e4m3fn),
+                       outer=nvfp4_outer(outer_rows, x.shape, outer), fmt="nvfp4", shape=x.shape)
+    if outer != "tensor" or four_over_six or tiles_16x16:
+        return None
+    ones = torch.ones((1,) * x.dim(), dtype=torch.float32, device=x.device)
+    if fmt == "mxfp8":
+        if stochastic:
+            seed = check_seed(seed, "mxfp8")
+        data, scale, flag = mxfp8_triton.quantize_rows(x, stochastic=stochastic, seed=seed)
+        _raise_if_flagged(flag, x, "mxfp8", allow_nan=True)
+        return QTensor(data=data.view(torch.float8_e4m3fn), scale=scale.view(torch.float8_e8m0fnu),
+                       outer=ones, fmt="mxfp8", shape=x.shape)
+    if stochastic:  # s2f6 rounds to nearest only; the reference raises
+        return None
+    data, scale, flag = s2f6_triton.quantize_s2f6(x)
+    _raise_if_flagged(flag, x, "s2f6", allow_nan=False)
+    return QTensor(data=data, scale=scale.view(torch.float8_e8m0fnu), outer=ones, fmt="s2f6", shape=x.shape)
+
+
+def quantize_mxfp8_columnwise(x: torch.Tensor, *, rounding: str = "nearest", seed=None):
+    """Columnwise MXFP8 (as ``mxfp8.quantize_mxfp8_columnwise``) in one transposing pass, or None."""
+    if not _plain_ok(x, 1) or x.dim() < 2 or x.shape[-2] % 32 or rounding not in ("nearest", "stochastic"):
+        return None
+    stochastic = rounding == "stochastic"
+    if stochastic:
+        seed = check_seed(seed, "mxfp8")
+    data, scale, flag = mxfp8_triton.quantize_cols(x, stochastic=stochastic, seed=seed)
+    _raise_if_flagged(flag, x, "mxfp8", allow_nan=True)
+    shape = torch.Size((*x.shape[:-2], x.shape[-1], x.shape[-2]))
+    ones = torch.ones((1,) * x.dim(), dtype=torch.float32, device=x.device)
+    return QTensor(data=data.view(torch.float8_e4m3fn), scale=scale.view(torch.float8_e8m0fnu),
+                   outer=ones, fmt="mxfp8", shape=shape)
+
+
+def requantize(q: QTensor, *, seed=None, rounding: str = "stochastic"):
+    """Fused NVFP4 -> dequantize -> transpose -> MXFP8 (SR) QTensor [..., K, M], or None."""
+    if not isinstance(q, QTensor) or q.fmt != "nvfp4" or len(q.shape) < 2 or q.shape[-2] % 32:
+        return None
+    if rounding not in ("nearest", "stochastic"):
+        return None
+    stochastic = rounding == "stochastic"
+    if stochastic:
+        seed = check_seed(seed, "requantize")
+    shape = q.shape
+    outer_rows = q.outer.to(torch.float32).expand(*shape[:-1], 1).reshape(-1)
+    data, scale = mxfp8_triton.requantize_nvfp4(q.data, q.scale.view(torch.uint8), outer_rows, shape,
+                                                stochastic=stochastic, seed=seed)
+    out_shape = torch.Size((*shape[:-2], shape[-1], shape[-2]))
+    ones = torch.ones((1,) * len(shape), dtype=torch.float32, device=q.data.device)
+    return QTensor(data=data.view(torch.float8_e4m3fn), scale=scale.view(torch.float8_e8m0fnu),
+                   outer=ones, fmt="mxfp8", shape=out_shape)
+
+
+def rht_quantize_s2f6(x: torch.Tensor, seed: int):
+    """quantize(rht(x, seed), "s2f6") in one pass (the MoE combine's encode), or None."""
+    if not _plain_ok(x, 32):
+        return None
+    data, scale, flag = s2f6_triton.quantize_s2f6(x, rht_seed=int(seed))
+    _raise_if_flagged(flag, x, "s2f6", allow_nan=False)
+    ones = torch.ones((1,) * x.dim(), dtype=torch.float32, device=x.device)
+    return QTensor(data=data, scale=scale.view(torch.float8_e8m0fnu), outer=ones, fmt="s2f6", shape=x.shape)
+
+
+def dequantize_s2f6_inverse_rht(q: QTensor, seed: int, dtype: torch.dtype = torch.float32):
+    """inverse_rht(dequantize(q), seed) for an S2F6 QTensor in one pass (the combine's decode), or None."""
+    if not isinstance(q, QTensor) or q.fmt != "s2f6":
+        return None
+    return s2f6_triton.dequantize_s2f6(q.data, q.scale.view(torch.uint8), q.shape, rht_seed=int(seed)).to(dtype)

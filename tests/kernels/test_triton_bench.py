@@ -1,0 +1,35 @@
+"""Smoke tests of ``rl4bit.bench_kernels``: the CPU quick run, and every GPU case's call on tiny shapes.
+
+The GPU cases are built with tiny shapes and each called once (under
+TRITON_INTERPRET=1 without CUDA), so a broken call in the H200 benchmark shows
+up in CI; the numbers themselves only mean something on the GPU.
+"""
+
+from __future__ import annotations
+
+from triton_setup import DEVICE
+
+import json
+
+from rl4bit import bench_kernels
+
+
+def test_gpu_cases_run_on_tiny_shapes():
+    cases = bench_kernels._triton_cases(DEVICE, tokens=(64,), hidden=64, inter=32, experts=2, square=64)
+    assert len(cases) == 11 + 4 + 3
+    for c in cases:
+        written = bench_kernels._nbytes(c.fn())
+        assert written > 0 and c.read_bytes > 0, c.name
+
+
+def test_sweep_cases_run_on_tiny_shapes():
+    cases = bench_kernels._sweep_cases(DEVICE, tokens=64, hidden=64)
+    for c in cases[::7]:  # a sample: every configuration family, a few tile sizes each
+        assert bench_kernels._nbytes(c.fn()) > 0, c.name
+
+
+def test_quick_run_reference_path(tmp_path):
+    results = bench_kernels.run(device="cpu", quick=True, out=str(tmp_path))
+    assert {r["kernel"] for r in results} >= {"nvfp4 4/6, per-token outer", "requantize nvfp4->mxfp8^T SR"}
+    assert all(r["us"] > 0 and r["copy_us"] > 0 for r in results)
+    assert json.loads((tmp_path / "bench_kernels.json").read_text()) == results

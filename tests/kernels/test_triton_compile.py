@@ -1,0 +1,83 @@
+"""Every Triton kernel compiles for sm_90 (H200) on a machine without a GPU, with exact fp32 semantics.
+
+Triton's bundled ptxas builds each kernel ahead of time for
+``GPUTarget("cuda", 90, 32)`` (no device needed), in a subprocess because the
+other kernel tests run the interpreter (TRITON_INTERPRET=1 decorates kernels
+as interpreted functions). The PTX must hold no FMA contraction (``fma.``),
+no approximate division (``div.full`` / ``div.approx``) and no flush-to-zero
+(``.ftz``): each would break bitwise equality with the reference. Run by hand:
+``python tests/kernels/test_triton_compile.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton", reason="triton is not installed (pip install 'rl4bit[triton]')")
+
+
+def _kernels():
+    from rl4bit.kernels import mxfp8_triton as mx
+    from rl4bit.kernels import nvfp4_triton as nv
+    from rl4bit.kernels import s2f6_triton as s2
+
+    seeds = dict(seed_lo="i64", seed_hi="i64")
+    nv_sig = dict(x_ptr="*bf16", amax_ptr="*fp32", data_ptr="*u8", scale_ptr="*u8", outer_ptr="*fp32",
+                  flag_ptr="*i32", R="i32", K="i32", rows_per_amax="i32", **seeds)
+    for four_six, sr in ((True, False), (False, False), (False, True)):
+        yield (f"nvfp4 4/6={four_six} sr={sr}", nv._nvfp4_kernel, nv_sig,
+               dict(BLOCK_R=2, BLOCK_K=2048, ROW_AMAX=True, FOUR_SIX=four_six, STOCHASTIC=sr), 8)
+    rows_sig = dict(x_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", flag_ptr="*i32", M="i32", K="i32", **seeds)
+    for sr in (False, True):
+        yield f"mxfp8 rows sr={sr}", mx._mxfp8_rows_kernel, rows_sig, dict(BLOCK_M=16, BLOCK_K=256, STOCHASTIC=sr), 4
+    cols_sig = dict(src_ptr="*u8", src_scale_ptr="*u8", src_outer_ptr="*fp32", data_ptr="*u8", scale_ptr="*u8",
+                    flag_ptr="*i32", M="i32", K="i32", **seeds)
+    for sr in (False, True):
+        yield (f"requantize sr={sr}", mx._mxfp8_cols_kernel, cols_sig,
+               dict(BLOCK_M=64, BLOCK_K=64, SRC_NVFP4=True, STOCHASTIC=sr), 4)
+    float_cols = dict(cols_sig, src_ptr="*bf16", src_scale_ptr="*bf16", src_outer_ptr="*bf16")
+    yield ("mxfp8 columnwise", mx._mxfp8_cols_kernel, float_cols,
+           dict(BLOCK_M=64, BLOCK_K=64, SRC_NVFP4=False, STOCHASTIC=True), 4)
+    enc_sig = dict(x_ptr="*bf16", data_ptr="*i8", scale_ptr="*u8", flag_ptr="*i32", R="i32", K="i32", **seeds)
+    yield "rht + s2f6 encode", s2._s2f6_quant_kernel, enc_sig, dict(BLOCK_R=4, BLOCK_K=1024, HAS_RHT=True), 4
+    dec_sig = dict(data_ptr="*i8", scale_ptr="*u8", out_ptr="*fp32", R="i32", K="i32", **seeds)
+    yield "s2f6 decode + inverse rht", s2._s2f6_dequant_kernel, dec_sig, dict(BLOCK_R=4, BLOCK_K=1024, HAS_RHT=True), 4
+
+
+def compile_all() -> list[str]:
+    """Compile every kernel for sm_90; return one problem line per bad kernel (empty = all good)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    problems = []
+    for name, fn, sig, consts, warps in _kernels():
+        full = dict(sig, **{k: "constexpr" for k in consts})
+        # real launches specialize pointers and K/M (multiples of 16) as 16-divisible
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr") or a in "KM"}
+        src = ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": False})
+        ptx = k.asm["ptx"]
+        bad = [p for p in (r"\bfma\.", r"div\.(full|approx)", r"\.ftz") if re.search(p, ptx)]
+        print(f"{name}: {len(ptx.splitlines())} PTX lines" + (f", found {bad}" if bad else ""))
+        if bad:
+            problems.append(f"{name}: PTX contains {bad}")
+    return problems
+
+
+@pytest.mark.slow
+def test_kernels_compile_for_sm90_with_exact_fp32():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"sm_90 compile failed:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}"
+
+
+if __name__ == "__main__":
+    found = compile_all()
+    print("\n".join(found) or "all kernels compile for sm_90 with exact fp32 ops")
+    sys.exit(1 if found else 0)
