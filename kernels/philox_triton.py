@@ -33,9 +33,12 @@ def split_seed(seed: int) -> tuple[int, int]:
 @triton.jit
 def philox_bits(seed_lo, seed_hi, offsets):
     """uint32 random bits for each int64 offset (first Philox4x32-10 stream)."""
-    k0 = tl.to_tensor(seed_lo).to(tl.uint32)
-    k1 = tl.to_tensor(seed_hi).to(tl.uint32)
     offsets = offsets.to(tl.int64)
+    # Keys as tensors shaped like the offsets: works whether Triton passed the
+    # seed halves as runtime scalars or specialised them to constexpr (value 1),
+    # and needs no tl.to_tensor (absent from triton 3.6's language namespace).
+    k0 = (offsets * 0 + seed_lo).to(tl.uint32)
+    k1 = (offsets * 0 + seed_hi).to(tl.uint32)
     c0 = offsets.to(tl.uint32)
     c1 = (offsets >> 32).to(tl.uint32)
     c2 = c0 * 0

@@ -67,4 +67,4 @@ def test_cpu_quantize_is_the_reference(monkeypatch):
 
 def test_import_does_not_pull_in_triton():
     code = "import sys, rl4bit.kernels; assert 'triton' not in sys.modules, 'rl4bit.kernels imported triton'"
-    subprocess.run([sys.executable, "-c", code], check=True)
+    subprocess.run([sys.executable, "-P", "-c", code], check=True)
