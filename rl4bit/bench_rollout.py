@@ -1,0 +1,227 @@
+"""`rl4bit bench rollout`: sampler throughput, the embedded engine beside Hugging Face `generate`.
+
+Same random-weight Qwen3-MoE-shaped model, same prompts (fixed length, random
+tokens), greedy, EOS disabled so every sequence runs to max_new_tokens. For
+each batch size it reports, engine figure beside the HF baseline:
+
+- prompt tokens/s (the prefill step: batch x prompt_len / its seconds),
+- generated tokens/s (batch x new tokens / whole generate seconds),
+- ms per decode step (decode seconds / decode steps),
+- the phase split (prefill seconds, decode seconds).
+
+HF's prefill is timed as `generate(max_new_tokens=1)`; its decode as the rest.
+
+Sizes: quick (CPU, ~a minute): a ~4M-parameter model, 32 prompt + 32 new
+tokens, batch 1/16/64. Full on CUDA: a ~1B Qwen3-MoE shape, 128 + 512, batch
+1/16/64/256; full on CPU uses the quick model with 128 + 128.
+
+NVFP4 weights: the same model converted by the trainer's nvfp4 recipe and
+frozen into serving mode (`rl4bit.trainer.surgery.load_quantized`), run by
+the same engine; its column is the ratio to the BF16-weights engine.
+
+Leaves out: CUDA graphs, the vLLM backend, an NVFP4 decode GEMM kernel (the
+serving modules dequantize through the trainer's qgemm path).
+
+    python -m rl4bit.bench_rollout --quick
+    rl4bit bench rollout --quick --out /tmp/rollout
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from rl4bit.atomic import atomic_write_text
+
+MODELS = {
+    "small": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                  num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, head_dim=32,
+                  num_experts=16, num_experts_per_tok=4),
+    "1b": dict(vocab_size=32768, hidden_size=2048, intermediate_size=5632, moe_intermediate_size=768,
+               num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+               num_experts=32, num_experts_per_tok=4),
+}
+
+
+class _NullTokenizer:
+    """The engine decodes text for stop strings and Rollout.text; the bench needs neither."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return ""
+
+
+def build_model(name: str, max_len: int, dtype, device):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(**MODELS[name], max_position_embeddings=max_len, eos_token_id=None,
+                         bos_token_id=None, pad_token_id=0, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():  # HF init zeroes routers; random ones spread tokens over experts
+            if p.ndim > 1:
+                p.normal_(0, 0.02)
+    model.generation_config.eos_token_id = None
+    return model.to(dtype).eval()
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def bench_engine(model, prompts: torch.Tensor, new: int, device) -> dict:
+    from rl4bit.sampler.engine import EmbeddedEngine
+    from rl4bit.sampler.types import Request, SamplingParams
+
+    b, p = prompts.shape
+    engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=b, device=device, max_seq_len=p + new + 1,
+                            max_prefill_tokens=max(4096, b * p))
+    reqs = [Request(str(i), row.tolist(), SamplingParams(temperature=0.0, max_new_tokens=new))
+            for i, row in enumerate(prompts)]
+    engine.generate(reqs[:1])  # warm-up
+    engine.prefill_s = engine.decode_s = 0.0
+    engine.decode_steps = 0
+    _sync(device)
+    t0 = time.perf_counter()
+    out = engine.generate(reqs)
+    _sync(device)
+    total = time.perf_counter() - t0
+    gen = sum(len(r.completion_ids) for r in out)
+    return dict(total_s=total, prefill_s=engine.prefill_s, decode_s=engine.decode_s, generated=gen,
+                decode_steps=engine.decode_steps, kv_cache_bytes=engine.cache.nbytes)
+
+
+def bench_hf(model, prompts: torch.Tensor, new: int, device) -> dict:
+    ids = prompts.to(device)
+    kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
+    with torch.inference_mode():
+        model.generate(ids[:1], max_new_tokens=2, min_new_tokens=2, do_sample=False, eos_token_id=None,
+                       pad_token_id=0, attention_mask=torch.ones_like(ids[:1]))  # warm-up
+        _sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
+        _sync(device)
+        prefill = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        _sync(device)
+        total = time.perf_counter() - t0
+    gen = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return dict(total_s=total, prefill_s=prefill, decode_s=max(total - prefill, 0.0), generated=gen,
+                decode_steps=out.shape[1] - ids.shape[1] - 1)
+
+
+def _figures(r: dict, b: int, p: int) -> dict:
+    return dict(prompt_tok_s=b * p / r["prefill_s"] if r["prefill_s"] else 0.0,
+                gen_tok_s=r["generated"] / r["total_s"],
+                ms_per_step=1e3 * r["decode_s"] / max(r["decode_steps"], 1), **r)
+
+
+def nvfp4_model(model):
+    """A copy of `model` serving NVFP4 weights through the trainer's quantized modules (scope: experts).
+
+    Converted by `rl4bit.trainer.surgery` with the nvfp4 recipe (no MXFP8 tail),
+    frozen into serving mode from the exact QTensors the trainer's forward
+    uses; the rest of the model in `model`'s dtype, routers in FP32 (as the
+    recipe keeps them). Returns None if the trainer has no serving mode.
+    """
+    import copy
+
+    try:
+        from rl4bit.trainer.recipe import RecipeConfig
+        from rl4bit.trainer.surgery import convert_model, load_quantized, quantized_weights
+    except ImportError:
+        return None
+    dtype = next(model.parameters()).dtype
+    q = copy.deepcopy(model)
+    convert_model(q, RecipeConfig(name="nvfp4", high_precision_tail=0.0))
+    load_quantized(q, quantized_weights(q))
+    q.to(dtype)
+    for name, mod in q.named_modules():
+        if name.endswith("mlp.gate"):  # the recipe's FP32 router
+            mod.float()
+    return q
+
+
+def run(device: str = "cpu", quick: bool = False, out: str | None = None, batches: list[int] | None = None) -> dict:
+    """Benchmark, print the table, write results.json under `out`; returns the results."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda and not quick:
+        name, p, new, batches = "1b", 128, 512, batches or [1, 16, 64, 256]
+    else:
+        name, p, new = "small", (32 if quick else 128), (32 if quick else 128)
+        batches = batches or [1, 16, 64]
+    dtype = torch.bfloat16
+    model = build_model(name, p + new + 1, dtype, device)
+    n_params = sum(t.numel() for t in model.parameters())
+    gen = torch.Generator().manual_seed(0)
+    qmodel = nvfp4_model(model)
+    rows = []
+    for b in batches:
+        prompts = torch.randint(1, MODELS[name]["vocab_size"], (b, p), generator=gen)
+        e = _figures(bench_engine(model, prompts, new, device), b, p)
+        h = _figures(bench_hf(model, prompts, new, device), b, p)
+        q = _figures(bench_engine(qmodel, prompts, new, device), b, p) if qmodel is not None else None
+        rows.append(dict(batch=b, engine=e, hf=h, engine_nvfp4=q))
+        print(f"batch {b}: engine {e['gen_tok_s']:.0f} tok/s, HF generate {h['gen_tok_s']:.0f} tok/s"
+              + (f", engine NVFP4 weights {q['gen_tok_s']:.0f} tok/s" if q else ""), flush=True)
+    results = dict(device=device, model=name, params=n_params, dtype=str(dtype), prompt_len=p, new_tokens=new,
+                   threads=torch.get_num_threads(), rows=rows,
+                   nvfp4_weights=("trainer serving mode (surgery.load_quantized), experts NVFP4, on-the-fly "
+                                  "dequantization (no NVFP4 decode GEMM kernel yet)") if qmodel is not None
+                   else "missing: no trainer serving mode (load_quantized) to run NVFP4 weights")
+    _print_table(results)
+    if out:
+        atomic_write_text(Path(out) / "results.json", json.dumps(results, indent=1))
+        print(f"wrote {Path(out) / 'results.json'}")
+    return results
+
+
+def _print_table(res: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"rollout: {res['model']} Qwen3-MoE ({res['params'] / 1e6:.1f}M params, {res['dtype']}), "
+                    f"{res['prompt_len']} prompt + {res['new_tokens']} new tokens, {res['device']}, "
+                    f"{res['threads']} threads; engine / HF generate (x = engine over HF)")
+    for col in ("batch", "prompt tok/s", "generated tok/s", "ms / decode step", "prefill s", "decode s",
+                "NVFP4 weights: gen tok/s, ms/step (x vs BF16 engine)"):
+        t.add_column(col, justify="right")
+
+    def pair(e, h, fmt, higher_better=True):
+        ratio = (e / h if higher_better else h / e) if e and h else float("nan")
+        return f"{fmt.format(e)} / {fmt.format(h)} ({ratio:.2f}x)"
+
+    for r in res["rows"]:
+        e, h = r["engine"], r["hf"]
+        t.add_row(str(r["batch"]), pair(e["prompt_tok_s"], h["prompt_tok_s"], "{:.0f}"),
+                  pair(e["gen_tok_s"], h["gen_tok_s"], "{:.0f}"),
+                  pair(e["ms_per_step"], h["ms_per_step"], "{:.2f}", higher_better=False),
+                  f"{e['prefill_s']:.3f} / {h['prefill_s']:.3f}", f"{e['decode_s']:.3f} / {h['decode_s']:.3f}",
+                  (f"{q['gen_tok_s']:.0f}, {q['ms_per_step']:.2f} ({q['gen_tok_s'] / e['gen_tok_s']:.2f}x)"
+                   if (q := r["engine_nvfp4"]) else "missing"))
+    Console(width=max(Console().width, 150)).print(t)
+    print(f"NVFP4 weights in the engine: {res['nvfp4_weights']}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    a.add_argument("--quick", action="store_true")
+    a.add_argument("--device", default="cpu")
+    a.add_argument("--out")
+    a.add_argument("--batches", help="comma-separated batch sizes")
+    args = a.parse_args(argv)
+    run(device=args.device, quick=args.quick, out=args.out,
+        batches=[int(x) for x in args.batches.split(",")] if args.batches else None)
+
+
+if __name__ == "__main__":
+    main()

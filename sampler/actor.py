@@ -1,0 +1,85 @@
+"""The Sampler actor: a plain class holding one rollout engine, wrapped for Ray only in rl4bit/actors.py.
+
+    sampler = Sampler(build_model, tokenizer, SamplerConfig())   # or a model instance
+    rollouts = sampler.generate([Request("q0", prompt_ids, SamplingParams(n=8, seed=0))])
+    sampler.update_weights(WeightUpdate(version=1, tensors=trainer_state_dict))
+    sampler.health()  # {"version", "tokens_generated", "tokens_per_s", "ok", ...}
+
+`local` mode builds it in-process (pdb and pytest work); `ray` mode wraps this
+same class with `ray.remote` in one place. Nothing here imports Ray.
+
+Leaves out: the vLLM backend (`backend: vllm` raises NotImplementedError here;
+see issue 6), replica management (the driver holds N of these).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rl4bit.config import SamplerConfig
+from rl4bit.sampler.engine import EmbeddedEngine
+from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
+
+
+def default_params(cfg: SamplerConfig, **overrides) -> SamplingParams:
+    """SamplingParams filled from the job's sampler section (per-request fields as keyword overrides)."""
+    p = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
+                       max_new_tokens=cfg.max_new_tokens, stop=list(cfg.stop))
+    for k, v in overrides.items():
+        setattr(p, k, v)
+    return p
+
+
+class Sampler:
+    """One rollout engine replica: generate, update_weights, health."""
+
+    def __init__(self, model_builder_or_model, tokenizer, config: SamplerConfig, *, device: str = "auto",
+                 max_seq_len: int | None = None):
+        if config.backend != "embedded":
+            raise NotImplementedError(
+                f"sampler.backend={config.backend!r} is not built yet; use sampler.backend=embedded")
+        model = model_builder_or_model
+        if not isinstance(model, torch.nn.Module):
+            model = model_builder_or_model()
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.config = config
+        self.engine = EmbeddedEngine(model, tokenizer, max_batch_size=config.max_batch_size, device=device,
+                                     max_seq_len=max_seq_len)
+        self._last_error: str | None = None
+
+    def generate(self, requests: list[Request]) -> list[Rollout]:
+        try:
+            return self.engine.generate(requests)
+        except Exception as e:  # recorded for health(), then re-raised to the caller
+            self._last_error = f"{type(e).__name__}: {e}"
+            raise
+
+    def update_weights(self, update: WeightUpdate) -> int:
+        """Apply `update` (all-or-nothing; ValueError keeps the old version). Returns the serving version."""
+        self.engine.update_weights(update)
+        return self.engine.version
+
+    def score(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Logprobs of `completion_ids` through the engine's numerics (bitwise what generate reported)."""
+        return self.engine.score(prompt_ids, completion_ids, temperature)
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def health(self) -> dict:
+        e = self.engine
+        return {
+            "version": e.version,
+            "tokens_generated": e.tokens_generated,
+            "prompt_tokens": e.prompt_tokens,
+            "tokens_per_s": e.tokens_generated / e.busy_s if e.busy_s > 0 else 0.0,
+            "ok": self._last_error is None,
+            "last_error": self._last_error,
+            "device": str(e.device),
+            "kv_cache_bytes": e.cache.nbytes,
+            "time": time.time(),
+        }

@@ -1,0 +1,318 @@
+"""The embedded rollout engine: batched prefill + decode over a Hugging Face causal LM.
+
+`EmbeddedEngine(model, tokenizer).generate(requests) -> list[Rollout]` runs a
+continuous-batching loop. Each step packs every active sequence's pending
+tokens (the whole prompt for a newly admitted one, the last sampled token for
+the others) end to end into one [1, T] row with explicit position ids, runs
+the model's own forward with the attention/experts plug-ins of kv_cache.py
+(per-sequence attention over a preallocated KV slot, GEMMs padded to
+MIN_ROWS), computes the logits of each sequence's last token (padded to
+MIN_ROWS rows for lm_head) and samples per sequence with its own
+torch.Generator (sampling.py). Finished sequences leave the batch and free
+their slot; waiting ones are admitted as slots free up.
+
+Batch invariance: every operation is row-local with shapes that depend only on
+the sequence itself, so a request's tokens and logprobs do not depend on what
+else is in the batch or in which order requests arrive (tested bitwise on CPU
+for fp32 and bf16 in tests/sampler/test_batch_invariance.py). The same path
+scores a given token sequence (`score`), so sampled logprobs equal a
+full-sequence rescoring through the engine bitwise. Against the stock HF
+forward (SDPA attention, unpadded GEMMs) they agree to fp tolerance only.
+
+Bad input fails only its own request (finish_reason "error", `error` says why).
+`update_weights` is all-or-nothing and pointer-stable.
+
+Quantized weights: the engine runs whatever modules the model holds, e.g. the
+trainer's NVFP4 modules frozen by `rl4bit.trainer.surgery.load_quantized`.
+
+Leaves out: prefix sharing between the n samples of a prompt (each prefills
+its own copy), chunked prefill, CUDA graphs, an NVFP4 decode GEMM kernel.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rl4bit.kernels.philox import derive_seed
+from rl4bit.sampler.kv_cache import ENGINE_IMPL, MIN_ROWS, KVCache, StepLayout, _pad_rows
+from rl4bit.sampler.sampling import policy_logprobs, sample_rows
+from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
+
+
+@dataclass
+class _Seq:
+    """One sample being generated."""
+
+    out_index: int
+    request: Request
+    sample_index: int
+    params: SamplingParams
+    generator: torch.Generator | None
+    stop_ids: set[int]
+    max_new: int
+    slot: int = -1
+    n_cached: int = 0
+    pending: list[int] = field(default_factory=list)
+    completion: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    proc_logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish: str | None = None
+
+
+class EmbeddedEngine:
+    """Batched, batch-invariant generation over `model` (a HF causal LM), in-process."""
+
+    def __init__(self, model, tokenizer, *, max_batch_size: int = 64, device="cpu", max_seq_len: int | None = None,
+                 max_prefill_tokens: int = 4096, min_rows: int = MIN_ROWS):
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size: {max_batch_size} must be >= 1")
+        self.model = model.to(device).eval()
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        cfg = model.config
+        self.max_seq_len = int(max_seq_len or cfg.max_position_embeddings)
+        self.max_batch_size = max_batch_size
+        self.max_prefill_tokens = max_prefill_tokens
+        self.min_rows = min_rows
+        self.vocab_size = model.get_output_embeddings().weight.shape[0]
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        self.cache = KVCache(cfg.num_hidden_layers, max_batch_size, cfg.num_key_value_heads, self.max_seq_len,
+                             head_dim, dtype, self.device)
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self._version = 0
+        self._rng = random.Random()
+        self.tokens_generated = 0
+        self.prompt_tokens = 0
+        self.decode_steps = 0
+        self.busy_s = 0.0
+        self.prefill_s = 0.0
+        """Seconds in steps that held any prompt tokens (prefill, possibly with decode rows)."""
+        self.decode_s = 0.0
+        """Seconds in pure decode steps (one new token per sequence)."""
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, requests: list[Request]) -> list[Rollout]:
+        """n rollouts per request, in request order then sample_index."""
+        t0 = time.perf_counter()
+        version = self._version
+        results: list[Rollout | None] = []
+        waiting: list[_Seq] = []
+        for req in requests:
+            err = self._check(req)
+            n = req.params.n if isinstance(req.params.n, int) and req.params.n >= 1 else 1
+            for i in range(n):
+                if err is not None:
+                    results.append(Rollout(req.id, i, list(req.prompt_ids), [], "", [], "error", version, error=err))
+                    continue
+                results.append(None)
+                waiting.append(self._new_seq(len(results) - 1, req, i))
+        active: list[_Seq] = []
+        with self._engine_numerics(), torch.inference_mode():
+            while waiting or active:
+                budget = self.max_prefill_tokens
+                while waiting and len(active) < self.max_batch_size and self.cache.free:
+                    need = len(waiting[0].pending)
+                    if need > budget and budget < self.max_prefill_tokens:
+                        break
+                    s = waiting.pop(0)
+                    s.slot = self.cache.acquire()
+                    budget -= need
+                    active.append(s)
+                self._step(active)
+                for s in [s for s in active if s.finish is not None]:
+                    self.cache.release(s.slot)
+                    active.remove(s)
+                    results[s.out_index] = self._rollout(s, version)
+        self.busy_s += time.perf_counter() - t0
+        return results  # type: ignore[return-value]
+
+    def _check(self, req: Request) -> str | None:
+        """Why this request cannot run (a message naming the fix), or None."""
+        try:
+            if not isinstance(req.params, SamplingParams):
+                raise ValueError(f"params: {type(req.params).__name__} is not a SamplingParams")
+            req.params.validate()
+        except ValueError as e:
+            return f"invalid sampling params: {e}"
+        ids = req.prompt_ids
+        if not isinstance(ids, (list, tuple)) or len(ids) == 0:
+            return "empty prompt: prompt_ids has no tokens; give at least one (e.g. the BOS token)"
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            return f"prompt_ids holds a token outside [0, {self.vocab_size}) (the model's vocabulary)"
+        if len(ids) >= self.max_seq_len:
+            return (f"prompt of {len(ids)} tokens does not fit the context of {self.max_seq_len} tokens "
+                    f"(it must leave room for one new token); shorten the prompt or raise max_seq_len")
+        return None
+
+    def _new_seq(self, out_index: int, req: Request, i: int) -> _Seq:
+        p = req.params
+        gen = None
+        if p.temperature > 0:
+            seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(derive_seed(seed, i) & (2**63 - 1))
+        max_new = min(p.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
+        return _Seq(out_index, req, i, p, gen, set(p.stop_token_ids) | self.eos_ids, max_new,
+                    pending=list(req.prompt_ids))
+
+    @contextlib.contextmanager
+    def _engine_numerics(self):
+        """Route the model's attention and experts through kv_cache.py's batch-invariant plug-ins."""
+        cfg = self.model.config
+        saved = (cfg._attn_implementation, getattr(cfg, "_experts_implementation", None))
+        cfg._attn_implementation = ENGINE_IMPL
+        if saved[1] is not None or hasattr(cfg, "_experts_implementation"):
+            cfg._experts_implementation = ENGINE_IMPL
+        try:
+            yield
+        finally:
+            cfg._attn_implementation = saved[0]
+            if hasattr(cfg, "_experts_implementation"):
+                cfg._experts_implementation = saved[1]
+
+    def _forward(self, seqs: list[_Seq], tokens_per_seq: list[list[int]], starts: list[int], rows: list[int]):
+        """One packed forward; returns fp32 logits [len(rows), V] of the packed positions `rows`."""
+        ids, pos, tslot, spans = [], [], [], []
+        for s, toks, start in zip(seqs, tokens_per_seq, starts):
+            spans.append((len(ids), len(ids) + len(toks)))
+            ids.extend(toks)
+            pos.extend(range(start, start + len(toks)))
+            tslot.extend([s.slot] * len(toks))
+        n_real = len(ids)
+        pad = max(0, self.min_rows - n_real)
+        dev = self.device
+        input_ids = torch.tensor([ids + [0] * pad], dtype=torch.long, device=dev)
+        position_ids = torch.tensor([pos + [0] * pad], dtype=torch.long, device=dev)
+        layout = StepLayout(self.cache, [s.slot for s in seqs], spans, list(starts),
+                            torch.tensor(tslot, dtype=torch.long, device=dev),
+                            torch.tensor(pos, dtype=torch.long, device=dev), self.min_rows)
+        base = getattr(self.model, self.model.base_model_prefix)
+        hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                      rl4bit_step=layout).last_hidden_state[0]
+        h = _pad_rows(hidden[torch.tensor(rows, dtype=torch.long, device=dev)], self.min_rows)
+        return self.model.get_output_embeddings()(h)[: len(rows)].float()
+
+    def _step(self, active: list[_Seq]) -> None:
+        t0 = time.perf_counter()
+        seqs = [s for s in active if s.finish is None]
+        prefill = any(s.n_cached == 0 for s in seqs)
+        toks = [s.pending for s in seqs]
+        starts = [s.n_cached for s in seqs]
+        rows, at = [], 0
+        for t in toks:
+            at += len(t)
+            rows.append(at - 1)
+        logits = self._forward(seqs, toks, starts, rows)
+        if not prefill:
+            self.decode_steps += 1
+        tokens, lps, plps = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for s, token, lp, plp in zip(seqs, tokens, lps, plps):
+            if s.n_cached == 0:
+                self.prompt_tokens += len(s.pending)
+            s.n_cached += len(s.pending)
+            s.completion.append(token)
+            s.logprobs.append(lp)
+            if plp is not None:
+                s.proc_logprobs.append(plp)
+            s.pending = [token]
+            self.tokens_generated += 1
+            self._check_finished(s, token)
+        dt = time.perf_counter() - t0
+        if prefill:
+            self.prefill_s += dt
+        else:
+            self.decode_s += dt
+
+    def _check_finished(self, s: _Seq, token: int) -> None:
+        if token in s.stop_ids:
+            s.finish = "stop"
+        elif s.params.stop:
+            text = self.tokenizer.decode(s.completion, skip_special_tokens=True)
+            hits = [(text.find(stop), stop) for stop in s.params.stop if stop in text]
+            if hits:
+                idx, stop = min(hits)
+                s.text = text[: idx + len(stop)]
+                s.finish = "stop"
+                return
+        if s.finish is None and len(s.completion) >= s.max_new:
+            s.finish = "length"
+
+    def _rollout(self, s: _Seq, version: int) -> Rollout:
+        text = s.text or self.tokenizer.decode(s.completion, skip_special_tokens=True)
+        return Rollout(s.request.id, s.sample_index, list(s.request.prompt_ids), s.completion, text, s.logprobs,
+                       s.finish, version, processed_logprobs=s.proc_logprobs if s.params.processed_logprobs else None)
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """Policy logprobs of `completion_ids` after `prompt_ids` from ONE full-sequence forward through the
+        engine's numerics (what a trainer-side recompute through the same path gets)."""
+        ids = list(prompt_ids) + list(completion_ids)
+        if not prompt_ids or not completion_ids or len(ids) > self.max_seq_len:
+            raise ValueError(f"score needs a non-empty prompt and completion of <= {self.max_seq_len} tokens in all")
+        s = _Seq(-1, Request("score", list(prompt_ids)), 0, SamplingParams(), None, set(), 0)
+        s.slot = self.cache.acquire()
+        try:
+            with self._engine_numerics(), torch.inference_mode():
+                rows = list(range(len(prompt_ids) - 1, len(ids) - 1))
+                logits = self._forward([s], [ids[:-1]], [0], rows)
+        finally:
+            self.cache.release(s.slot)
+        return [float(policy_logprobs(row, temperature)[t]) for row, t in zip(logits, completion_ids)]
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Copy `update.tensors` into the live parameters; all-or-nothing.
+
+        Every tensor is checked first (known name, same shape, same dtype, finite
+        values; version not older than the serving one); any problem raises
+        ValueError and leaves the old weights and version serving.
+        """
+        if not isinstance(update, WeightUpdate):
+            raise ValueError(f"update_weights needs a WeightUpdate, got {type(update).__name__}")
+        if not isinstance(update.version, int) or update.version < self._version:
+            raise ValueError(f"version {update.version!r} must be an int >= the serving version {self._version}")
+        live = self.model.state_dict(keep_vars=True)
+        problems = []
+        for name, t in update.tensors.items():
+            if name not in live:
+                close = [k for k in live if k.split(".")[-1] == name.split(".")[-1]][:3]
+                problems.append(f"unknown tensor {name!r} (not in model.state_dict(); similar: {close})")
+                continue
+            dst = live[name]
+            if not isinstance(t, torch.Tensor):
+                problems.append(f"{name}: {type(t).__name__} is not a tensor")
+            elif t.shape != dst.shape:
+                problems.append(f"{name}: shape {tuple(t.shape)} != model's {tuple(dst.shape)}")
+            elif t.dtype != dst.dtype:
+                problems.append(f"{name}: dtype {t.dtype} != model's {dst.dtype}; cast it to {dst.dtype} before sending")
+            elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                problems.append(f"{name}: holds NaN/Inf values")
+        if problems:
+            raise ValueError(f"weight update v{update.version} rejected, v{self._version} keeps serving: "
+                             + "; ".join(problems))
+        with torch.no_grad():
+            for name, t in update.tensors.items():
+                live[name].copy_(t)
+        self._version = update.version
+
+
+def _eos_ids(model, tokenizer) -> set[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), model.config, tokenizer):
+        v = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+    return ids

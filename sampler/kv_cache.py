@@ -1,0 +1,171 @@
+"""Preallocated KV cache and the batch-invariant pieces of the engine's forward.
+
+The engine runs Hugging Face's own model forward on a *packed* batch: every
+active sequence's new tokens laid end to end in one row [1, T] (vLLM-style),
+with explicit position ids. Two plug-ins, registered through transformers'
+public interfaces, make that forward batch-invariant:
+
+- attention (`AttentionInterface`, name "rl4bit_engine"): writes the new keys
+  and values into this cache (one slot per sequence, preallocated
+  [slots, kv_heads, max_len, head_dim] per layer), then attends *per
+  sequence* (sequences with equal token counts stacked in one batched
+  matmul, one matrix per sequence and kv head) with shapes that depend only
+  on that sequence: the query rows
+  (padded to `min_rows`) against ALL `max_len` cache positions, later ones
+  masked to -inf. The reduction length is therefore the same in prefill,
+  decode and a full-sequence scoring pass, and a neighbour cannot change it.
+- experts (`ExpertsInterface`, name "rl4bit_engine"): HF's eager loop over
+  experts in index order, with each expert's token rows padded to `min_rows`.
+
+Why `min_rows`: on CPU (torch 2.13, measured) an fp32 GEMM row's bits depend
+on M for M in {1,2,3,5,6,7,9,10,11} (small-M kernels) and are identical for
+every other M; BF16 mostly none, but M=1 (a GEMV path) differed on one
+4096x2048 weight, and with min_rows=1 neither the fp32 nor the bf16 tiny
+Qwen3-MoE engine was batch-invariant (logprobs differ in the last bits).
+Padding every GEMM to >= 16 rows makes each row's result independent of how
+many other rows there are: measured, not guaranteed by any BLAS contract
+(test_gemm_rows_do_not_depend_on_row_count_above_min_rows guards it). Rows
+never mix in a GEMM, softmax or norm, so with fixed per-row shapes the whole
+forward is row-local.
+
+Leaves out: paged blocks (one contiguous slot per sequence), prefix sharing,
+sliding-window attention, CUDA graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.moe import ExpertsInterface
+
+ENGINE_IMPL = "rl4bit_engine"
+MIN_ROWS = 16
+"""GEMMs are padded to at least this many rows (see module docstring)."""
+
+
+class KVCache:
+    """One preallocated K and V tensor per layer: [slots, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, num_layers: int, slots: int, kv_heads: int, max_len: int, head_dim: int, dtype, device):
+        shape = (slots, kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.max_len = max_len
+        self.free = list(range(slots))[::-1]
+
+    def acquire(self) -> int:
+        slot = self.free.pop()
+        # Stale values are masked out (exp(-inf) = 0 exactly), but zeroing keeps
+        # a NaN left by a previous occupant from ever reaching 0 * NaN.
+        for k, v in zip(self.k, self.v):
+            k[slot].zero_()
+            v[slot].zero_()
+        return slot
+
+    def release(self, slot: int) -> None:
+        self.free.append(slot)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+@dataclass
+class StepLayout:
+    """Where each packed token of one forward goes; passed to attention as kwarg `rl4bit_step`."""
+
+    cache: KVCache
+    slots: list[int]
+    """Per sequence: its cache slot."""
+    spans: list[tuple[int, int]]
+    """Per sequence: [start, end) of its tokens in the packed row."""
+    starts: list[int]
+    """Per sequence: cache position of its first new token."""
+    token_slot: torch.Tensor
+    """[T_real] int64 slot of each real packed token."""
+    token_pos: torch.Tensor
+    """[T_real] int64 cache position of each real packed token."""
+    min_rows: int = MIN_ROWS
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Pad dim -2 with zeros up to `rows`."""
+    m = x.shape[-2]
+    if m >= rows:
+        return x
+    return torch.cat([x, x.new_zeros(*x.shape[:-2], rows - m, x.shape[-1])], dim=-2)
+
+
+def engine_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, rl4bit_step=None, **kwargs):
+    """Per-sequence attention over the full-length cache slot (see module docstring).
+
+    query [1, Hq, T, D], key/value [1, Hkv, T, D] (post-RoPE, this step's tokens).
+    Returns ([1, T, Hq, D], None) like HF's eager attention. Sequences with the
+    same number of new tokens are stacked into one batched matmul: each
+    (sequence, kv head) is its own matrix product of a fixed shape, so the
+    stacking changes no bits (tested by the batch-invariance tests).
+    """
+    step: StepLayout = rl4bit_step
+    if step is None:
+        raise RuntimeError("attention 'rl4bit_engine' needs the kwarg rl4bit_step; it runs only inside EmbeddedEngine")
+    layer = module.layer_idx
+    kc, vc = step.cache.k[layer], step.cache.v[layer]
+    n_real = step.token_slot.numel()
+    kc[step.token_slot, :, step.token_pos] = key[0, :, :n_real].transpose(0, 1).to(kc.dtype)
+    vc[step.token_slot, :, step.token_pos] = value[0, :, :n_real].transpose(0, 1).to(vc.dtype)
+
+    _, hq, t, d = query.shape
+    hkv = kc.shape[1]
+    g = hq // hkv
+    dev = query.device
+    out = query.new_zeros(1, t, hq, d)
+    keys_pos = torch.arange(step.cache.max_len, device=dev)
+    groups: dict[int, list[int]] = {}
+    for i, (a, b) in enumerate(step.spans):
+        groups.setdefault(b - a, []).append(i)
+    for n, members in groups.items():
+        tok = torch.tensor([[step.spans[i][0] + j for j in range(n)] for i in members], device=dev)  # [G, n]
+        slots = torch.tensor([step.slots[i] for i in members], device=dev)
+        starts = torch.tensor([step.starts[i] for i in members], device=dev)
+        G = len(members)
+        # query head h reads kv head h // g: [G, Hq, n, D] -> [G, Hkv, g*n, D]
+        q = query[0][:, tok].permute(1, 0, 2, 3).reshape(G, hkv, g * n, d)
+        q = _pad_rows(q, step.min_rows)
+        scores = torch.matmul(q, kc[slots].transpose(-1, -2)) * scaling  # [G, Hkv, rows, max_len]
+        q_pos = (starts[:, None] + torch.arange(n, device=dev)).repeat(1, g)  # [G, g*n]
+        allowed = _pad_rows(keys_pos[None, None, :] <= q_pos[:, :, None], scores.shape[2])  # causal in the slot
+        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        probs = probs.nan_to_num(0.0)  # padded query rows are all -inf
+        o = torch.matmul(probs, vc[slots])[:, :, : g * n]  # [G, Hkv, g*n, D]
+        out[0, tok] = o.reshape(G, hq, n, d).transpose(1, 2)
+    return out, None
+
+
+def engine_experts(self, hidden_states, top_k_index, top_k_weights):
+    """HF's eager experts loop (expert index order), each expert's rows padded to MIN_ROWS."""
+    out = torch.zeros_like(hidden_states)
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, token order kept
+    counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+    tok_all, kpos_all = order // top_k_index.shape[1], order % top_k_index.shape[1]
+    at = 0
+    for e, c in enumerate(counts):
+        if c == 0 or e >= self.num_experts:
+            at += c
+            continue
+        tok, kpos = tok_all[at : at + c], kpos_all[at : at + c]
+        at += c
+        x = _pad_rows(hidden_states[tok], MIN_ROWS)
+        h = self._apply_gate(F.linear(x, self.gate_up_proj[e]))
+        y = F.linear(h, self.down_proj[e])[:c]
+        y = y * top_k_weights[tok, kpos, None]
+        out.index_add_(0, tok, y.to(out.dtype))
+    return out
+
+
+AttentionInterface.register(ENGINE_IMPL, engine_attention)
+ExpertsInterface.register(ENGINE_IMPL, engine_experts)

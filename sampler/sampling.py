@@ -1,0 +1,106 @@
+"""Token sampling as pure tensor functions over logits rows.
+
+Every operation is row-local: a row-wise log_softmax/argmax over [B, V], or a
+per-row function for truncation and for the random draw (each sequence has its
+own torch.Generator), so a sequence's sampled token and logprobs do not depend
+on its batch neighbours: half of the engine's batch invariance (the other half
+is the forward, see kv_cache.py).
+
+Logprob semantics (rl4bit.sampler.types): `policy_logprobs` is
+log_softmax(logits / T) (T = 1 when T = 0, greedy), before any truncation; it
+is what the trainer recomputes. `processed_logprobs` is the log-distribution
+actually sampled from: top-k, then top-p, then min-p on the temperature-scaled
+distribution, renormalised (-inf outside the kept set).
+
+Sampling uses the exponential-race form of the categorical draw: token =
+argmax(p / E) with E ~ Exp(1) drawn from the sequence's own torch.Generator,
+which is exactly a draw from p and needs one random vector per token.
+
+Leaves out: repetition/frequency penalties, logit bias, beam search.
+Matches the truncation order of vLLM/HF (top-k, top-p, min-p).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl4bit.sampler.types import SamplingParams
+
+
+def effective_temperature(temperature: float) -> float:
+    """The temperature the policy logprobs are reported at: T, or 1 for greedy (T = 0)."""
+    return 1.0 if temperature == 0 else float(temperature)
+
+
+def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) in fp32 over the full vocabulary (no truncation)."""
+    return torch.log_softmax(logits.float() / effective_temperature(temperature), dim=-1)
+
+
+def truncation_mask(logp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Bool mask [V] of the tokens top-k, top-p and min-p keep (applied in that order)."""
+    keep = torch.ones_like(logp, dtype=torch.bool)
+    if params.top_k > 0 and params.top_k < logp.numel():
+        kth = torch.topk(logp, params.top_k).values[-1]
+        keep &= logp >= kth
+    if params.top_p < 1.0:
+        masked = logp.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(masked, dim=-1)
+        sorted_p, order = torch.sort(probs, descending=True, stable=True)
+        mass_before = torch.cumsum(sorted_p, dim=-1) - sorted_p
+        keep_sorted = mass_before < params.top_p  # keeps the top token always
+        keep_p = torch.zeros_like(keep)
+        keep_p[order] = keep_sorted
+        keep &= keep_p
+    if params.min_p > 0.0:
+        masked = logp.masked_fill(~keep, float("-inf"))
+        probs = torch.softmax(masked, dim=-1)
+        keep &= probs >= params.min_p * probs.max()
+    return keep
+
+
+def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Log-probabilities of the truncated, renormalised distribution sampled from (-inf outside it)."""
+    logp = policy_logprobs(logits, params.temperature)
+    keep = truncation_mask(logp, params)
+    return torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+    """Draw one token from one logits row [V]: (token id, policy logprob, processed logprob or None).
+
+    Temperature 0 is greedy: the argmax of the raw logits (first index on ties),
+    no randomness consumed.
+    """
+    tokens, lps, plps = sample_rows(logits[None], [params], [generator])
+    return tokens[0], lps[0], plps[0]
+
+
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list):
+    """Draw one token per row of logits [B, V] (row i under params[i], generators[i]).
+
+    Same result per row as `sample_token`, with the row-wise parts batched and
+    one host sync. Returns (tokens, policy logprobs, processed logprobs or None) lists.
+    """
+    logits = logits.float()
+    temps = torch.tensor([effective_temperature(p.temperature) for p in params], device=logits.device)
+    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    scores = logp.clone()  # what argmax draws from: processed logp minus log E, or the raw logits (greedy)
+    proc_rows = {}
+    for i, p in enumerate(params):
+        truncates = p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
+        if p.temperature == 0:
+            scores[i] = logits[i]
+        elif truncates:
+            scores[i] = proc_rows.setdefault(i, processed_logprobs(logits[i], p))
+        if p.temperature > 0:
+            noise = torch.empty(logits.shape[1], device=logits.device).exponential_(1.0, generator=generators[i])
+            scores[i] -= noise.log()
+        if p.processed_logprobs and i not in proc_rows:
+            proc_rows[i] = processed_logprobs(logits[i], p) if truncates else logp[i]
+    tokens = torch.argmax(scores, dim=-1)
+    lps = logp.gather(1, tokens[:, None])[:, 0]
+    plps = {i: row[tokens[i]] for i, row in proc_rows.items() if params[i].processed_logprobs}
+    tokens_l, lps_l = tokens.tolist(), lps.tolist()
+    plps_l = [float(plps[i]) if i in plps else None for i in range(len(params))]
+    return tokens_l, lps_l, plps_l

@@ -1,0 +1,129 @@
+"""The sampler's data types: what goes in (`Request`, `SamplingParams`), what comes
+out (`Rollout`), and what syncs the policy (`WeightUpdate`).
+
+Every backend (the embedded engine, vLLM) speaks these types, so the RL loop
+never sees which one runs. Logprob semantics, fixed here for all backends:
+`Rollout.logprobs[i]` is log p(completion_ids[i]) under the policy's logits
+divided by the sampling temperature, BEFORE top-p/top-k/min-p truncation: the
+number the trainer recomputes from the same tokens. At temperature 0 (greedy)
+the temperature is taken as 1, i.e. plain log_softmax(logits).
+`Rollout.processed_logprobs` (only on request) is the log-prob under the
+distribution actually sampled from (after truncation and renormalisation).
+
+Leaves out: per-token top-k alternatives, prompt logprobs, beam search.
+Matches /work/helpers/rl_contract.md.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+FINISH_REASONS = ("stop", "length", "error")
+
+
+@dataclass
+class SamplingParams:
+    """How to sample the completions of one request."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 = greedy (argmax, no randomness)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of top tokens with mass >= top_p (1 = off)."""
+    top_k: int = 0
+    """Keep only the k most likely tokens (0 = off)."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p x the top probability (0 = off)."""
+    max_new_tokens: int = 32
+    """Most completion tokens; hitting it ends the completion with finish_reason "length"."""
+    stop: list[str] = field(default_factory=list)
+    """Stop strings: a completion ends as soon as its decoded text contains one (kept in the text, finish_reason "stop")."""
+    stop_token_ids: list[int] = field(default_factory=list)
+    """Token ids that end a completion (kept in completion_ids, finish_reason "stop"); the engine adds the tokenizer's eos."""
+    n: int = 1
+    """Completions sampled per prompt (sample_index 0..n-1)."""
+    seed: Optional[int] = None
+    """Seed of this request's randomness (sample i uses a generator seeded from (seed, i)); None: drawn from the engine's own generator."""
+    processed_logprobs: bool = False
+    """Also return logprobs under the truncated distribution actually sampled from (Rollout.processed_logprobs)."""
+
+    def validate(self) -> None:
+        """Raise ValueError naming the bad field, its value and the valid range."""
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature: {t!r} must be a finite number >= 0 (0 = greedy)")
+        p = self.top_p
+        if not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise ValueError(f"top_p: {p!r} must be in (0, 1] (1 = off)")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k: {self.top_k!r} must be an int >= 0 (0 = off)")
+        m = self.min_p
+        if not isinstance(m, (int, float)) or not (0 <= m < 1):
+            raise ValueError(f"min_p: {m!r} must be in [0, 1) (0 = off)")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: {self.max_new_tokens!r} must be an int >= 1")
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n: {self.n!r} must be an int >= 1")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop: {self.stop!r} must be a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
+            isinstance(i, int) and i >= 0 for i in self.stop_token_ids
+        ):
+            raise ValueError(f"stop_token_ids: {self.stop_token_ids!r} must be a list of token ids (ints >= 0)")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed: {self.seed!r} must be None or an int >= 0")
+        if not isinstance(self.processed_logprobs, bool):
+            raise ValueError(f"processed_logprobs: {self.processed_logprobs!r} must be a bool")
+
+
+@dataclass
+class Request:
+    """One prompt to complete."""
+
+    id: str
+    """Caller's id, echoed in every Rollout of this request."""
+    prompt_ids: list[int]
+    """Prompt token ids (already tokenized, BOS included if the model wants one)."""
+    params: SamplingParams = field(default_factory=SamplingParams)
+    """How to sample its completions."""
+    prompt: Optional[str] = None
+    """The prompt text, informational only (the engine reads prompt_ids)."""
+
+
+@dataclass
+class Rollout:
+    """One sampled completion of one request."""
+
+    request_id: str
+    """Request.id this completion answers."""
+    sample_index: int
+    """Which of the request's n samples (0..n-1)."""
+    prompt_ids: list[int]
+    """The prompt token ids, as given."""
+    completion_ids: list[int]
+    """Sampled token ids, including the stop token if one ended it."""
+    text: str
+    """Decoded completion (special tokens skipped); includes the stop string if one ended it."""
+    logprobs: list[float]
+    """Per completion token: log-prob at the sampling temperature BEFORE top-p/top-k/min-p truncation (what the trainer recomputes)."""
+    finish_reason: str
+    """"stop" (stop string or stop token), "length" (max_new_tokens or the context end) or "error" (see `error`)."""
+    policy_version: int
+    """WeightUpdate.version of the weights that produced every token of this completion."""
+    error: Optional[str] = None
+    """Why the request failed (finish_reason "error"); None otherwise."""
+    processed_logprobs: Optional[list[float]] = None
+    """Per token log-prob under the truncated distribution sampled from; only when params.processed_logprobs."""
+
+
+@dataclass
+class WeightUpdate:
+    """New policy weights for the sampler."""
+
+    version: int
+    """Policy version these weights are; becomes Rollout.policy_version of later completions."""
+    tensors: dict[str, torch.Tensor]
+    """Names as in model.state_dict(), same shapes and dtypes; applied with copy_ into the existing storage (pointer-stable). A subset of the names is allowed."""

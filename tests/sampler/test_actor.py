@@ -1,0 +1,36 @@
+"""Sampler actor (plain class, local mode): builds from a builder or a model, generates, syncs, reports health."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl4bit.config import SamplerConfig
+from rl4bit.sampler.actor import Sampler, default_params
+from rl4bit.sampler.types import Request, WeightUpdate
+
+from .conftest import make_model, prompts
+
+
+def test_sampler_generates_updates_and_reports_health(tokenizer):
+    import rl4bit.sampler.actor as actor_mod
+    assert "import ray" not in open(actor_mod.__file__).read()
+
+    s = Sampler(lambda: make_model(seed=0), tokenizer, SamplerConfig(max_batch_size=4, max_new_tokens=5))
+    h0 = s.health()
+    assert h0["ok"] and h0["version"] == 0 and h0["tokens_generated"] == 0
+    params = default_params(s.config, n=2, seed=1)
+    out = s.generate([Request(str(i), p, params) for i, p in enumerate(prompts(3, seed=30))])
+    assert len(out) == 6 and all(len(r.completion_ids) <= 5 for r in out)
+    h1 = s.health()
+    assert h1["tokens_generated"] == sum(len(r.completion_ids) for r in out) and h1["tokens_per_s"] > 0
+    assert s.score(out[0].prompt_ids, out[0].completion_ids, params.temperature) == out[0].logprobs
+    assert s.update_weights(WeightUpdate(3, dict(make_model(seed=1).state_dict()))) == 3
+    assert s.health()["version"] == 3
+    with pytest.raises(ValueError):
+        s.update_weights(WeightUpdate(4, {"nope": make_model().lm_head.weight}))
+    assert s.health()["version"] == 3 and s.health()["ok"]
+
+
+def test_vllm_backend_is_refused_plainly(tokenizer):
+    with pytest.raises(NotImplementedError, match="embedded"):
+        Sampler(make_model(), tokenizer, SamplerConfig(backend="vllm"))

@@ -1,0 +1,123 @@
+"""EmbeddedEngine: greedy/seeded sampling, stop conditions, n samples, per-request errors, logprob semantics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl4bit.sampler.engine import EmbeddedEngine
+from rl4bit.sampler.types import Request, SamplingParams
+
+from .conftest import make_model, prompts
+
+LOGPROB_ATOL_FP32 = 1e-4
+"""Engine decode logprobs vs the stock HF full-sequence forward (SDPA, unpadded GEMMs), fp32 model."""
+
+
+@pytest.fixture(scope="module")
+def engine(tokenizer):
+    return EmbeddedEngine(make_model(torch.float32), tokenizer, max_batch_size=8)
+
+
+def greedy(max_new=10, **kw):
+    return SamplingParams(temperature=0.0, max_new_tokens=max_new, **kw)
+
+
+def test_greedy_is_deterministic_and_is_the_argmax_chain(engine):
+    p = prompts(1)[0]
+    a, b = engine.generate([Request("a", p, greedy())])[0], engine.generate([Request("a", p, greedy())])[0]
+    assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
+    ids = list(p)
+    with torch.no_grad():
+        for _ in range(len(a.completion_ids)):
+            ids.append(int(engine.model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert a.completion_ids == ids[len(p):]
+
+
+def test_seed_reproduces_and_different_seeds_differ(engine):
+    p = prompts(1, seed=1)[0]
+    run = lambda seed: engine.generate([Request("r", p, SamplingParams(seed=seed, max_new_tokens=12))])[0]
+    a, b = run(7), run(7)
+    assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
+    assert len({tuple(run(s).completion_ids) for s in range(5)}) > 1
+
+
+def test_n_samples_in_order_and_distinct(engine):
+    ps = prompts(2, seed=2)
+    out = engine.generate([Request("x", ps[0], SamplingParams(n=4, seed=3)), Request("y", ps[1], SamplingParams(n=2))])
+    assert [(r.request_id, r.sample_index) for r in out] == [("x", 0), ("x", 1), ("x", 2), ("x", 3), ("y", 0), ("y", 1)]
+    assert len({tuple(r.completion_ids) for r in out[:4]}) > 1
+    again = engine.generate([Request("x", ps[0], SamplingParams(n=4, seed=3))])
+    assert [r.completion_ids for r in again] == [r.completion_ids for r in out[:4]]
+
+
+def test_stop_string_ends_completion_and_is_kept(engine):
+    p = prompts(1, seed=3)[0]
+    full = engine.generate([Request("a", p, greedy(16))])[0]
+    stop = full.text[4:6]
+    out = engine.generate([Request("a", p, greedy(16, stop=[stop]))])[0]
+    assert out.finish_reason == "stop"
+    assert out.text.endswith(stop) and stop not in out.text[:-1]
+    assert out.text == full.text[: full.text.find(stop) + len(stop)]
+    assert out.completion_ids == full.completion_ids[: len(out.completion_ids)]
+
+
+def test_stop_token_id_ends_completion(engine):
+    p = prompts(1, seed=3)[0]
+    full = engine.generate([Request("a", p, greedy(16))])[0]
+    stop_id = full.completion_ids[5]
+    out = engine.generate([Request("a", p, greedy(16, stop_token_ids=[stop_id]))])[0]
+    first = full.completion_ids.index(stop_id)
+    assert out.finish_reason == "stop" and out.completion_ids == full.completion_ids[: first + 1]
+    assert full.finish_reason == "length" and len(full.completion_ids) == 16
+
+
+def test_bad_requests_fail_alone(engine, tokenizer):
+    good = [Request("ok1", prompts(1, 4)[0], greedy()), Request("ok2", prompts(1, 5)[0], SamplingParams(seed=1))]
+    bad = [
+        Request("empty", [], greedy()),
+        Request("long", [1] * 128, greedy()),
+        Request("temp", [1, 4], SamplingParams(temperature=-1.0)),
+        Request("topp", [1, 4], SamplingParams(top_p=0.0)),
+        Request("vocab", [1, 10_000], greedy()),
+    ]
+    out = engine.generate([bad[0], good[0], bad[1], bad[2], good[1], bad[3], bad[4]])
+    by_id = {r.request_id: r for r in out}
+    for r, key in zip(bad, ("empty prompt", "does not fit the context", "temperature", "top_p", "vocabulary")):
+        got = by_id[r.id]
+        assert got.finish_reason == "error" and key in got.error and got.completion_ids == []
+    for g in good:
+        alone = engine.generate([g])[0]
+        assert by_id[g.id].error is None and by_id[g.id].completion_ids == alone.completion_ids
+
+
+def test_context_end_finishes_with_length(engine):
+    out = engine.generate([Request("edge", [1] * 125, greedy(50))])[0]
+    assert out.finish_reason in ("length", "stop") and len(out.completion_ids) <= 3
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_logprobs_match_full_forward(engine, temperature):
+    ps = prompts(4, seed=6)
+    out = engine.generate([Request(str(i), p, SamplingParams(temperature=temperature, seed=i, max_new_tokens=8))
+                           for i, p in enumerate(ps)])
+    t = temperature or 1.0
+    for r in out:
+        ids = torch.tensor([r.prompt_ids + r.completion_ids])
+        with torch.no_grad():
+            logits = engine.model(ids).logits[0, len(r.prompt_ids) - 1 : -1].float()
+        ref = torch.log_softmax(logits / t, -1).gather(1, torch.tensor(r.completion_ids)[:, None])[:, 0]
+        torch.testing.assert_close(torch.tensor(r.logprobs), ref, atol=LOGPROB_ATOL_FP32, rtol=0)
+        # the engine's own full-sequence scoring path agrees bitwise
+        assert engine.score(r.prompt_ids, r.completion_ids, temperature=t) == r.logprobs
+
+
+def test_processed_logprobs_follow_truncation(engine):
+    p = prompts(1, seed=8)[0]
+    top1 = engine.generate([Request("k", p, SamplingParams(top_k=1, seed=0, processed_logprobs=True))])[0]
+    g = engine.generate([Request("g", p, greedy(32))])[0]
+    assert top1.completion_ids == g.completion_ids
+    assert top1.processed_logprobs == [0.0] * len(top1.completion_ids)
+    assert all(lp < 0 for lp in top1.logprobs)  # policy logprobs stay un-truncated
+    plain = engine.generate([Request("n", p, SamplingParams(seed=0))])[0]
+    assert plain.processed_logprobs is None

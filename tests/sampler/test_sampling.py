@@ -1,0 +1,50 @@
+"""sampling.py: truncation masks, the exponential-race draw, and row independence of sample_rows."""
+
+from __future__ import annotations
+
+import torch
+
+from rl4bit.sampler.sampling import processed_logprobs, sample_rows, sample_token, truncation_mask
+from rl4bit.sampler.types import SamplingParams
+
+PROBS = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+LOGITS = PROBS.log()
+
+
+def test_truncation_masks():
+    keep = lambda **kw: truncation_mask(torch.log_softmax(LOGITS, -1), SamplingParams(**kw)).tolist()
+    assert keep(top_k=2) == [True, True, False, False, False]
+    assert keep(top_p=0.5) == [True, False, False, False, False]   # mass before token 1 is 0.5: not < 0.5
+    assert keep(top_p=0.8) == [True, True, True, False, False]
+    assert keep(min_p=0.2) == [True, True, True, False, False]     # 0.07 < 0.2 * 0.5
+    assert keep(top_k=3, min_p=0.35) == [True, True, False, False, False]
+    lp = processed_logprobs(LOGITS, SamplingParams(top_k=2))
+    torch.testing.assert_close(lp[:2].exp(), torch.tensor([2 / 3, 1 / 3]))
+    assert torch.isinf(lp[2:]).all()
+
+
+def test_draw_frequencies_match_the_distribution():
+    g = torch.Generator().manual_seed(0)
+    n = 4000
+    rows = LOGITS.expand(n, -1)
+    params = [SamplingParams(temperature=1.0)] * n
+    tokens, _, _ = sample_rows(rows, params, [g] * n)
+    freq = torch.bincount(torch.tensor(tokens), minlength=5).float() / n
+    sigma = (PROBS * (1 - PROBS) / n).sqrt()
+    assert ((freq - PROBS).abs() < 5 * sigma).all(), f"frequencies {freq.tolist()} vs {PROBS.tolist()}"
+
+
+def test_rows_are_independent_of_their_neighbours():
+    torch.manual_seed(1)
+    logits = torch.randn(7, 50) * 3
+    params = [SamplingParams(temperature=t, top_p=tp, top_k=k, processed_logprobs=True)
+              for t, tp, k in [(1.0, 1.0, 0), (0.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (1.0, 0.5, 3), (0.0, 1.0, 0), (2.0, 1.0, 0)]]
+    gens = lambda: [torch.Generator().manual_seed(10 + i) for i in range(7)]
+    together = sample_rows(logits, params, gens())
+    alone = [sample_token(logits[i], params[i], g) for i, g in enumerate(gens())]
+    assert list(zip(*together)) == alone
+    for (tok, lp, plp), p, row in zip(alone, params, logits):
+        t = p.temperature or 1.0
+        assert lp == float(torch.log_softmax(row / t, -1)[tok])
+        assert lp - 1e-6 <= plp <= 0  # truncation renormalises: the kept tokens only gain mass
+    assert alone[1][0] == int(logits[1].argmax()) and alone[5][0] == int(logits[5].argmax())

@@ -1,0 +1,149 @@
+"""Quantized drop-in modules for Hugging Face models: fused MoE experts and nn.Linear.
+
+`QuantExperts` replaces a transformers 5.x fused-experts module (Qwen3-MoE,
+OLMoE, Mixtral, Qwen2-MoE: `gate_up_proj` [E, 2I, H], `down_proj` [E, H, I],
+forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])) and keeps
+the same Parameter objects under the same names, so the state dict loads back
+into plain transformers. `QuantLinear` is an nn.Linear (same `weight`/`bias`)
+running its GEMM through `rl4bit.trainer.qgemm`.
+
+Both can (a) return the exact QTensors their forward uses for the weights
+(`quantized_weights()`), and (b) run frozen from given QTensors with no master
+weights (`load_quantized(...)`, "serving" mode), bitwise equal to the training
+forward on the same input (both call `qgemm.grouped_forward`).
+
+Leaves out: expert parallelism (top_k_index == num_experts, the EP "not
+local" sentinel, is skipped as in HF), bias on experts, the combine's
+RHT + S2F6 (a communication format; no all-to-all here).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rl4bit.trainer.qgemm import GemmSpec, compute_dtype, grouped_forward, grouped_gemm
+from rl4bit.trainer.qgemm import quantize_activation, quantize_weight
+
+
+class _QuantMixin:
+    """Step / call counters feeding the random-bit keys, and the serving-mode switch."""
+
+    def _init_quant(self, spec: GemmSpec, seed: int, layer_id: int) -> None:
+        self.spec, self.seed, self.layer_id = spec, int(seed), int(layer_id)
+        self.step, self.calls = 0, 0
+        self.served: dict | None = None
+
+    def set_step(self, step: int) -> None:
+        self.step, self.calls = int(step), 0
+
+    def _keys(self, gemm: int) -> tuple[int, int, int, int]:
+        return (self.seed, self.step, 2 * self.layer_id + gemm, self.calls)
+
+    def quantized_weights(self) -> dict:
+        """{param name: QTensor} exactly as the forward quantizes them now (3D [E, N, K]; a linear is [1, N, K])."""
+        if self.spec.fmt == "bf16":
+            raise ValueError(f"{type(self).__name__} runs in bf16: its weights are not quantized (use the state dict)")
+        if self.served is not None:
+            return dict(self.served)
+        return {name: quantize_weight(w, self.spec) for name, w in self._weights3d().items()}
+
+    def load_quantized(self, qweights: dict) -> None:
+        """Freeze into serving mode from {param name: QTensor}; drops the master weights (no grad afterwards)."""
+        if self.spec.fmt == "bf16":
+            raise ValueError(f"{type(self).__name__} runs in bf16; load its weights with load_state_dict")
+        want = set(self._param_names)
+        if set(qweights) != want:
+            raise ValueError(f"load_quantized expects QTensors for {sorted(want)}, got {sorted(qweights)}")
+        for name, q in qweights.items():
+            if q.fmt != self.spec.fmt:
+                raise ValueError(f"{name}: QTensor format {q.fmt!r} does not match this module's {self.spec.fmt!r}")
+        for name in self._param_names:
+            if name in self._parameters:
+                del self._parameters[name]
+            setattr(self, name, None)
+        self.served = dict(qweights)
+
+
+class QuantExperts(_QuantMixin, nn.Module):
+    """Fused MoE experts with quantized grouped GEMMs; HF names `gate_up_proj`, `down_proj` kept."""
+
+    _param_names = ("gate_up_proj", "down_proj")
+
+    def __init__(self, src: nn.Module, spec: GemmSpec, seed: int = 0, layer_id: int = 0):
+        super().__init__()
+        self.gate_up_proj = src.gate_up_proj
+        self.down_proj = src.down_proj
+        self.act_fn = src.act_fn
+        self.num_experts = int(self.gate_up_proj.shape[0])
+        self.expert_weight_shapes = {"gate_up_proj": tuple(self.gate_up_proj.shape), "down_proj": tuple(self.down_proj.shape)}
+        self._init_quant(spec, seed, layer_id)
+
+    def _weights3d(self) -> dict:
+        return {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        n_tok, k = top_k_index.shape
+        flat = top_k_index.reshape(-1)
+        with torch.no_grad():
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts].tolist()
+        order = order[: sum(counts)]  # drops the EP sentinel index == num_experts, sorted last
+        tok = order // k
+        dt = compute_dtype(hidden_states)
+        x = hidden_states[tok].to(dt)
+        h = self._gemm(x, "gate_up_proj", counts, 0)
+        gate, up = h.chunk(2, dim=-1)
+        o = self._gemm(self.act_fn(gate) * up, "down_proj", counts, 1)
+        o = o * top_k_weights.reshape(-1)[order, None].to(o.dtype)
+        out = torch.zeros_like(hidden_states)
+        out.index_add_(0, tok, o.to(out.dtype))
+        if self.served is None:
+            self.calls += 1
+        return out
+
+    def _gemm(self, x, name, counts, gemm):
+        if self.served is not None:
+            with torch.no_grad():
+                return grouped_forward(quantize_activation(x, self.spec), self.served[name], counts, x.dtype)
+        return grouped_gemm(x, getattr(self, name), counts, self.spec, self._keys(gemm))
+
+    def extra_repr(self) -> str:
+        e, n, h = self.expert_weight_shapes["gate_up_proj"]
+        return f"experts={e}, hidden={h}, intermediate={n // 2}, fmt={self.spec.fmt}, layer_id={self.layer_id}"
+
+
+class QuantLinear(_QuantMixin, nn.Linear):
+    """nn.Linear whose GEMM runs through the quantized grouped GEMM (one group)."""
+
+    _param_names = ("weight",)
+
+    @classmethod
+    def from_linear(cls, lin: nn.Linear, spec: GemmSpec, seed: int = 0, layer_id: int = 0) -> "QuantLinear":
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = lin.in_features, lin.out_features
+        self.weight = lin.weight
+        self.bias = lin.bias
+        self._init_quant(spec, seed, layer_id)
+        return self
+
+    def _weights3d(self) -> dict:
+        return {"weight": self.weight.unsqueeze(0)}
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dt = compute_dtype(x)
+        x2 = x.reshape(-1, self.in_features).to(dt)
+        counts = [x2.shape[0]]
+        if self.served is not None:
+            with torch.no_grad():
+                y = grouped_forward(quantize_activation(x2, self.spec), self.served["weight"], counts, dt)
+        else:
+            y = grouped_gemm(x2, self.weight.unsqueeze(0), counts, self.spec, self._keys(0))
+            self.calls += 1
+        if self.bias is not None:
+            y = y + self.bias.to(dt)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, fmt={self.spec.fmt}, layer_id={self.layer_id}"

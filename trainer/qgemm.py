@@ -1,0 +1,292 @@
+"""Quantized grouped GEMM (a group of experts; a linear layer is a group of one) as an autograd Function.
+
+y[rows of expert e] = x[rows of e] @ W[e]ᵀ, with x [R, K] holding the tokens
+routed to each expert contiguously (`counts[e]` rows each) and W [E, N, K].
+
+Numerics (shared/docs/numerics.md, recipe table):
+- nvfp4 forward: x -> NVFP4, per-row (= per-token) outer scale, 4/6 optional;
+  W -> NVFP4, per-expert outer ("group"), no 4/6. The product is emulated
+  exactly: operands dequantized WITHOUT their outer scale (E2M1 x E4M3 is
+  exact in BF16/FP32), multiplied with FP32 accumulation, then the outer
+  scales applied in FP32 in the epilogue: (acc * outer_x[m]) * outer_w[e].
+- saved for backward (nvfp4): the forward's QTensors themselves (packed codes
+  + scales, 4.5 bits/value), not BF16 copies.
+- backward (dgrad, wgrad): MXFP8 GEMMs. nvfp4: the saved NVFP4 x and W are
+  `requantize`d (dequantize, transpose, MXFP8 with stochastic rounding) so
+  E[requant] equals the forward's own dequantized tensor. Output gradients
+  are quantized to MXFP8 (RCEIL; nearest by default, stochastic as an option),
+  rowwise for dgrad and from the high-precision dY columnwise for wgrad.
+  Random bits: derive_seed(seed, step, layer, tensor_id, call).
+- mxfp8: both operands MXFP8 forward; the backward's columnwise (along M, along
+  N) operands are quantized from high precision (x saved as MXFP8 columnwise,
+  W re-read from the master weight), never derived from the rowwise ones
+  (TransformerEngine mxfp8.rst).
+- bf16: plain matmuls in the compute dtype.
+- The token dimension of every expert is padded with zero rows to a multiple
+  of 32 inside the backward, so the MXFP8 blocks along M never straddle two
+  experts; padding rows contribute exactly zero.
+
+Batch invariance (the sampler must reproduce this forward bitwise whatever the
+batch): the quantized forward computes every product as a torch.bmm over
+fixed [ROW_BLOCK, K] x [K, N] blocks (rows zero-padded to ROW_BLOCK), never
+one matmul over all M rows. What this relies on: the backend computes a bmm
+item of a given shape and layout with the same kernel and K-order whatever
+the batch count and the item's position (true for the CPU BLAS, checked by
+tests/trainer/test_qgemm.py::test_forward_is_batch_invariant; plain torch.mm
+is NOT row-invariant on CPU: M=1 takes a gemv path). On CUDA, cuBLAS bmm
+heuristics may depend on the batch count: a batch-invariant GPU kernel is the
+GPU part of issue 4 and must keep this contract.
+
+Leaves out: RHT on wgrad, fused kernels (this is the exact reference the GPU
+kernels must match), activation recomputation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from rl4bit.kernels import QTensor, dequantize, quantize, requantize
+from rl4bit.kernels.philox import derive_seed
+
+ROW_BLOCK = 32
+"""Rows per forward GEMM block (batch invariance) and token padding of the MXFP8 backward blocks."""
+
+TENSOR_IDS = {"x": 0, "w": 1, "dy": 2, "dy_t": 3}
+"""tensor_id key of each stochastically rounded tensor in derive_seed."""
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    """Numerics of one GEMM site (from RecipeConfig + the plan)."""
+
+    fmt: str  # "nvfp4" | "mxfp8" | "bf16"
+    four_over_six: bool = True
+    tiles_16x16: bool = False
+    stochastic_requant: bool = True
+    grad_rounding: str = "nearest"
+
+
+# ---------------------------------------------------------------- quantization of the operands
+
+
+def quantize_weight(w: torch.Tensor, spec: GemmSpec) -> QTensor:
+    """The forward's weight QTensor of W [E, N, K]: NVFP4 per-expert outer (no 4/6) or MXFP8."""
+    w = w.detach()
+    if spec.fmt == "nvfp4":
+        return quantize(w, "nvfp4", outer="group", tiles_16x16=spec.tiles_16x16)
+    return quantize(w, "mxfp8")
+
+
+def quantize_activation(x: torch.Tensor, spec: GemmSpec) -> QTensor:
+    """The forward's activation QTensor of x [R, K]: NVFP4 per-token outer (+4/6) or MXFP8."""
+    if spec.fmt == "nvfp4":
+        return quantize(x.detach(), "nvfp4", outer="row", four_over_six=spec.four_over_six)
+    return quantize(x.detach(), "mxfp8")
+
+
+def _unscaled(q: QTensor) -> torch.Tensor:
+    """FP32 values of q without its outer scale (code x block scale: exact)."""
+    return dequantize(dataclasses.replace(q, outer=torch.ones_like(q.outer)), torch.float32)
+
+
+def rowblock_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
+    """a [m, K] @ b_t [K, N] in FP32 as a bmm over fixed ROW_BLOCK-row blocks (row results independent of m)."""
+    m = a.shape[0]
+    pad = (-m) % ROW_BLOCK
+    if pad:
+        a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
+    nb = a.shape[0] // ROW_BLOCK
+    out = torch.bmm(a.view(nb, ROW_BLOCK, a.shape[1]), b_t.expand(nb, *b_t.shape))
+    return out.reshape(nb * ROW_BLOCK, b_t.shape[1])[:m]
+
+
+def _row_outer(q: QTensor, rows: int) -> torch.Tensor:
+    o = q.outer.reshape(-1, 1).float()
+    return o if o.shape[0] == rows else o.reshape(1, 1).expand(rows, 1)
+
+
+def _group_outer(q: QTensor, groups: int) -> torch.Tensor:
+    o = q.outer.reshape(-1).float()
+    return o if o.numel() == groups else o.reshape(1).expand(groups)
+
+
+def grouped_forward(qx: QTensor, qw: QTensor, counts: list[int], out_dtype: torch.dtype) -> torch.Tensor:
+    """The quantized forward product from QTensors: training and serving both call exactly this."""
+    xd, wd = _unscaled(qx), _unscaled(qw)
+    rows, groups = xd.shape[0], wd.shape[0]
+    ox, ow = _row_outer(qx, rows), _group_outer(qw, groups)
+    y = xd.new_zeros(rows, wd.shape[1])
+    start = 0
+    for e, m in enumerate(counts):
+        if m:
+            seg = slice(start, start + m)
+            y[seg] = rowblock_mm(xd[seg], wd[e].t()) * ox[seg] * ow[e]
+            start += m
+    return y.to(out_dtype)
+
+
+# ---------------------------------------------------------------- saved-bytes meter
+
+_METERS: list[dict] = []
+
+
+@contextmanager
+def count_saved_bytes():
+    """Within the block, sum the activation bytes the GEMMs save for backward: `with count_saved_bytes() as m: ...; m["bytes"]`."""
+    meter = {"bytes": 0, "rows": 0}
+    _METERS.append(meter)
+    try:
+        yield meter
+    finally:
+        _METERS.remove(meter)
+
+
+def _count(nbytes: int, rows: int) -> None:
+    for meter in _METERS:
+        meter["bytes"] += int(nbytes)
+        meter["rows"] += int(rows)
+
+
+# ---------------------------------------------------------------- padding along the token dimension
+
+
+@dataclass
+class _Layout:
+    counts: list[int]
+    padded: list[int]
+    rows: torch.Tensor  # [R] position of each row in the padded layout
+    total: int  # R_pad
+
+
+def _layout(counts: list[int], device) -> _Layout:
+    padded = [-(-m // ROW_BLOCK) * ROW_BLOCK for m in counts]
+    c = torch.tensor(counts, dtype=torch.int64)
+    shift = torch.tensor(padded, dtype=torch.int64).cumsum(0) - c.cumsum(0)
+    shift = torch.cat([shift.new_zeros(1), shift[:-1]])
+    rows = torch.arange(int(c.sum())) + torch.repeat_interleave(shift, c)
+    return _Layout(counts, padded, rows.to(device), sum(padded))
+
+
+def _pad_rows(x: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    out = x.new_zeros(lay.total, *x.shape[1:])
+    out[lay.rows] = x
+    return out
+
+
+def _pad_qtensor_rows(q: QTensor, lay: _Layout) -> QTensor:
+    """q [R, K] NVFP4 -> [R_pad, K] with zero rows (codes 0, block scales 0, outer 1) in the padding."""
+    data = _pad_rows(q.data, lay)
+    scale = _pad_rows(q.scale.view(torch.uint8), lay).view(q.scale.dtype)  # e4m3 0x00 == 0
+    outer = q.outer
+    if outer.numel() == q.data.shape[0] and outer.numel() > 1:
+        outer = torch.ones(lay.total, *outer.shape[1:], dtype=outer.dtype, device=outer.device)
+        outer[lay.rows] = q.outer
+    return dataclasses.replace(q, data=data, scale=scale, outer=outer, shape=torch.Size([lay.total, q.shape[-1]]))
+
+
+# ---------------------------------------------------------------- autograd
+
+
+def _check_finite(t: torch.Tensor, what: str) -> None:
+    if not bool(torch.isfinite(t).all()):
+        raise FloatingPointError(f"non-finite values in {what}; MXFP8 cannot encode them (lower the learning rate or check the loss)")
+
+
+def _mxfp8_backward(dy, xt: QTensor, wt: QTensor, lay: _Layout, spec: GemmSpec, seeds):
+    """dx = Q(dy) @ Q(Wᵀ)ᵀ and dW = Q(dyᵀ) @ Q(xᵀ)ᵀ per expert, FP32 accumulation."""
+    sr = spec.grad_rounding == "stochastic"
+    dy = dy.contiguous()
+    dyd = dequantize(quantize(dy, "mxfp8", rounding=spec.grad_rounding, seed=seeds[2] if sr else None))
+    dytd = dequantize(
+        quantize(_pad_rows(dy, lay).t().contiguous(), "mxfp8", rounding=spec.grad_rounding, seed=seeds[3] if sr else None)
+    )
+    wtd, xtd = dequantize(wt), dequantize(xt)  # [E, K, N], [K, R_pad]
+    dx = dyd.new_zeros(dy.shape[0], wtd.shape[1])
+    dw = dyd.new_zeros(wtd.shape[0], wtd.shape[2], wtd.shape[1])
+    start = pstart = 0
+    for e, (m, mp) in enumerate(zip(lay.counts, lay.padded)):
+        if m:
+            dx[start : start + m] = dyd[start : start + m] @ wtd[e].t()
+            dw[e] = dytd[:, pstart : pstart + mp] @ xtd[:, pstart : pstart + mp].t()
+        start, pstart = start + m, pstart + mp
+    return dx, dw
+
+
+class GroupedQGemm(torch.autograd.Function):
+    """y = grouped x @ Wᵀ under one GemmSpec; `keys` = (seed, step, layer, call) for the backward's random bits."""
+
+    @staticmethod
+    def forward(ctx, x, w, counts, spec, keys):
+        ctx.counts, ctx.spec, ctx.keys = counts, spec, keys
+        ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
+        if spec.fmt == "bf16":
+            ctx.save_for_backward(x, w)
+            _count(x.nbytes, x.shape[0])
+            wc = w.to(x.dtype)
+            y = x.new_empty(x.shape[0], w.shape[1])
+            start = 0
+            for e, m in enumerate(counts):
+                y[start : start + m] = x[start : start + m] @ wc[e].t()
+                start += m
+            return y
+        qx, qw = quantize_activation(x, spec), quantize_weight(w, spec)
+        y = grouped_forward(qx, qw, counts, x.dtype)
+        if spec.fmt == "nvfp4":
+            ctx.qx, ctx.qw = qx, qw
+            _count(qx.nbytes, x.shape[0])
+        else:
+            lay = _layout(counts, x.device)
+            ctx.qxt = quantize(_pad_rows(x.detach(), lay).t().contiguous(), "mxfp8")
+            ctx.save_for_backward(w)
+            _count(ctx.qxt.nbytes, x.shape[0])
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec, counts = ctx.spec, ctx.counts
+        if spec.fmt == "bf16":
+            x, w = ctx.saved_tensors
+            wc = w.to(dy.dtype)
+            dx = torch.zeros_like(x)
+            dw = torch.zeros(w.shape, dtype=dy.dtype, device=dy.device)
+            start = 0
+            for e, m in enumerate(counts):
+                if m:
+                    dx[start : start + m] = dy[start : start + m] @ wc[e]
+                    dw[e] = dy[start : start + m].t() @ x[start : start + m].to(dy.dtype)
+                start += m
+            return dx, dw.to(ctx.w_dtype), None, None, None
+        _check_finite(dy, "an output gradient of a quantized GEMM")
+        seed, step, layer, call = ctx.keys
+        seeds = [derive_seed(seed, step, layer, t, call) for t in range(4)]
+        lay = _layout(counts, dy.device)
+        if spec.fmt == "nvfp4":
+            rounding = "stochastic" if spec.stochastic_requant else "nearest"
+            xt = requantize(_pad_qtensor_rows(ctx.qx, lay), seed=seeds[TENSOR_IDS["x"]], rounding=rounding)
+            wt = requantize(ctx.qw, seed=seeds[TENSOR_IDS["w"]], rounding=rounding)
+            del ctx.qx, ctx.qw
+        else:
+            (w,) = ctx.saved_tensors
+            xt = ctx.qxt
+            wt = quantize(w.detach().transpose(-1, -2).contiguous(), "mxfp8")
+        dx, dw = _mxfp8_backward(dy, xt, wt, lay, spec, seeds)
+        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None
+
+
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: list[int], spec: GemmSpec, keys=(0, 0, 0, 0)) -> torch.Tensor:
+    """x [R, K] (rows grouped by expert, counts[e] each) times W [E, N, K] -> [R, N] in x's dtype."""
+    if x.shape[0] != sum(counts):
+        raise ValueError(f"x has {x.shape[0]} rows but counts sum to {sum(counts)}")
+    return GroupedQGemm.apply(x, w, list(counts), spec, tuple(keys))
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The autocast dtype if autocast is on for x's device, else x's own dtype."""
+    dev = x.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
