@@ -10,7 +10,7 @@ imports Triton, so it works on machines without it. Spec:
 
 from rl4bit.kernels.api import dequantize, quantize, quantize_reference, requantize
 from rl4bit.kernels.hadamard import inverse_rht, rht
-from rl4bit.kernels.philox import derive_seed, random_bits
+from rl4bit.kernels.philox import derive_seed, random_bits, random_bits4
 from rl4bit.kernels.qtensor import QTensor
 
 __all__ = [
@@ -23,4 +23,5 @@ __all__ = [
     "inverse_rht",
     "derive_seed",
     "random_bits",
+    "random_bits4",
 ]

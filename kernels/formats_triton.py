@@ -46,22 +46,6 @@ def pow2(e):
 
 
 @triton.jit
-def e4m3_split(y):
-    """For 0 <= y <= 448: (code of the E4M3 grid point at or below y, y's distance above it in steps).
-
-    e = max(floor(log2 y), -6) picks the binade (-6: the subnormal range), the
-    step there is 2**(e-3), and t = y / step is exact; the code is then
-    (e + 6) * 8 + trunc(t) for normal and subnormal values alike.
-    """
-    bits = y.to(tl.int32, bitcast=True)
-    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)
-    t = y * pow2(3 - e)
-    n = t.to(tl.int32)
-    frac = t - n.to(tl.float32)
-    return (e + 6) * 8 + n, frac
-
-
-@triton.jit
 def rint_small(t):
     """(int32 round-half-even(t), as float) for 0 <= t < 2**22: t + 2**23 rounds t to an integer (fp32 ulp 1)."""
     m = t + 8388608.0
@@ -84,11 +68,19 @@ def e4m3_code_rn(y):
 
 @triton.jit
 def e4m3_code_sr(y, bits):
-    """E4M3 code of 0 <= y <= 448 rounded stochastically with uint32 random bits."""
-    lo, frac = e4m3_split(y)
+    """E4M3 code of 0 <= y <= 448 rounded stochastically with uint32 random bits.
+
+    e = max(floor(log2 y), -6) picks the binade (-6: the subnormal range), the
+    step there is 2**(e-3), and t = y / step = y * 2**(3-e) is exact; the code
+    at or below y is (e + 6) * 8 + trunc(t) for normal and subnormal values
+    alike, frac = t - trunc(t) is exact, and it goes up iff (bits >> 8) < frac * 2**24.
+    """
+    e = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) - 127, -6)
+    t = y * ((130 - e) << 23).to(tl.float32, bitcast=True)
+    n = t.to(tl.int32)
     u = (bits >> 8).to(tl.float32)
-    up = u < frac * 16777216.0
-    return lo + up.to(tl.int32)
+    up = u < (t - n.to(tl.float32)) * 16777216.0
+    return (e + 6) * 8 + n + up.to(tl.int32)
 
 
 @triton.jit
@@ -129,19 +121,19 @@ def e2m1_round(y):
 def e2m1_code_sr(y, bits):
     """E2M1 magnitude index of 0 <= y rounded stochastically (y >= 6 gives 6).
 
-    Neighbours lo <= y <= hi on the grid; frac = (y - lo) / (hi - lo) is exact
-    (the steps are 0.5, 1 and 2); round up iff (bits >> 8) < frac * 2**24.
+    a = min(y, 6); the step is 0.5 below 2, 1 below 4 and 2 up to 6, so
+    t = a / step = a * (2, 1 or 0.5) is exact, the index of the lower
+    neighbour is trunc(t) + (0, 2 or 4), frac = t - trunc(t) is exact, and
+    the index goes up iff (bits >> 8) < frac * 2**24 (never at a = 6: frac 0).
     """
-    ys = tl.minimum(y, 6.0)
-    step = tl.where(ys < 2.0, 0.5, tl.where(ys < 4.0, 1.0, 2.0))
-    k = tl.div_rn(ys, step).to(tl.int32)  # exact quotient of a power of two; trunc = floor
-    lo = k.to(tl.float32) * step
-    frac = tl.div_rn(ys - lo, step)
-    # index of lo: [0,2) -> k, [2,4) -> 2 + k, [4,6] -> 4 + k with k in {2} (lo=4) or 3 (lo=6)
-    lo_idx = tl.where(ys < 2.0, k, tl.where(ys < 4.0, k + 2, k + 4))
+    a = tl.minimum(y, 6.0)
+    lt2 = a < 2.0
+    lt4 = a < 4.0
+    t = a * tl.where(lt2, 2.0, tl.where(lt4, 1.0, 0.5))
+    k = t.to(tl.int32)
     u = (bits >> 8).to(tl.float32)
-    up = u < frac * 16777216.0
-    return tl.minimum(lo_idx + up.to(tl.int32), 7)
+    up = u < (t - k.to(tl.float32)) * 16777216.0
+    return k + tl.where(lt2, 0, tl.where(lt4, 2, 4)) + up.to(tl.int32)
 
 
 @triton.jit

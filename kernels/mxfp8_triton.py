@@ -6,7 +6,8 @@ RCEIL scale (the biased exponent of f32(amax/448), plus one if its mantissa
 is non-zero; found without a division, ``e8m0_rceil_of_quotient``), values
 clamped to 448 before rounding, round to nearest even or
 stochastic rounding with Philox bits keyed by the element's flat index in the
-OUTPUT tensor. A block holding NaN gets scale 0xFF.
+OUTPUT tensor (Philox counter = offset // 4, stream = offset % 4: one call per
+four consecutive output elements). A block holding NaN gets scale 0xFF.
 
 - ``quantize_rows(x2d)``: x [M, K] -> data [M, K], scale [M, K/32].
 - ``quantize_cols(x, src=...)``: the transposed quantize in one pass over
@@ -17,9 +18,8 @@ OUTPUT tensor. A block holding NaN gets scale 0xFF.
 
 Each program loads a [BLOCK_M, BLOCK_K] tile once, reduces 32-blocks in
 registers and writes the (transposed) codes once: one read and one write of
-the bytes, nothing else. Stochastic rounding costs one Philox4x32-10 (about
-100 integer instructions) per element, which on an H200 outweighs the memory
-time several times over; see the benchmark. Codes are built on integers (``formats_triton``) and
+the bytes, nothing else. Stochastic rounding costs one Philox4x32-10 call
+(about 40-60 integer instructions) per four elements; see PERF_NOTES.md. Codes are built on integers (``formats_triton``) and
 stored as uint8; callers view them as float8.
 
 Leaves out: the FLOOR scale mode (the Triton path is RCEIL only; the dispatch
@@ -34,41 +34,46 @@ import triton.language as tl
 
 from rl4bit.kernels.formats_triton import (
     nonfinite_flag,
-    e2m1_value,
     e4m3_code_rn,
     e4m3_code_sr,
     e4m3_value,
     e8m0_rceil_of_quotient,
     pow2,
 )
-from rl4bit.kernels.philox_triton import philox_bits, split_seed
+from rl4bit.kernels.philox_triton import philox_bits4, split_seed
 
 MX_BLOCK = 32
 
 
 @triton.jit
-def _mx_quant_blocks(x3, offs3, seed_lo, seed_hi, AXIS: tl.constexpr, STOCHASTIC: tl.constexpr,
-                     CHECK_NAN: tl.constexpr):
-    """Quantize fp32 x3 in blocks of 32 along AXIS (its size-32 axis) -> (uint8 codes like x3, uint8 E8M0).
+def _mx_quant_blocks(ax3, sign3, bits3, AXIS: tl.constexpr, STOCHASTIC: tl.constexpr, CHECK_NAN: tl.constexpr):
+    """Quantize magnitudes ax3 (fp32 |x|) in blocks of 32 along AXIS -> (uint8 codes like ax3, uint8 E8M0).
 
+    sign3: int32 0 or 0x80 per element (x's sign bit, in the code's place);
+    bits3: the SR random bits shaped like ax3 (ignored for round-to-nearest).
     The scale is rceil_biased(f32(amax / 448)) computed without the division
     (formats_triton.e8m0_rceil_of_quotient). CHECK_NAN=False skips the NaN-block
     pass for sources that cannot hold NaN (decoded NVFP4).
     """
-    ax = tl.abs(x3)
-    amax = tl.max(ax, axis=AXIS)
+    amax = tl.max(ax3, axis=AXIS)
     sc = e8m0_rceil_of_quotient(amax, 0x600000, 8, 224)
-    y = tl.minimum(ax * tl.expand_dims(pow2(127 - sc), AXIS), 448.0)
+    y = tl.minimum(ax3 * tl.expand_dims(pow2(127 - sc), AXIS), 448.0)
     if STOCHASTIC:
-        code = e4m3_code_sr(y, philox_bits(seed_lo, seed_hi, offs3))
+        code = e4m3_code_sr(y, bits3)
     else:
         code = e4m3_code_rn(y)
-    code = code | (((x3.to(tl.int32, bitcast=True) >> 31) & 1) << 7)
+    code = code | sign3
     if CHECK_NAN:  # a NaN block: scale 0xFF and every element byte 0x7F (mxfp8.py)
-        has_nan = tl.max((x3 != x3).to(tl.int32), axis=AXIS) > 0
+        has_nan = tl.max((ax3 != ax3).to(tl.int32), axis=AXIS) > 0
         code = tl.where(tl.expand_dims(has_nan, AXIS), 0x7F, code)
         sc = tl.where(has_nan, 255, sc)
     return code.to(tl.uint8), sc.to(tl.uint8)
+
+
+@triton.jit
+def _sign_byte(x):
+    """x's fp32 sign bit moved to bit 7 (int32 0 or 0x80), -0.0 included."""
+    return (x.to(tl.int32, bitcast=True) >> 24) & 0x80
 
 
 @triton.jit
@@ -92,8 +97,11 @@ def _mxfp8_rows_kernel(x_ptr, data_ptr, scale_ptr, flag_ptr, M, K, seed_lo, seed
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _flag_inf(x, flag_ptr)
     x3 = tl.reshape(x, [BLOCK_M, G, 32])
-    offs3 = tl.reshape(offs, [BLOCK_M, G, 32])
-    code, sc = _mx_quant_blocks(x3, offs3, seed_lo, seed_hi, 2, STOCHASTIC, True)
+    bits3 = x3
+    if STOCHASTIC:  # one Philox call per 4 consecutive elements: counter = flat offset // 4
+        ctr = rows.to(tl.int64)[:, None] * (K // 4) + (pid_k * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4))[None, :]
+        bits3 = tl.reshape(philox_bits4(seed_lo, seed_hi, ctr), [BLOCK_M, G, 32])
+    code, sc = _mx_quant_blocks(tl.abs(x3), _sign_byte(x3), bits3, 2, STOCHASTIC, True)
     tl.store(data_ptr + offs, tl.reshape(code, [BLOCK_M, BLOCK_K]), mask=mask)
     scols = pid_k * G + tl.arange(0, G)
     smask = (rows < M)[:, None] & (scols < K // 32)[None, :]
@@ -101,50 +109,80 @@ def _mxfp8_rows_kernel(x_ptr, data_ptr, scale_ptr, flag_ptr, M, K, seed_lo, seed
 
 
 @triton.jit
+def _nvfp4_tile(src_ptr, src_scale_ptr, src_outer_ptr, rows64, pid_k, K, BLOCK_M: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """Decode an NVFP4 tile -> (|x| fp32 [BLOCK_M, BLOCK_K], sign bits 0/0x80 int32), as nvfp4.dequantize_nvfp4.
+
+    |x| = (e2m1(|q|) * s_b) * |S_dec|: q * s is exact, so the magnitude and the
+    sign (q's, xor S_dec's; -0.0 kept) can be taken apart. E2M1 index i decodes
+    from its bits: i * 2**22 + bits(0.5) for i >= 2, i * bits(0.5) for i < 2.
+    """
+    pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+    scols = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
+    p_ptr = src_ptr + rows64[:, None] * (K // 2) + pcols[None, :]
+    s_ptr = src_scale_ptr + rows64[:, None] * (K // 16) + scols[None, :]
+    if EVEN:
+        byte = tl.load(p_ptr).to(tl.int32)
+        sbyte = tl.load(s_ptr).to(tl.int32)
+    else:
+        byte = tl.load(p_ptr, mask=(pcols < K // 2)[None, :], other=0).to(tl.int32)
+        sbyte = tl.load(s_ptr, mask=(scols < K // 16)[None, :], other=0).to(tl.int32)
+    outer = tl.load(src_outer_ptr + rows64)
+    idx = tl.reshape(tl.join(byte & 7, (byte >> 4) & 7), [BLOCK_M, BLOCK_K // 16, 16])  # element 2i: low nibble
+    neg = tl.reshape(tl.join((byte << 4) & 0x80, byte & 0x80), [BLOCK_M, BLOCK_K])
+    q = tl.where(idx < 2, idx * 0x3F000000, idx * 4194304 + 0x3F000000).to(tl.float32, bitcast=True)
+    mag = q * e4m3_value(sbyte & 0x7F)[:, :, None]
+    ax = tl.reshape(mag, [BLOCK_M, BLOCK_K]) * tl.abs(outer)[:, None]
+    return ax, neg ^ _sign_byte(outer)[:, None]
+
+
+@triton.jit
 def _mxfp8_cols_kernel(src_ptr, src_scale_ptr, src_outer_ptr, data_ptr, scale_ptr, flag_ptr, M, K,
                        seed_lo, seed_hi, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-                       SRC_NVFP4: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """Source [B, M, K] (float, or NVFP4 packed [B, M, K/2] + scales + per-row outer) -> [B, K, M]."""
+                       SRC_NVFP4: tl.constexpr, STOCHASTIC: tl.constexpr, EVEN: tl.constexpr):
+    """Source [B, M, K] (float, or NVFP4 packed [B, M, K/2] + scales + per-row outer) -> [B, K, M].
+
+    M is a multiple of BLOCK_M (the launcher picks BLOCK_M | M), so only K needs
+    masks, and none when EVEN (K % BLOCK_K == 0).
+    """
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     b = tl.program_id(2).to(tl.int64)
     G: tl.constexpr = BLOCK_M // 32
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
     rows64 = b * M + rows.to(tl.int64)
     if SRC_NVFP4:
-        # packed bytes [BLOCK_M, BLOCK_K/2] and scales [BLOCK_M, BLOCK_K/16], each loaded once
-        pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
-        pmask = (rows < M)[:, None] & (pcols < K // 2)[None, :]
-        byte = tl.load(src_ptr + rows64[:, None] * (K // 2) + pcols[None, :], mask=pmask, other=0).to(tl.int32)
-        nib = tl.reshape(tl.join(byte & 0xF, byte >> 4), [BLOCK_M, BLOCK_K // 16, 16])  # element 2i: low nibble
-        scols = pid_k * (BLOCK_K // 16) + tl.arange(0, BLOCK_K // 16)
-        smask_in = (rows < M)[:, None] & (scols < K // 16)[None, :]
-        sbyte = tl.load(src_scale_ptr + rows64[:, None] * (K // 16) + scols[None, :], mask=smask_in, other=0)
-        outer = tl.load(src_outer_ptr + rows64, mask=rows < M, other=1.0)
-        # (code value * scale) * outer as nvfp4.dequantize_nvfp4; q * s is exact, so the
-        # sign can be put on the product (bit 31, which keeps -0.0 like the reference).
-        mag = e2m1_value(nib & 7) * e4m3_value(sbyte.to(tl.int32) & 0x7F)[:, :, None]
-        val = (mag.to(tl.int32, bitcast=True) | ((nib & 8) << 28)).to(tl.float32, bitcast=True)
-        x = tl.reshape(val, [BLOCK_M, BLOCK_K]) * outer[:, None]
+        ax, sign = _nvfp4_tile(src_ptr, src_scale_ptr, src_outer_ptr, rows64, pid_k, K, BLOCK_M, BLOCK_K, EVEN)
     else:
-        x = tl.load(src_ptr + rows64[:, None] * K + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x_ptr = src_ptr + rows64[:, None] * K + cols[None, :]
+        if EVEN:
+            x = tl.load(x_ptr).to(tl.float32)
+        else:
+            x = tl.load(x_ptr, mask=(cols < K)[None, :], other=0.0).to(tl.float32)
         _flag_inf(x, flag_ptr)
+        ax = tl.abs(x)
+        sign = _sign_byte(x)
     # blocks of 32 along M: reduce over axis 1 of [G, 32, BLOCK_K], then transpose only the uint8 codes
-    out_offs = (b * K + cols.to(tl.int64))[None, :] * M + rows[:, None]  # [BLOCK_M, BLOCK_K], in [B, K, M]
-    x3 = tl.reshape(x, [G, 32, BLOCK_K])
-    offs3 = tl.reshape(out_offs, [G, 32, BLOCK_K])
-    code, sc = _mx_quant_blocks(x3, offs3, seed_lo, seed_hi, 1, STOCHASTIC, not SRC_NVFP4)
+    bits3 = ax
+    if STOCHASTIC:
+        # output offset of (m, k) is (b*K + k)*M + m: one Philox call per 4 consecutive m (M % 32 == 0)
+        ctr = (b * K + cols.to(tl.int64))[None, :] * (M // 4) + (pid_m * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4))[:, None]
+        bits = tl.reshape(philox_bits4(seed_lo, seed_hi, ctr), [BLOCK_M // 4, BLOCK_K, 4])
+        bits3 = tl.reshape(tl.permute(bits, (0, 2, 1)), [G, 32, BLOCK_K])
+    code, sc = _mx_quant_blocks(tl.reshape(ax, [G, 32, BLOCK_K]), tl.reshape(sign, [G, 32, BLOCK_K]), bits3, 1,
+                                STOCHASTIC, not SRC_NVFP4)
     code_t = tl.trans(tl.reshape(code, [BLOCK_M, BLOCK_K]))  # [BLOCK_K, BLOCK_M]
-    t_offs = (b * K + cols.to(tl.int64))[:, None] * M + rows[None, :]
-    t_mask = (cols < K)[:, None] & (rows < M)[None, :]
-    tl.store(data_ptr + t_offs, code_t, mask=t_mask)
+    t_ptr = data_ptr + (b * K + cols.to(tl.int64))[:, None] * M + rows[None, :]
     srows = pid_m * G + tl.arange(0, G)
-    smask = (cols < K)[:, None] & (srows < M // 32)[None, :]
-    s_offs = (b * K + cols.to(tl.int64))[:, None] * (M // 32) + srows[None, :]
+    s_ptr = scale_ptr + (b * K + cols.to(tl.int64))[:, None] * (M // 32) + srows[None, :]
     sc = tl.trans(sc)  # [BLOCK_K, G]
-    tl.store(scale_ptr + s_offs, sc, mask=smask)
+    if EVEN:
+        tl.store(t_ptr, code_t)
+        tl.store(s_ptr, sc)
+    else:
+        tl.store(t_ptr, code_t, mask=(cols < K)[:, None])
+        tl.store(s_ptr, sc, mask=(cols < K)[:, None])
 
 
 def _check_last(n: int, what: str) -> None:
@@ -184,17 +222,18 @@ def _launch_cols(src, src_scale, src_outer, B, M, K, device, stochastic, seed, b
     scale = torch.empty((B, K, M // MX_BLOCK), dtype=torch.uint8, device=device)
     flag = nonfinite_flag(device)
     lo, hi = _seed_args(stochastic, seed)
-    block_m = min(block_m, triton.next_power_of_2(M))
+    while M % block_m:  # BLOCK_M must divide M (a multiple of 32), so rows need no mask
+        block_m //= 2
     block_k = min(block_k, triton.next_power_of_2(K))
-    grid = (triton.cdiv(M, block_m), triton.cdiv(K, block_k), B)
+    grid = (M // block_m, triton.cdiv(K, block_k), B)
     _mxfp8_cols_kernel[grid](src, src_scale, src_outer, data, scale, flag, M, K, lo, hi,
-                             BLOCK_M=block_m, BLOCK_K=block_k, SRC_NVFP4=nvfp4,
-                             STOCHASTIC=stochastic, num_warps=num_warps, enable_fp_fusion=False)
+                             BLOCK_M=block_m, BLOCK_K=block_k, SRC_NVFP4=nvfp4, STOCHASTIC=stochastic,
+                             EVEN=K % block_k == 0, num_warps=num_warps, enable_fp_fusion=False)
     return data, scale, flag
 
 
 def quantize_cols(x: torch.Tensor, *, stochastic: bool = False, seed=None,
-                  block_m: int = 64, block_k: int = 64, num_warps: int = 4):
+                  block_m: int = 32, block_k: int = 256, num_warps: int = 4):
     """Columnwise MXFP8 of x [..., M, K]: quantize x.transpose(-2, -1) along M -> ([..., K, M], [..., K, M/32], Inf flag)."""
     if x.dim() < 2:
         raise ValueError(f"columnwise MXFP8 needs a tensor of at least 2 dims, got shape {tuple(x.shape)}")
@@ -206,7 +245,7 @@ def quantize_cols(x: torch.Tensor, *, stochastic: bool = False, seed=None,
 
 
 def requantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, outer_rows: torch.Tensor, shape, *,
-                     stochastic: bool = True, seed=None, block_m: int = 64, block_k: int = 64,
+                     stochastic: bool = True, seed=None, block_m: int = 32, block_k: int = 256,
                      num_warps: int = 4):
     """Fused NVFP4 [..., M, K] -> dequantize -> transpose -> MXFP8 along M.
 

@@ -6,7 +6,7 @@ same fp32 op order (see those docstrings):
     S_enc = min(div(bound*6, A), FLT_MAX), 1 if A == 0 or S_enc == 0;  S_dec = 1 / S_enc
     v = b * (S_enc * f32(1/6))  [* 1.5 for the 4/6 "scale to 4" candidate]  [* 17/16 for SR]
     s_b = e4m3_RN(min(v, 448));  enc_b = 0 if s_b == 0 else min(1 / (s_b * S_dec), FLT_MAX)
-    q = e2m1(x * enc_b)  (nearest-even, or SR with Philox offset = flat element index),
+    q = e2m1(x * enc_b)  (nearest-even, or SR: Philox counter = flat element index // 4, stream = index % 4),
         forced to code 0 where s_b == 0
     4/6: err_k = pairwise tree sum of (x - (q_k * s_k) * S_dec)^2; pick 4 iff err4 < err6
 
@@ -37,7 +37,7 @@ from rl4bit.kernels.formats_triton import (
     e4m3_value,
     nonfinite_flag,
 )
-from rl4bit.kernels.philox_triton import philox_bits, split_seed
+from rl4bit.kernels.philox_triton import philox_bits4, split_seed
 
 NV_BLOCK = 16
 MAX_ROW_K = 16384  # widest row held in one program; wider rows get their amax from torch first
@@ -59,10 +59,9 @@ def _scaled(x3, s_val, s_dec):
 
 
 @triton.jit
-def _codes(y, idx, s_val):
-    """E2M1 codes from the magnitude index and the sign of y; code 0 where s_b == 0 (nvfp4.encode_codes)."""
-    code = idx | (((y.to(tl.int32, bitcast=True) >> 31) & 1) << 3)
-    return tl.where((s_val == 0.0)[:, :, None], 0, code)
+def _max_nan(a, b):
+    """max that keeps NaN, so a block max shows a NaN anywhere in the block."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -73,14 +72,13 @@ def _pair_sum(t, N: tl.constexpr, R: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _sq_err(x3, y, v, s_val, s_dec, R: tl.constexpr, G: tl.constexpr):
+def _sq_err(ax3, r, s_val, s_dec, R: tl.constexpr, G: tl.constexpr):
     """pairwise_sum16((x - x_hat)^2) per block, x_hat = (q * s) * S_dec (four_over_six.py order).
 
-    q = v with y's sign. Where s_b == 0 the reference's q is +0 and ours may be
-    -0; x - (+-0) squared is the same, so the error is too.
+    Taken on magnitudes: q has x's sign (y = x * enc_b, enc_b >= 0) or is 0, and
+    fp32 rounding is sign-symmetric, so x - x_hat = +-(|x| - (|q| * s) * S_dec) exactly.
     """
-    q = (v.to(tl.int32, bitcast=True) | (y.to(tl.int32, bitcast=True) & -2147483648)).to(tl.float32, bitcast=True)
-    d = x3 - (q * s_val[:, :, None]) * s_dec[:, None, None]
+    d = ax3 - (r * s_val[:, :, None]) * s_dec[:, None, None]
     t = d * d
     t = _pair_sum(t, 16, R, G)
     t = _pair_sum(t, 8, R, G)
@@ -92,7 +90,7 @@ def _sq_err(x3, y, v, s_val, s_dec, R: tl.constexpr, G: tl.constexpr):
 @triton.jit
 def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, R, K, rows_per_amax,
                   seed_lo, seed_hi, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ROW_AMAX: tl.constexpr,
-                  FOUR_SIX: tl.constexpr, STOCHASTIC: tl.constexpr):
+                  FOUR_SIX: tl.constexpr, STOCHASTIC: tl.constexpr, EVEN: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 16
@@ -101,13 +99,18 @@ def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, R, 
     rmask = rows < R
     mask = rmask[:, None] & (cols < K)[None, :]
     offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    ax = tl.abs(x)
-    bad = tl.max(tl.max(((ax == float("inf")) | (x != x)).to(tl.int32), axis=1), axis=0)
+    if EVEN:
+        x = tl.load(x_ptr + offs).to(tl.float32)
+    else:
+        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    ax3 = tl.abs(tl.reshape(x, [BLOCK_R, G, 16]))
+    # NaN-keeping block amax: one compare per block finds any NaN or Inf in the tile
+    b = tl.reduce(ax3, 2, _max_nan)
+    bad = tl.max(tl.max(tl.where(b <= 3.4028234663852886e38, 0, 1), axis=1), axis=0)
     if bad > 0:
         tl.atomic_max(flag_ptr, bad)
     if ROW_AMAX:
-        amax = tl.max(ax, axis=1)
+        amax = tl.max(b, axis=1)
     else:
         amax = tl.load(amax_ptr + rows // rows_per_amax, mask=rmask, other=0.0)
     if FOUR_SIX:
@@ -120,36 +123,37 @@ def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, R, 
     if pid_k == 0:
         tl.store(outer_ptr + rows, s_dec, mask=rmask)
 
-    x3 = tl.reshape(x, [BLOCK_R, G, 16])
-    offs3 = tl.reshape(offs, [BLOCK_R, G, 16])
-    b = tl.max(tl.reshape(ax, [BLOCK_R, G, 16]), axis=2)
     v = b * (s_enc * 0.1666666716337204)[:, None]  # f32(1/6)
     if STOCHASTIC:
         v = v * 1.0625
     s_code, s_val = _block_scale(v)
-    y = _scaled(x3, s_val, s_dec)
+    ay = _scaled(ax3, s_val, s_dec)  # |y| = |x| * enc_b; y has x's sign
     if STOCHASTIC:
-        idx = e2m1_code_sr(tl.abs(y), philox_bits(seed_lo, seed_hi, offs3))
-        code = tl.where((s_val == 0.0)[:, :, None], 0, idx | (((y.to(tl.int32, bitcast=True) >> 31) & 1) << 3))
+        # one Philox call per 4 consecutive elements: counter = flat offset // 4 (K % 16 == 0)
+        ctr = rows.to(tl.int64)[:, None] * (K // 4) + (pid_k * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4))[None, :]
+        bits = tl.reshape(philox_bits4(seed_lo, seed_hi, ctr), [BLOCK_R, G, 16])
+        idx = e2m1_code_sr(ay, bits)
     else:
-        r, idx = e2m1_round(y)
+        r, idx = e2m1_round(ay)
         if FOUR_SIX:
             s4_code, s4_val = _block_scale(v * 1.5)
-            y4 = _scaled(x3, s4_val, s_dec)
-            r4, idx4 = e2m1_round(y4)
-            pick4 = _sq_err(x3, y4, r4, s4_val, s_dec, BLOCK_R, G) < _sq_err(x3, y, r, s_val, s_dec, BLOCK_R, G)
-            p3 = pick4[:, :, None]
-            y = tl.where(p3, y4, y)
-            idx = tl.where(p3, idx4, idx)
+            r4, idx4 = e2m1_round(_scaled(ax3, s4_val, s_dec))
+            pick4 = _sq_err(ax3, r4, s4_val, s_dec, BLOCK_R, G) < _sq_err(ax3, r, s_val, s_dec, BLOCK_R, G)
+            idx = tl.where(pick4[:, :, None], idx4, idx)
             s_val = tl.where(pick4, s4_val, s_val)
             s_code = tl.where(pick4, s4_code, s_code)
-        code = _codes(y, idx, s_val)
+    # sign bit of y = sign bit of x; code 0 where s_b == 0 (nvfp4.encode_codes)
+    code = idx | ((tl.reshape(x, [BLOCK_R, G, 16]).to(tl.int32, bitcast=True) >> 28) & 8)
+    code = tl.where((s_val == 0.0)[:, :, None], 0, code)
 
     lo, hi = tl.split(tl.reshape(code, [BLOCK_R, BLOCK_K // 2, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)
     pcols = pid_k * (BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
     pmask = rmask[:, None] & (pcols < K // 2)[None, :]
-    tl.store(data_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], packed, mask=pmask)
+    if EVEN:
+        tl.store(data_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], packed)
+    else:
+        tl.store(data_ptr + rows.to(tl.int64)[:, None] * (K // 2) + pcols[None, :], packed, mask=pmask)
     scols = pid_k * G + tl.arange(0, G)
     smask = rmask[:, None] & (scols < K // 16)[None, :]
     tl.store(scale_ptr + rows.to(tl.int64)[:, None] * (K // 16) + scols[None, :], s_code.to(tl.uint8), mask=smask)
@@ -171,7 +175,7 @@ def _abs_max(x2: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: bool = False,
-                   stochastic: bool = False, seed=None, block_elems: int = 4096, num_warps: int | None = None):
+                   stochastic: bool = False, seed=None, block_elems: int | None = None, num_warps: int | None = None):
     """NVFP4 codes of x [..., K] -> (packed uint8 [..., K/2], E4M3 codes uint8 [..., K/16],
     per-row S_dec fp32 [rows], non-finite flag int32 [1]).
 
@@ -202,12 +206,15 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
     outer_rows = torch.empty((R,), dtype=torch.float32, device=dev)
     flag = nonfinite_flag(dev)
     lo, hi = split_seed(seed) if stochastic else (0, 0)
-    block_r, block_k = _tile(K, row_amax, block_elems)
+    # Elements a thread: 32 for round-to-nearest; 16 for 4/6 (two candidates live) and SR (Philox
+    # state), where 32 needs ~255 registers. Fewer warps a row also means a cheaper row amax.
+    per_thread = 16 if four_over_six or stochastic else 32
+    block_r, block_k = _tile(K, row_amax, block_elems or 128 * per_thread)  # 4 warps
     grid = (triton.cdiv(R, block_r), triton.cdiv(K, block_k))
-    # ~16 elements a thread: 4/6 keeps two candidates live, and more spills registers
-    warps = num_warps or min(16, max(4, block_r * block_k // 512))
+    warps = num_warps or min(16, max(1, block_r * block_k // (32 * per_thread)))
     _nvfp4_kernel[grid](x2, amax, data, scale, outer_rows, flag, R, K, max(rows_per_amax, 1), lo, hi,
                         BLOCK_R=block_r, BLOCK_K=block_k, ROW_AMAX=row_amax, FOUR_SIX=four_over_six,
-                        STOCHASTIC=stochastic, num_warps=warps, enable_fp_fusion=False)
+                        STOCHASTIC=stochastic, EVEN=R % block_r == 0 and K % block_k == 0, num_warps=warps,
+                        enable_fp_fusion=False)
     lead = x.shape[:-1]
     return data.reshape(*lead, K // 2), scale.reshape(*lead, K // NV_BLOCK), outer_rows, flag

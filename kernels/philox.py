@@ -8,9 +8,15 @@ rounds. The Triton kernels in this package call the same generator
 (``philox_triton.py``), so a stochastically rounded tensor is identical
 whether the reference or a kernel produced it.
 
+``random_bits4(seed, offsets)`` is the draw stochastic rounding uses: all
+four streams of one call serve four consecutive offsets, bits(o) =
+philox4x32(seed, counter=o // 4)[o % 4], so a kernel makes one Philox call per
+4 elements (``philox_triton.philox_bits4``).
+
 Every value is carried in int64 holding a uint32 (0 .. 2**32-1): PyTorch's
-uint32 arithmetic is incomplete on CPU. Products are split into 16-bit halves
-so no intermediate leaves int64's range.
+uint32 arithmetic is incomplete on CPU. The 32x32-bit products split the
+constant into 16-bit halves so no needed intermediate leaves int64's range
+(the low word uses the wrapped int64 product, whose low 64 bits are exact).
 
 Leaves out: other round counts, and the 64-bit Philox variant.
 """
@@ -28,13 +34,15 @@ N_ROUNDS = 10
 
 
 def _mul_hi_lo(a: torch.Tensor, const: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(high 32 bits, low 32 bits) of a * const for uint32 a (int64 tensor) and a uint32 constant."""
-    a_hi, a_lo = a >> 16, a & 0xFFFF
-    c_hi, c_lo = const >> 16, const & 0xFFFF
-    mid = a_hi * c_lo + a_lo * c_hi  # < 2**33
-    low = a_lo * c_lo + ((mid & 0xFFFF) << 16)  # < 2**33
-    high = a_hi * c_hi + (mid >> 16) + (low >> 32)
-    return high & _MASK32, low & _MASK32
+    """(high 32 bits, low 32 bits) of a * const for uint32 a (int64 tensor) and a uint32 constant.
+
+    With const = c_hi * 2**16 + c_lo: floor(a * const / 2**32) =
+    (a * c_hi + (a * c_lo >> 16)) >> 16 (nested floors of exact integer
+    divisions, every term < 2**49); the low word is the int64 product, which
+    wraps modulo 2**64 and so keeps its low 32 bits exact.
+    """
+    high = torch.mul(a, const & 0xFFFF).bitwise_right_shift_(16).add_(a * (const >> 16)).bitwise_right_shift_(16)
+    return high, torch.mul(a, const).bitwise_and_(_MASK32)
 
 
 def philox4x32(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -52,20 +60,38 @@ def philox4x32(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
     c0 = offsets & _MASK32
     c1 = (offsets >> 32) & _MASK32
-    c2 = torch.zeros_like(c0)
-    c3 = torch.zeros_like(c0)
-    for _ in range(N_ROUNDS):
-        hi_b, lo_b = _mul_hi_lo(c2, _ROUND_B)
-        hi_a, lo_a = _mul_hi_lo(c0, _ROUND_A)
-        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+    # round 1 with c2 = c3 = 0 (its B product is 0), then the nine others
+    hi_a, lo_a = _mul_hi_lo(c0, _ROUND_A)
+    c0, c1, c2, c3 = c1.bitwise_xor_(k0), torch.zeros_like(c0), hi_a.bitwise_xor_(k1), lo_a
+    for _ in range(N_ROUNDS - 1):
         k0 = (k0 + _KEY_A) & _MASK32
         k1 = (k1 + _KEY_B) & _MASK32
+        hi_b, lo_b = _mul_hi_lo(c2, _ROUND_B)
+        hi_a, lo_a = _mul_hi_lo(c0, _ROUND_A)
+        c0, c1, c2, c3 = hi_b.bitwise_xor_(c1).bitwise_xor_(k0), lo_b, hi_a.bitwise_xor_(c3).bitwise_xor_(k1), lo_a
     return c0, c1, c2, c3
 
 
 def random_bits(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     """The first Philox stream: one uint32 (in int64) per offset, like ``tl.randint(seed, offsets)``."""
     return philox4x32(seed, offsets)[0]
+
+
+def random_bits4(seed: int, offsets: torch.Tensor) -> torch.Tensor:
+    """Stochastic rounding's bits: one uint32 (in int64) per offset o, stream o % 4 of the call for counter o // 4.
+
+    One Philox call serves four consecutive offsets. For offsets 0..n-1 (every
+    quantize), ``random_bits4_range`` does a quarter of ``random_bits``' work.
+    """
+    offsets = offsets.to(torch.int64)
+    streams = torch.stack(philox4x32(seed, offsets >> 2), dim=-1)
+    return streams.gather(-1, (offsets & 3).unsqueeze(-1)).squeeze(-1)
+
+
+def random_bits4_range(seed: int, n: int, device=None) -> torch.Tensor:
+    """``random_bits4(seed, arange(n))``: ceil(n/4) Philox calls, their four streams interleaved."""
+    counters = torch.arange((int(n) + 3) // 4, dtype=torch.int64, device=device)
+    return torch.stack(philox4x32(seed, counters), dim=-1).reshape(-1)[: int(n)]
 
 
 def derive_seed(*keys: int) -> int:

@@ -1,17 +1,20 @@
 """Philox4x32-10 random bits inside Triton kernels, equal to ``rl4bit.kernels.philox``.
 
-``philox_bits(seed_lo, seed_hi, offsets)`` returns the first Philox stream as
-uint32 for int64 ``offsets``: the same value as
-``rl4bit.kernels.philox.random_bits(seed, offsets)`` with
-``seed = seed_hi << 32 | seed_lo`` (and as Triton's ``tl.randint(seed,
-offsets)``). It is written out here rather than calling ``tl.randint`` so the
+``philox4x32(seed_lo, seed_hi, counters)`` returns the four uint32 streams,
+equal to ``rl4bit.kernels.philox.philox4x32(seed, counters)`` with
+``seed = seed_hi << 32 | seed_lo``. ``philox_bits`` is the first stream
+(``philox.random_bits``, Triton's ``tl.randint(seed, offsets)``; the RHT
+signs use it). ``philox_bits4`` is the stochastic-rounding draw: one call per
+counter c gives the bits of the four offsets 4c .. 4c+3
+(``philox.random_bits4``: offset o takes stream o % 4 of counter o // 4).
+It is written out here rather than calling ``tl.randint`` so the
 bits do not depend on the installed Triton's random module (the GPU image runs
 triton 3.6, CI 3.9): key = (seed_lo, seed_hi), counter = (offset low 32,
 offset high 32, 0, 0), ten rounds, constants of Salmon et al. (SC'11).
 
 ``split_seed(seed)`` turns a Python int seed into the two kernel arguments.
 
-Leaves out: the other three streams and the 64-bit variant (nothing uses them).
+Leaves out: the 64-bit variant (nothing uses it).
 """
 
 from __future__ import annotations
@@ -31,25 +34,58 @@ def split_seed(seed: int) -> tuple[int, int]:
 
 
 @triton.jit
-def philox_bits(seed_lo, seed_hi, offsets):
-    """uint32 random bits for each int64 offset (first Philox4x32-10 stream)."""
-    offsets = offsets.to(tl.int64)
-    # Keys as tensors shaped like the offsets: works whether Triton passed the
+def _mul_wide(a, C: tl.constexpr):
+    """(high, low) 32-bit words of uint32 a * C: one 32x32->64 multiply (``mul.wide.u32``), not mul.hi + mul.lo."""
+    p = a.to(tl.uint64) * C
+    return (p >> 32).to(tl.uint32), p.to(tl.uint32)
+
+
+@triton.jit
+def philox4x32(seed_lo, seed_hi, counters):
+    """The four uint32 Philox4x32-10 outputs for each int64 counter (``philox.philox4x32``).
+
+    About 40 instructions a call on sm_90 (a wide multiply and a 3-input XOR
+    per word per round); the keys live in uniform registers.
+    """
+    counters = counters.to(tl.int64)
+    # Keys as tensors shaped like the counters: works whether Triton passed the
     # seed halves as runtime scalars or specialised them to constexpr (value 1),
     # and needs no tl.to_tensor (absent from triton 3.6's language namespace).
-    k0 = (offsets * 0 + seed_lo).to(tl.uint32)
-    k1 = (offsets * 0 + seed_hi).to(tl.uint32)
-    c0 = offsets.to(tl.uint32)
-    c1 = (offsets >> 32).to(tl.uint32)
-    c2 = c0 * 0
-    c3 = c0 * 0
-    for _ in tl.static_range(10):
-        _c0 = c0
-        _c2 = c2
-        c0 = tl.umulhi(0xCD9E8D57, _c2) ^ c1 ^ k0
-        c2 = tl.umulhi(0xD2511F53, _c0) ^ c3 ^ k1
-        c1 = tl.mul(0xCD9E8D57, _c2, sanitize_overflow=False)
-        c3 = tl.mul(0xD2511F53, _c0, sanitize_overflow=False)
+    k0 = (counters * 0 + seed_lo).to(tl.uint32)
+    k1 = (counters * 0 + seed_hi).to(tl.uint32)
+    c0 = counters.to(tl.uint32)
+    c1 = (counters >> 32).to(tl.uint32)
+    # round 1 has c2 = c3 = 0, so its B product is 0
+    hi_a, c3 = _mul_wide(c0, 0xD2511F53)
+    c2 = hi_a ^ k1
+    c0 = c1 ^ k0
+    c1 = c0 * 0
+    for _ in tl.static_range(9):
         k0 = tl.add(k0, 0x9E3779B9, sanitize_overflow=False)
         k1 = tl.add(k1, 0xBB67AE85, sanitize_overflow=False)
+        hi_b, lo_b = _mul_wide(c2, 0xCD9E8D57)
+        hi_a, lo_a = _mul_wide(c0, 0xD2511F53)
+        c0 = hi_b ^ c1 ^ k0
+        c2 = hi_a ^ c3 ^ k1
+        c1 = lo_b
+        c3 = lo_a
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def philox_bits(seed_lo, seed_hi, offsets):
+    """uint32 random bits for each int64 offset (first Philox4x32-10 stream, ``philox.random_bits``)."""
+    c0, _, _, _ = philox4x32(seed_lo, seed_hi, offsets)
     return c0
+
+
+@triton.jit
+def philox_bits4(seed_lo, seed_hi, counters):
+    """Stochastic rounding's bits for the four offsets 4c .. 4c+3 of each counter c: shape [*counters.shape, 2, 2].
+
+    Element [..., i, j] is stream 2i + j of the call for counter c, i.e. the
+    bits of offset 4c + 2i + j (``philox.random_bits4``): reshaping [..., n, 2, 2]
+    to [..., 4n] lays the bits out along consecutive offsets.
+    """
+    c0, c1, c2, c3 = philox4x32(seed_lo, seed_hi, counters)
+    return tl.join(tl.join(c0, c2), tl.join(c1, c3))

@@ -63,8 +63,10 @@ class ModelConfig:
     """Dtype of the non-quantized parts (attention, norms, embeddings, lm_head)."""
 
     def validate(self, path: str) -> None:
-        if self.path is not None and not Path(self.path).expanduser().is_dir():
-            raise ConfigError(f"{path}.path: {self.path!r} is not a directory; point it at a local HF checkpoint or set it to null to build `tiny`")
+        # Existence of `path` is checked where the model is loaded (rl4bit.models), not here:
+        # a config for a cluster's checkpoint must validate on the laptop that edits it.
+        if self.path is not None and not self.path.strip():
+            raise ConfigError(f"{path}.path: empty; point it at a local HF checkpoint or set it to null to build `tiny`")
         for name, mult in (("hidden_size", 32), ("expert_intermediate_size", 32)):
             v = getattr(self, name)
             if v <= 0 or v % mult:
@@ -286,6 +288,12 @@ class RunConfig:
     """Learning rate of the supervised warm start."""
     tensorboard: bool = True
     """Also write TensorBoard event files."""
+    warmup_batch_size: int = 64
+    """Prompts (with their answers) per step of the supervised warm start."""
+    cpu_threads: int = 0
+    """torch intra-op threads in every process of the job (0 = torch's default); tiny models on a shared CPU run fastest with 1."""
+    progress: bool = True
+    """Show the live `rich` progress display (off in tests and non-interactive logs)."""
 
     def validate(self, path: str) -> None:
         if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.warmup_sft_steps < 0:

@@ -37,9 +37,11 @@ def test_each_subcommand_has_help(sub, capsys):
 
 
 def test_config_prints_the_resolved_tree(capsys):
+    cfg = load_config(REPO / "configs/quickstart.yaml")
     assert main(["config", str(REPO / "configs/quickstart.yaml"), "-o", "trainer.lr=1e-6"]) == 0
     out = capsys.readouterr().out
-    assert "lr: 1.0e-06" in out and "rollouts_per_step: 128" in out
+    rollouts = cfg.rl.prompts_per_step * cfg.rl.samples_per_prompt
+    assert "lr: 1.0e-06" in out and f"rollouts_per_step: {rollouts}" in out
 
 
 def test_config_error_exits_nonzero_with_the_key(tmp_path, capsys):

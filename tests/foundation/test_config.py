@@ -54,7 +54,7 @@ def test_derived_batch_sizes():
         ("sampler:\n  backend: vlm\n", ["sampler.backend", "'vlm'", "did you mean 'vllm'"]),
         ("sampler:\n  top_p: 1.5\n", ["sampler.top_p", "1.5"]),
         ("model:\n  hidden_size: 48\n", ["model.hidden_size", "48", "multiple of 32"]),
-        ("model:\n  path: /no/such/dir\n", ["model.path", "/no/such/dir"]),
+        ("model:\n  path: ' '\n", ["model.path", "empty"]),
         ("rewards:\n  functions:\n    - fn: no_colon\n", ["rewards.functions[0].fn", "no_colon"]),
         ("rewards:\n  functions: []\n", ["rewards.functions", "at least one"]),
         ("rl:\n  tis_cap: 0.5\n", ["rl.tis_cap", "0.5"]),

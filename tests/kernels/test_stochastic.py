@@ -11,7 +11,7 @@ import torch
 from bitwise import assert_bitwise_equal, count_differing_bytes
 
 from rl4bit.kernels import dequantize, quantize_reference, requantize
-from rl4bit.kernels.philox import random_bits
+from rl4bit.kernels.philox import philox4x32, random_bits4, random_bits4_range
 
 N = 1024
 
@@ -89,13 +89,13 @@ def test_same_seed_same_bits_different_seed_different_bits():
 
 
 def test_offsets_are_flat_output_indices():
-    """Element at flat index o rounds up iff (random_bits(seed, o) >> 8) < frac * 2**24."""
+    """Element at flat index o rounds up iff (random_bits4(seed, o) >> 8) < frac * 2**24."""
     seed = 2024
     # MXFP8: block amax 448 -> scale 1; 1 + 1/16 sits halfway between E4M3 1 and 1.125
     x = torch.full((3, 64), 1.0625)
     x[:, 0] = x[:, 32] = 448.0
     got = quantize_reference(x, "mxfp8", rounding="stochastic", seed=seed).data.float()
-    r = random_bits(seed, torch.arange(x.numel())).reshape(x.shape)
+    r = random_bits4(seed, torch.arange(x.numel())).reshape(x.shape)
     want = torch.where((r >> 8) < 2**23, 1.125, 1.0)
     want[:, 0] = want[:, 32] = 448.0
     assert_bitwise_equal(got, want, "mxfp8 SR decisions vs Philox offsets")
@@ -106,7 +106,7 @@ def test_offsets_are_flat_output_indices():
     x[:, 16] = x[:, 32] = 6.0
     qt = quantize_reference(x, "nvfp4", rounding="stochastic", seed=seed)
     assert qt.outer.item() == 1.0 and qt.scale.float()[:, 1:].eq(1.0).all()
-    r = random_bits(seed, torch.arange(x.numel())).reshape(x.shape)
+    r = random_bits4(seed, torch.arange(x.numel())).reshape(x.shape)
     want = torch.where((r >> 8) < 2**23, 1.0, 0.5)
     exact = x != 0.75
     want[exact] = x[exact]
@@ -116,3 +116,13 @@ def test_offsets_are_flat_output_indices():
     r1 = requantize(fwd, seed=seed)
     r2 = quantize_reference(dequantize(fwd).T.contiguous(), "mxfp8", rounding="stochastic", seed=seed)
     assert_bitwise_equal(r1, r2, "requantize == quantize(dequantize(q).T) with the same seed")
+
+
+def test_random_bits4_takes_stream_o_mod_4_of_counter_o_div_4():
+    seed = 2**63 + 11
+    offs = torch.cat([torch.arange(37), torch.tensor([2**33 + 2, 2**62 + 1]), torch.randint(0, 2**40, (50,))])
+    streams = torch.stack(philox4x32(seed, offs // 4), dim=-1)
+    want = torch.tensor([int(streams[i, int(o) % 4]) for i, o in enumerate(offs)])
+    assert_bitwise_equal(random_bits4(seed, offs), want, "random_bits4 vs philox4x32 streams")
+    assert_bitwise_equal(random_bits4_range(seed, 37), want[:37], "random_bits4_range vs random_bits4")
+    assert len(set(want[:37].tolist())) == 37  # the four streams of a call differ

@@ -6,7 +6,9 @@ other kernel tests run the interpreter (TRITON_INTERPRET=1 decorates kernels
 as interpreted functions). The PTX must hold no FMA contraction (``fma.``),
 no approximate division (``div.full`` / ``div.approx``) and no flush-to-zero
 (``.ftz``): each would break bitwise equality with the reference. Run by hand:
-``python tests/kernels/test_triton_compile.py``.
+``python tests/kernels/test_triton_compile.py``; with ``--count`` it also prints
+SASS instructions per element (cuobjdump; out-of-line subroutines such as
+div_rn's slow path left out), registers and top opcodes: kernels/PERF_NOTES.md.
 """
 
 from __future__ import annotations
@@ -29,9 +31,10 @@ def _kernels():
     seeds = dict(seed_lo="i64", seed_hi="i64")
     nv_sig = dict(x_ptr="*bf16", amax_ptr="*fp32", data_ptr="*u8", scale_ptr="*u8", outer_ptr="*fp32",
                   flag_ptr="*i32", R="i32", K="i32", rows_per_amax="i32", **seeds)
-    for four_six, sr in ((True, False), (False, False), (False, True)):
+    for four_six, sr in ((True, False), (False, False), (False, True)):  # the launches for K = 2048
         yield (f"nvfp4 4/6={four_six} sr={sr}", nv._nvfp4_kernel, nv_sig,
-               dict(BLOCK_R=2, BLOCK_K=2048, ROW_AMAX=True, FOUR_SIX=four_six, STOCHASTIC=sr), 8)
+               dict(BLOCK_R=1 if four_six or sr else 2, BLOCK_K=2048, ROW_AMAX=True, FOUR_SIX=four_six,
+                    STOCHASTIC=sr, EVEN=True), 4)
     rows_sig = dict(x_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", flag_ptr="*i32", M="i32", K="i32", **seeds)
     for sr in (False, True):
         yield f"mxfp8 rows sr={sr}", mx._mxfp8_rows_kernel, rows_sig, dict(BLOCK_M=16, BLOCK_K=256, STOCHASTIC=sr), 4
@@ -39,17 +42,39 @@ def _kernels():
                     flag_ptr="*i32", M="i32", K="i32", **seeds)
     for sr in (False, True):
         yield (f"requantize sr={sr}", mx._mxfp8_cols_kernel, cols_sig,
-               dict(BLOCK_M=64, BLOCK_K=64, SRC_NVFP4=True, STOCHASTIC=sr), 4)
+               dict(BLOCK_M=32, BLOCK_K=256, SRC_NVFP4=True, STOCHASTIC=sr, EVEN=True), 4)
     float_cols = dict(cols_sig, src_ptr="*bf16", src_scale_ptr="*bf16", src_outer_ptr="*bf16")
-    yield ("mxfp8 columnwise", mx._mxfp8_cols_kernel, float_cols,
-           dict(BLOCK_M=64, BLOCK_K=64, SRC_NVFP4=False, STOCHASTIC=True), 4)
+    for sr in (False, True):
+        yield (f"mxfp8 columnwise sr={sr}", mx._mxfp8_cols_kernel, float_cols,
+               dict(BLOCK_M=32, BLOCK_K=256, SRC_NVFP4=False, STOCHASTIC=sr, EVEN=False), 4)
     enc_sig = dict(x_ptr="*bf16", data_ptr="*i8", scale_ptr="*u8", flag_ptr="*i32", R="i32", K="i32", **seeds)
     yield "rht + s2f6 encode", s2._s2f6_quant_kernel, enc_sig, dict(BLOCK_R=4, BLOCK_K=1024, HAS_RHT=True), 4
     dec_sig = dict(data_ptr="*i8", scale_ptr="*u8", out_ptr="*fp32", R="i32", K="i32", **seeds)
     yield "s2f6 decode + inverse rht", s2._s2f6_dequant_kernel, dec_sig, dict(BLOCK_R=4, BLOCK_K=1024, HAS_RHT=True), 4
 
 
-def compile_all() -> list[str]:
+def sass_stats(cubin: bytes, elems_per_thread: float) -> str:
+    """'instr/elt=.. regs=.. top=[..]' for a cubin: static SASS count (no NOPs, no subroutines) / elements a thread."""
+    import collections
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        res = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    lines = re.findall(r"^\s+/\*([0-9a-f]{4,6})\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)
+    calls = [int(a, 16) for a in re.findall(r"CALL\.REL\.NOINC\s+(?:`\(\S+\)|0x)([0-9a-f]+)", sass)]
+    ops = [op for addr, op in lines if op != "NOP" and (not calls or int(addr, 16) < min(calls))]
+    top = collections.Counter(op.split(".")[0] for op in ops).most_common(5)
+    regs = re.search(r"REG:(\d+)", res)
+    return f"instr/elt={len(ops) / elems_per_thread:.1f} regs={regs.group(1) if regs else '?'} top={top}"
+
+
+def compile_all(count: bool = False) -> list[str]:
     """Compile every kernel for sm_90; return one problem line per bad kernel (empty = all good)."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -65,6 +90,9 @@ def compile_all() -> list[str]:
         ptx = k.asm["ptx"]
         bad = [p for p in (r"\bfma\.", r"div\.(full|approx)", r"\.ftz") if re.search(p, ptx)]
         print(f"{name}: {len(ptx.splitlines())} PTX lines" + (f", found {bad}" if bad else ""))
+        if count:
+            elems = consts.get("BLOCK_R", consts.get("BLOCK_M")) * consts["BLOCK_K"] / (32 * warps)
+            print(f"    {sass_stats(k.asm['cubin'], elems)}")
         if bad:
             problems.append(f"{name}: PTX contains {bad}")
     return problems
@@ -78,6 +106,6 @@ def test_kernels_compile_for_sm90_with_exact_fp32():
 
 
 if __name__ == "__main__":
-    found = compile_all()
+    found = compile_all(count="--count" in sys.argv)
     print("\n".join(found) or "all kernels compile for sm_90 with exact fp32 ops")
     sys.exit(1 if found else 0)

@@ -26,8 +26,8 @@ from rl4bit.kernels.formats_triton import (
     e8m0_rceil_of_quotient,
     pow2,
 )
-from rl4bit.kernels.philox import random_bits
-from rl4bit.kernels.philox_triton import philox_bits, split_seed
+from rl4bit.kernels.philox import random_bits, random_bits4
+from rl4bit.kernels.philox_triton import philox_bits, philox_bits4, split_seed
 from rl4bit.kernels.stochastic import uniform24
 
 
@@ -40,11 +40,20 @@ def _philox_kernel(offs_ptr, out_ptr, n, seed_lo, seed_hi, B: tl.constexpr):
 
 
 @triton.jit
+def _philox4_kernel(ctr_ptr, out_ptr, n, seed_lo, seed_hi, B: tl.constexpr):
+    """out[4j .. 4j+3] = SR bits of offsets 4c .. 4c+3 for the counter c = ctr[j]."""
+    j = tl.program_id(0) * B + tl.arange(0, B)
+    r = tl.reshape(philox_bits4(seed_lo, seed_hi, tl.load(ctr_ptr + j, mask=j < n, other=0)), [4 * B])
+    o = tl.program_id(0) * 4 * B + tl.arange(0, 4 * B)
+    tl.store(out_ptr + o, r.to(tl.int64), mask=o < 4 * n)
+
+
+@triton.jit
 def _codec_kernel(y_ptr, out_ptr, n, seed_lo, seed_hi, OP: tl.constexpr, B: tl.constexpr):
     i = tl.program_id(0) * B + tl.arange(0, B)
     m = i < n
     y = tl.load(y_ptr + i, mask=m, other=0.0)
-    bits = philox_bits(seed_lo, seed_hi, i.to(tl.int64))
+    bits = tl.reshape(philox_bits4(seed_lo, seed_hi, (tl.program_id(0) * (B // 4) + tl.arange(0, B // 4)).to(tl.int64)), [B])
     if OP == 0:
         c = e4m3_code_rn(tl.minimum(tl.abs(y), 448.0))
     elif OP == 1:
@@ -88,6 +97,17 @@ def test_philox_bits_equal_reference(seed):
     lo, hi = split_seed(seed)
     _philox_kernel[(triton.cdiv(offs.numel(), 256),)](offs.to(DEVICE), out, offs.numel(), lo, hi, B=256)
     assert_bitwise_equal(out.cpu(), random_bits(seed, offs), f"philox seed={seed}")
+
+
+@pytest.mark.parametrize("seed", [3, 2**64 - 1])
+def test_philox_bits4_equal_reference(seed):
+    """The SR draw: offset o gets stream o % 4 of the Philox call for counter o // 4, in kernel and reference."""
+    ctr = torch.cat([torch.arange(70), torch.tensor([2**29 + 1, 2**30 + 7, 2**38 + 3, 2**60])])
+    out = torch.empty(4 * ctr.numel(), dtype=torch.int64, device=DEVICE)
+    lo, hi = split_seed(seed)
+    _philox4_kernel[(triton.cdiv(ctr.numel(), 64),)](ctr.to(DEVICE), out, ctr.numel(), lo, hi, B=64)
+    offs = (4 * ctr[:, None] + torch.arange(4)).reshape(-1)
+    assert_bitwise_equal(out.cpu(), random_bits4(seed, offs), f"philox_bits4 seed={seed}")
 
 
 def test_e4m3_nearest_equals_cast():

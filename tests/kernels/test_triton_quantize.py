@@ -123,6 +123,28 @@ def test_requantize_bitwise(outer, rounding):
     assert_bitwise_equal(got, requantize_nvfp4_to_mxfp8(q, seed=SEED, rounding=rounding), f"requantize {outer}")
 
 
+def test_tile_multiples_take_the_unmasked_path():
+    """Shapes that divide the tiles (EVEN: no load/store masks) on CPU too; the shapes above all need masks."""
+    x = nasty((32, 256), seed=14, dtype=torch.bfloat16)  # nvfp4 tiles 16 x 256, mxfp8 columnwise 32 x 256
+    for kw in (dict(outer="tensor"), dict(outer="row", four_over_six=True),
+               dict(outer="tensor", rounding="stochastic", seed=SEED)):
+        assert_bitwise_equal(td.quantize(x, "nvfp4", **kw), quantize_reference(x, "nvfp4", **kw), f"nvfp4 {kw}")
+    for rounding in ("nearest", "stochastic"):
+        assert_bitwise_equal(td.quantize_mxfp8_columnwise(x, rounding=rounding, seed=SEED),
+                             quantize_mxfp8_columnwise(x, rounding=rounding, seed=SEED), f"cols {rounding}")
+        q = quantize_reference(x, "nvfp4", outer="row")
+        assert_bitwise_equal(td.requantize(q, seed=SEED, rounding=rounding),
+                             requantize_nvfp4_to_mxfp8(q, seed=SEED, rounding=rounding), f"requantize {rounding}")
+    for bad in (float("nan"), float("-inf")):
+        y = x.clone()
+        y[5, 77] = bad
+        with pytest.raises(ValueError) as ref_err:
+            quantize_reference(y, "nvfp4")
+        with pytest.raises(ValueError) as got_err:
+            td.quantize(y, "nvfp4")
+        assert str(got_err.value) == str(ref_err.value)
+
+
 # ---------------------------------------------------------------- GPU, real shapes
 TOKENS, HIDDEN, INTER, EXPERTS = 8192, 2048, 768, 16  # Qwen3-30B-A3B expert dims, 16 of its 128 experts
 

@@ -1,0 +1,155 @@
+"""Where the plain classes run: the ONE place they are wrapped for Ray.
+
+    cluster = Cluster(cfg, run_dir)             # starts Ray (or not, in local mode)
+    trainer = cluster.actor(Trainer, cfg)       # a proxy: trainer.train_step(batch) returns a future
+    metrics = get(trainer.train_step(batch))    # ray.get in ray mode, the value itself in local mode
+    cluster.shutdown()
+
+`ray` mode: every actor is `ray.remote(cls)` on a Ray cluster. Without
+`ray.address` the command starts a private one: bound to 127.0.0.1, no
+dashboard, usage stats off, its temp/session files and its auth token
+(`auth_token`, mode 0600, instead of ~/.ray/auth_token) under `RUN_DIR/ray` (or
+`ray.temp_dir`). Unix socket paths are limited to ~107 bytes, so Ray is
+pointed at a short symlink in /tmp to that directory (removed at shutdown).
+Actors ask for 0 CPUs (they take turns: sample, then train), and each process
+gets `run.cpu_threads` torch threads. `local` mode builds the same classes
+in-process; calls run when made, so pdb and pytest work.
+
+Leaves out: placement groups, GPU packing of several actors per device,
+actor restarts (a dead actor fails the job).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+from pathlib import Path
+
+from rl4bit.config import JobConfig
+
+
+def resolve_mode(cfg: JobConfig) -> str:
+    if cfg.ray.mode != "auto":
+        return cfg.ray.mode
+    try:
+        import ray  # noqa: F401
+    except ModuleNotFoundError:
+        return "local"
+    return "ray"
+
+
+class _Done:
+    """A local call's result, shaped like a future."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+class _LocalProxy:
+    def __init__(self, obj):
+        self._obj = obj
+
+    def __getattr__(self, name):
+        fn = getattr(self._obj, name)
+        return lambda *a, **k: _Done(fn(*[x.value if isinstance(x, _Done) else x for x in a], **k))
+
+
+class _RayProxy:
+    def __init__(self, handle):
+        self._handle = handle
+
+    def __getattr__(self, name):
+        method = getattr(self._handle, name)
+        return lambda *a, **k: method.remote(*a, **k)
+
+
+def get(futures):
+    """Wait for one future or a list of them (the results, in order); an actor's exception is re-raised as itself."""
+    many = isinstance(futures, list)
+    items = futures if many else [futures]
+    if all(isinstance(f, _Done) for f in items):
+        values = [f.value for f in items]
+    else:
+        import ray
+
+        try:
+            values = ray.get(items)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, Exception):
+                raise e.cause from None
+            raise
+    return values if many else values[0]
+
+
+class Cluster:
+    """Starts (and stops) what the actors run on; `actor(cls, *args)` builds one."""
+
+    def __init__(self, cfg: JobConfig, run_dir: str | Path):
+        self.mode = resolve_mode(cfg)
+        self.cfg = cfg
+        self._link = None
+        self._saved_env = {}
+        self._handles = []
+        if self.mode == "ray":
+            self._start_ray(Path(run_dir))
+
+    def _start_ray(self, run_dir: Path) -> None:
+        import ray
+
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        threads = str(self.cfg.run.cpu_threads or os.cpu_count() or 1)
+        env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "RAY_USAGE_STATS_ENABLED": "0"}
+        if self.cfg.ray.address is not None:
+            ray.init(address=self.cfg.ray.address, runtime_env={"env_vars": env}, log_to_driver=True)
+            return
+        temp = Path(self.cfg.ray.temp_dir or run_dir / "ray").resolve()
+        temp.mkdir(parents=True, exist_ok=True)
+        token = temp / "auth_token"  # Ray's token auth: this cluster's token lives here, not in ~/.ray
+        if not token.exists():
+            fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(secrets.token_hex(32))
+        self._saved_env = {"RAY_AUTH_TOKEN_PATH": os.environ.get("RAY_AUTH_TOKEN_PATH")}
+        os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)  # Ray turns token auth on by default for a new local cluster
+        self._link = Path(tempfile.mkdtemp(prefix="rl4bit-")) / "r"
+        self._link.symlink_to(temp, target_is_directory=True)
+        ray.init(
+            num_cpus=self.cfg.ray.num_cpus or os.cpu_count(),
+            include_dashboard=False,
+            _node_ip_address="127.0.0.1",
+            _temp_dir=str(self._link),
+            runtime_env={"env_vars": env},
+            log_to_driver=True,
+            configure_logging=False,
+        )
+
+    def actor(self, cls, *args, num_gpus: float = 0, **kwargs):
+        """An instance of the plain class `cls` here (local) or as a Ray actor (ray); calls return futures."""
+        if self.mode == "local":
+            return _LocalProxy(cls(*args, **kwargs))
+        import ray
+
+        handle = ray.remote(cls).options(num_cpus=0, num_gpus=num_gpus).remote(*args, **kwargs)
+        self._handles.append(handle)
+        return _RayProxy(handle)
+
+    def shutdown(self) -> None:
+        if self.mode != "ray":
+            return
+        import ray
+
+        for h in self._handles:
+            ray.kill(h)
+        self._handles = []
+        ray.shutdown()
+        if self._link is not None:
+            self._link.unlink(missing_ok=True)
+            self._link.parent.rmdir()
+            self._link = None
+        for k, v in self._saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        self._saved_env = {}

@@ -1,0 +1,375 @@
+"""rl4bit's quantized checkpoint directory: write it atomically, verify it, read it back.
+
+    write_checkpoint(out, model, plan, tokenizer=tok)      # model converted by trainer.surgery
+    qweights = load_qtensors(out)      # {module: {param: QTensor}}  -> surgery.load_quantized (serving)
+    state = load_state_dict(out)       # plain HF state dict, decoded  -> transformers model.load_state_dict
+
+Directory (Hugging Face style; vLLM reads it through compressed-tensors):
+- `config.json`: the model's config + `quantization_config` (`rl4bit.ct_layout`);
+- tokenizer files when a tokenizer is given;
+- `model-0000i-of-0000n.safetensors` shards (layers kept whole, in order) and
+  `model.safetensors.index.json`: `weight_map` as usual, and under `metadata`
+  the SHA-256 and byte size of every shard plus a CRC-32 per tensor, so a bad
+  shard is reported with the tensor it hits;
+- `rl4bit_layout.json`: which stored tensors make up which model weight, in
+  which format and shape (what `load_qtensors` / `load_state_dict` rebuild).
+The tensors are the trainer forward's own QTensors (`quantized_weights()`), bit
+for bit: no re-quantization, no calibration.
+
+Safety: the whole directory is written to a temporary sibling (files fsynced),
+then renamed over `out`; the previous `out` is moved aside first and deleted
+only after the rename, so an interrupted export leaves it intact (at worst
+under `<out>.old-*` if the process dies between the two renames). safetensors
+and JSON only: nothing is pickled.
+
+Leaves out: optimizer state and RNG (the RL checkpoint is rl4bit.checkpoint's),
+streaming loads of shards larger than memory, remote storage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import struct
+import tempfile
+import zlib
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from rl4bit import ct_layout
+from rl4bit.atomic import fsync_dir
+
+INDEX = "model.safetensors.index.json"
+LAYOUT = "rl4bit_layout.json"
+FORMAT_VERSION = 1
+DEFAULT_SHARD_BYTES = 2 << 30
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be trusted: the message names the file, the tensor and what to do."""
+
+
+# ------------------------------------------------------------------ what the model's weights are, as stored
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One model weight as stored: `module.param` in format fmt ("nvfp4" | "mxfp8" | "bf16" | "dense")."""
+
+    module: str
+    param: str
+    fmt: str
+    shape: tuple
+    fused: bool
+    """True for transformers-5 fused experts (3D [E, N, K]), stored per expert and projection."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.param}" if self.module else self.param
+
+    @property
+    def layer(self) -> int | None:
+        return ct_layout.layer_of(self.name)
+
+
+def model_layout(model, plan: dict[str, str]) -> list[Entry]:
+    """Every weight of `model` (converted or plain), planned modules first within their layer, in layer order."""
+    from rl4bit.trainer.plan import expert_weight_shapes
+
+    modules = dict(model.named_modules())
+    entries, covered = [], set()
+    for name, fmt in plan.items():
+        module = modules[name]
+        experts = expert_weight_shapes(module)
+        if experts is not None:
+            for param, shape in experts.items():
+                entries.append(Entry(name, param, fmt, tuple(shape), True))
+                covered.add(f"{name}.{param}")
+        elif fmt != "bf16":
+            entries.append(Entry(name, "weight", fmt, (1, module.out_features, module.in_features), False))
+            covered.add(f"{name}.weight")
+    for name, t in model.state_dict().items():
+        if name not in covered:
+            module, _, param = name.rpartition(".")
+            entries.append(Entry(module, param, "dense", tuple(t.shape), False))
+    order = {e: i for i, e in enumerate(entries)}
+    return sorted(entries, key=lambda e: (e.layer is None, e.layer or 0, order[e]))
+
+
+def encode_entry(model, entry: Entry, dense_dtype=torch.bfloat16, outers: dict | None = None) -> dict[str, torch.Tensor]:
+    """The stored tensors of one weight (quantized weights: the module's own QTensors).
+
+    NVFP4: the exact decode outers go into `outers[entry.name]` (-> shard metadata).
+    """
+    module = model.get_submodule(entry.module) if entry.module else model
+    if entry.fmt in ("nvfp4", "mxfp8"):
+        q = module.quantized_weights()[entry.param]
+        if q.fmt == "nvfp4" and outers is not None:
+            outers[entry.name] = ct_layout.outer_hex(q)
+        return ct_layout.encode_qtensor(entry.module, entry.param, q, fused_experts=entry.fused)
+    w = getattr(module, entry.param)
+    return ct_layout.encode_dense(entry.module, entry.param, w, fused_experts=entry.fused,
+                                  dtype=dense_dtype if w.is_floating_point() else None)
+
+
+def decode_entry(tensors: dict, entry: Entry, outers: dict | None = None):
+    """QTensor (quantized) or Tensor (dense) of one weight, from stored tensors (+ the metadata's exact outers)."""
+    if entry.fmt in ("nvfp4", "mxfp8"):
+        return ct_layout.decode_qtensor(tensors, entry.module, entry.param, entry.fmt, entry.shape,
+                                        fused_experts=entry.fused, outer=(outers or {}).get(entry.name))
+    return ct_layout.decode_dense(tensors, entry.module, entry.param, entry.shape, fused_experts=entry.fused)
+
+
+def layout_json(entries: list[Entry], plan: dict[str, str], **extra) -> dict:
+    return {"format_version": FORMAT_VERSION, "plan": plan, "entries": [asdict(e) for e in entries], **extra}
+
+
+def entries_from_json(d: dict) -> list[Entry]:
+    if d.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{LAYOUT}: format_version {d.get('format_version')!r}, this rl4bit reads {FORMAT_VERSION}; "
+                              "re-export with this version")
+    return [Entry(e["module"], e["param"], e["fmt"], tuple(e["shape"]), e["fused"]) for e in d["entries"]]
+
+
+# ------------------------------------------------------------------ safetensors bytes + checksums
+
+
+def tensor_crcs(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
+    """CRC-32 (hex) of each tensor's raw bytes."""
+    return {k: f"{zlib.crc32(_raw(t)):08x}" for k, t in tensors.items()}
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+
+
+OUTER_KEY = "rl4bit.nvfp4_decode_outer"
+
+
+def pack(tensors: dict[str, torch.Tensor], outers: dict | None = None) -> bytes:
+    """safetensors bytes of a tensor dict (no pickling); `outers` go to the metadata as JSON."""
+    meta = {"format": "pt"}
+    if outers:
+        meta[OUTER_KEY] = json.dumps(outers)
+    return st_save(tensors, metadata=meta)
+
+
+def _header(blob: bytes, where: str, meta: dict | None = None) -> tuple[dict, int]:
+    if len(blob) < 8:
+        raise CheckpointError(f"{where}: {len(blob)} bytes, too short to hold a safetensors header (truncated); re-export")
+    (n,) = struct.unpack("<Q", blob[:8])
+    try:
+        header = json.loads(blob[8:8 + n])
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{where}: the safetensors header is corrupt (or the file is truncated); re-export") from None
+    m = header.pop("__metadata__", None) or {}
+    if meta is not None:
+        meta.update(m)
+    return header, 8 + n
+
+
+def diagnose(blob: bytes, where: str, crcs: dict[str, str] | None, expected_bytes: int | None) -> str:
+    """Which tensor of a bad safetensors blob is hit: truncation or a CRC mismatch, named."""
+    header, start = _header(blob, where)
+    have = len(blob) - start
+    if expected_bytes is not None and len(blob) < expected_bytes or any(
+            info["data_offsets"][1] > have for info in header.values()):
+        cut = sorted((info["data_offsets"][1], name) for name, info in header.items() if info["data_offsets"][1] > have)
+        name = cut[0][1] if cut else "(after the last tensor)"
+        return (f"{where} is truncated ({len(blob)} bytes, expected {expected_bytes}); tensor {name!r} is cut off; "
+                "re-export / resend it")
+    bad = []
+    for name, info in header.items():
+        lo, hi = info["data_offsets"]
+        if crcs is not None and name in crcs and f"{zlib.crc32(blob[start + lo:start + hi]):08x}" != crcs[name]:
+            bad.append(name)
+    if bad:
+        return f"{where} is corrupt: tensor {bad[0]!r}" + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") + \
+            " does not match its checksum; re-export / resend it"
+    return f"{where} does not match its SHA-256 (the header or padding changed); re-export / resend it"
+
+
+def unpack(blob: bytes, where: str, sha256: str, crcs: dict[str, str] | None = None,
+           expected_bytes: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Verify a safetensors blob against its SHA-256 and load it -> (tensors, outers from the metadata).
+
+    CheckpointError naming the file and the tensor otherwise.
+    """
+    if hashlib.sha256(blob).hexdigest() != sha256:
+        raise CheckpointError(diagnose(blob, where, crcs, expected_bytes))
+    meta: dict = {}
+    _header(blob, where, meta)
+    return st_load(blob), json.loads(meta.get(OUTER_KEY, "{}"))
+
+
+# ------------------------------------------------------------------ write
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _json(obj) -> bytes:
+    return (json.dumps(obj, indent=2, sort_keys=False) + "\n").encode()
+
+
+def group_by_layer(entries: list[Entry]) -> list[list[Entry]]:
+    """Consecutive entries of the same layer (None = outside the layers) together, in order."""
+    groups: list[list[Entry]] = []
+    for e in entries:
+        if groups and groups[-1][0].layer == e.layer:
+            groups[-1].append(e)
+        else:
+            groups.append([e])
+    return groups
+
+
+def write_checkpoint(out: str | Path, model, plan: dict[str, str], *, tokenizer=None, dense_dtype=torch.bfloat16,
+                     max_shard_bytes: int = DEFAULT_SHARD_BYTES, extra: dict | None = None) -> Path:
+    """Export `model` (converted per `plan`) to the directory `out`, atomically; returns the path."""
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    entries = model_layout(model, plan)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        weight_map, shard_meta, crcs, blobs = {}, {}, {}, []
+        pending: dict[str, torch.Tensor] = {}
+        outers: dict[str, list] = {}
+
+        def flush():
+            if pending:
+                blob = pack(pending, outers)
+                fname = f"shard-{len(blobs):05d}.tmp"
+                _write_file(tmp / fname, blob)
+                blobs.append((fname, hashlib.sha256(blob).hexdigest(), len(blob), list(pending)))
+                crcs.update(tensor_crcs(pending))
+                pending.clear()
+                outers.clear()
+
+        for group in group_by_layer(entries):
+            tensors, group_outers = {}, {}
+            for e in group:
+                tensors.update(encode_entry(model, e, dense_dtype, group_outers))
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            if pending and sum(t.numel() * t.element_size() for t in pending.values()) + size > max_shard_bytes:
+                flush()
+            pending.update(tensors)
+            outers.update(group_outers)
+        flush()
+        n = len(blobs)
+        for i, (fname, sha, nbytes, names) in enumerate(blobs):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.rename(tmp / fname, tmp / final)
+            shard_meta[final] = {"sha256": sha, "bytes": nbytes}
+            weight_map.update({k: final for k in names})
+        total = sum(m["bytes"] for m in shard_meta.values())
+        index = {"metadata": {"total_size": total, "rl4bit_format_version": FORMAT_VERSION, "shards": shard_meta,
+                              "tensor_crc32": crcs}, "weight_map": weight_map}
+        _write_file(tmp / INDEX, _json(index))
+        _write_file(tmp / LAYOUT, _json(layout_json(entries, plan, **(extra or {}))))
+        cfg = model.config.to_dict()
+        experts = {e.module for e in entries if e.fused}
+        qc = ct_layout.quantization_config(plan, experts)
+        cfg.pop("quantization_config", None)
+        if qc is not None:
+            cfg["quantization_config"] = qc
+        cfg["torch_dtype"] = cfg["dtype"] = str(dense_dtype).removeprefix("torch.")
+        _write_file(tmp / "config.json", _json(cfg))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp))
+            for f in tmp.iterdir():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        fsync_dir(tmp)
+        _swap_in(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename tmp over out; the old out is moved aside first and removed only once the new one is in place."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / out.name)
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ read
+
+
+def read_index(path: str | Path) -> tuple[dict, list[Entry], dict]:
+    path = Path(path)
+    for f in (INDEX, LAYOUT, "config.json"):
+        if not (path / f).is_file():
+            raise CheckpointError(f"{path}: {f} is missing; this is not a complete rl4bit checkpoint (re-export it)")
+    index = json.loads((path / INDEX).read_text())
+    layout = json.loads((path / LAYOUT).read_text())
+    return index, entries_from_json(layout), layout
+
+
+def read_tensors(path: str | Path, outers: dict | None = None) -> dict[str, torch.Tensor]:
+    """Every stored tensor, each shard verified against the index (CheckpointError names file and tensor).
+
+    `outers` (optional dict) receives the exact NVFP4 decode outers from the shard metadata.
+    """
+    path = Path(path)
+    index, _, _ = read_index(path)
+    meta = index["metadata"]
+    outers = {} if outers is None else outers
+    out: dict[str, torch.Tensor] = {}
+    for fname, m in meta["shards"].items():
+        f = path / fname
+        if not f.is_file():
+            raise CheckpointError(f"{f}: shard is missing (holds e.g. "
+                                  f"{next(k for k, v in index['weight_map'].items() if v == fname)!r}); re-export")
+        tensors, shard_outers = unpack(f.read_bytes(), str(f), m["sha256"], meta.get("tensor_crc32"), m["bytes"])
+        out.update(tensors)
+        outers.update(shard_outers)
+    missing = sorted(set(index["weight_map"]) - set(out))
+    if missing:
+        raise CheckpointError(f"{path}: tensors {missing[:3]} are in the index but in no shard; re-export")
+    return out
+
+
+def load_qtensors(path: str | Path) -> dict[str, dict]:
+    """{module: {param: QTensor}} of the quantized modules, bitwise the trainer's (for surgery.load_quantized)."""
+    outers: dict = {}
+    tensors = read_tensors(path, outers)
+    _, entries, _ = read_index(path)
+    out: dict[str, dict] = {}
+    for e in entries:
+        if e.fmt in ("nvfp4", "mxfp8"):
+            out.setdefault(e.module, {})[e.param] = decode_entry(tensors, e, outers)
+    return out
+
+
+def load_state_dict(path: str | Path, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
+    """A plain transformers state dict: quantized weights decoded (rl4bit.kernels.dequantize) to `dtype`."""
+    outers: dict = {}
+    tensors = read_tensors(path, outers)
+    _, entries, _ = read_index(path)
+    sd = {}
+    for e in entries:
+        w = decode_entry(tensors, e, outers)
+        if e.fmt in ("nvfp4", "mxfp8"):
+            w = ct_layout.dequantized(w, dtype)
+            w = w if e.fused else w.reshape(e.shape[1:])
+        elif w.is_floating_point():
+            w = w.to(dtype)
+        sd[e.name] = w
+    return sd

@@ -1,0 +1,275 @@
+"""`rl4bit train CONFIG [--out DIR] [--resume RUN_DIR]`: the GRPO loop, top to bottom.
+
+    for step in 1..rl.steps:
+        sample    prompts_per_step prompts x samples_per_prompt completions   (Sampler actors)
+        score     every completion with the configured rewards                (RewardPool actor)
+        advantage group-normalized per prompt                                 (trainer.grpo)
+        train     ppo_epochs optimizer steps                                  (Trainer actor)
+        sync      the new weights into every sampler                          (WeightUpdate)
+        evaluate  greedy accuracy on the eval split, every data.eval_every
+        log       metrics.jsonl + TensorBoard + progress bar
+        checkpoint every run.checkpoint_every steps (and at the end)
+
+Actors are plain classes (`Trainer`, `Sampler`, `RewardPool`) built through
+`rl4bit.actors.Cluster`: Ray actors in `ray` mode, in-process objects in
+`local` mode; every call below is `get(actor.method(...))` either way.
+Before any actor starts, every reward is imported and called once in this
+process (fail fast, naming the reward). The first `eval/accuracy` (step 0) is
+the warm-started model's, before any RL step. `--resume RUN_DIR` reloads the
+run's stored config (overrides still apply, e.g. `-o rl.steps=40`) and its
+latest checkpoint, and continues; on CPU the metrics after the checkpoint
+equal an uninterrupted run's (time and throughput aside).
+
+Sampling randomness is keyed by (run.seed, step, prompt index), so no sampler
+RNG state needs saving. Leaves out: asynchronous (off-policy) rollouts,
+partial-group retries, multi-node placement.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from rl4bit.actors import Cluster, get
+from rl4bit.checkpoint import load_checkpoint, save_checkpoint
+from rl4bit.config import JobConfig, load_config
+from rl4bit.kernels.philox import derive_seed
+from rl4bit.metrics import MetricsLogger, plot, read_metrics
+from rl4bit.models import build_policy_model
+from rl4bit.rewards import RewardPool, check_rewards, exact_match
+from rl4bit.rundir import create_run_dir
+from rl4bit.sampler.types import Request, SamplingParams
+from rl4bit.tasks import PromptStream, load_task
+from rl4bit.tokenizer import build_tokenizer
+from rl4bit.trainer.actor import TrainBatch, Trainer
+from rl4bit.trainer.grpo import group_advantages
+
+
+def main(config_path, out=None, resume=None, overrides=None) -> int:
+    if resume is not None:
+        run_dir = Path(resume)
+        cfg = load_config(run_dir / "config.yaml", overrides)
+    else:
+        cfg = load_config(config_path, overrides)
+        run_dir = create_run_dir(cfg, out)
+    run(cfg, run_dir, resume=resume is not None)
+    return 0
+
+
+def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> list[dict]:
+    if cfg.run.cpu_threads:
+        torch.set_num_threads(cfg.run.cpu_threads)
+    tokenizer = build_tokenizer()
+    train_set, eval_set = load_task(cfg.data)
+    stream = PromptStream(train_set, cfg.data.seed)
+    specs = [_absolute(r.fn) for r in cfg.rewards.functions]
+    check_rewards(specs, train_set[0])
+
+    cluster = Cluster(cfg, run_dir)
+    logger = pool = None
+    try:
+        from rl4bit.sampler.actor import Sampler
+
+        device = cfg.trainer.device if cfg.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        gpu = 1 if device.startswith("cuda") else 0
+        trainer = cluster.actor(Trainer, cfg, num_gpus=gpu)
+        builder = functools.partial(build_policy_model, cfg)
+        samplers = [cluster.actor(Sampler, builder, tokenizer, cfg.sampler, device=device, max_seq_len=cfg.model.max_seq_len,
+                                  num_gpus=gpu) for _ in range(cfg.sampler.replicas)]
+        pool = cluster.actor(RewardPool, specs, [r.weight for r in cfg.rewards.functions], timeout_s=cfg.rewards.timeout_s,
+                             workers=cfg.rewards.workers, max_error_fraction=cfg.rewards.max_error_fraction)
+
+        start = 0
+        if resume:
+            tensors, meta = load_checkpoint(run_dir)
+            get(trainer.setup_rl())
+            get(trainer.load_state(tensors, meta["trainer"]))
+            stream.load_state(meta["data"])
+            start = meta["step"]
+        else:
+            if cfg.run.warmup_sft_steps:
+                warm = get(trainer.warm_start(train_set))
+                print(f"warm start: {cfg.run.warmup_sft_steps} steps, loss {warm['warmup/loss_first']:.3f} -> {warm['warmup/loss_last']:.3f}")
+            get(trainer.setup_rl())
+        logger = MetricsLogger(run_dir, total_steps=cfg.rl.steps, tensorboard=cfg.run.tensorboard,
+                               progress=cfg.run.progress, start_step=start)
+        if resume:
+            logger.truncate(start)
+        sync_bytes, sync_s = sync_weights(trainer, samplers)
+        if not resume:
+            logger.log(0, evaluate(cfg, tokenizer, samplers, pool, eval_set))
+
+        for step in range(start + 1, cfg.rl.steps + 1):
+            t_step = time.perf_counter()
+            # sample
+            t0 = time.perf_counter()
+            prompts = stream.next(cfg.rl.prompts_per_step)
+            requests = [_request(cfg, tokenizer, p, n=cfg.rl.samples_per_prompt, seed=derive_seed(cfg.run.seed, step, i), rid=f"{step}-{i}")
+                        for i, p in enumerate(prompts)]
+            rollouts = generate(samplers, requests)
+            t_sample = time.perf_counter() - t0
+            # score
+            t0 = time.perf_counter()
+            G = cfg.rl.samples_per_prompt
+            samples = [prompts[k // G] for k in range(len(rollouts))]
+            scores = get(pool.score([(s["prompt"], r.text, s) for s, r in zip(samples, rollouts)]))
+            totals = [None if r.finish_reason == "error" else v for r, v in zip(rollouts, scores.totals)]
+            t_score = time.perf_counter() - t0
+            # advantages
+            rewards = torch.tensor(_fill_masked(totals, G))
+            adv = group_advantages(rewards, G, normalize_std=cfg.rl.normalize_std)
+            batch = TrainBatch(
+                prompt_ids=[r.prompt_ids for r in rollouts],
+                completion_ids=[r.completion_ids if v is not None else [] for r, v in zip(rollouts, totals)],
+                sampler_logprobs=[r.logprobs for r in rollouts],
+                advantages=adv.tolist(),
+            )
+            # train
+            t0 = time.perf_counter()
+            m = get(trainer.train_step(batch))
+            t_train = time.perf_counter() - t0
+            # sync
+            sync_bytes, sync_s = sync_weights(trainer, samplers)
+            # log (and evaluate)
+            m.update(rollout_metrics(rollouts, totals, scores, G, t_sample))
+            m.update({"sync/bytes": sync_bytes, "sync/seconds": sync_s, "time/sample_s": t_sample, "time/score_s": t_score,
+                      "time/train_s": t_train, "time/sync_s": sync_s})
+            if step % cfg.data.eval_every == 0 or step == cfg.rl.steps:
+                m.update(evaluate(cfg, tokenizer, samplers, pool, eval_set))
+            m["time/step_s"] = time.perf_counter() - t_step
+            logger.log(step, m)
+            # checkpoint
+            every = cfg.run.checkpoint_every
+            if (every and step % every == 0) or step == cfg.rl.steps:
+                tensors, meta = get(trainer.state())
+                save_checkpoint(run_dir, step, tensors, {"trainer": meta, "data": stream.state()}, keep=cfg.run.keep_checkpoints)
+    finally:
+        if logger is not None:
+            logger.close()
+        if pool is not None:
+            try:
+                get(pool.close())
+            except Exception:  # the actor may be the thing that failed; Ray shutdown below reaps it
+                pass
+        cluster.shutdown()
+
+    records = read_metrics(run_dir)
+    plot(run_dir)
+    print_summary(run_dir, records)
+    return records
+
+
+# --------------------------------------------------------------------------- the steps' pieces
+
+
+def _absolute(spec: str) -> str:
+    """File-path rewards made absolute, so actors with another working directory find them."""
+    target, _, name = spec.rpartition(":")
+    if target.endswith(".py") or "/" in target:
+        return f"{Path(target).expanduser().resolve()}:{name}"
+    return spec
+
+
+def _request(cfg: JobConfig, tokenizer, sample: dict, *, n: int, seed: int, rid: str, greedy: bool = False) -> Request:
+    s = cfg.sampler
+    params = SamplingParams(
+        temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
+        max_new_tokens=s.max_new_tokens, stop=list(s.stop), n=n, seed=seed,
+    )
+    ids = tokenizer(sample["prompt"], add_special_tokens=False).input_ids
+    return Request(id=rid, prompt_ids=ids, params=params, prompt=sample["prompt"])
+
+
+def generate(samplers, requests: list[Request]):
+    """Split requests into contiguous shards, one per sampler; rollouts come back in request order."""
+    k = len(samplers)
+    bounds = [round(i * len(requests) / k) for i in range(k + 1)]
+    shards = [requests[bounds[i]: bounds[i + 1]] for i in range(k)]
+    results = get([s.generate(shard) for s, shard in zip(samplers, shards) if shard])
+    return [r for part in results for r in part]
+
+
+def sync_weights(trainer, samplers) -> tuple[int, float]:
+    """Push the trainer's weights into every sampler; (bytes moved in all, seconds)."""
+    t0 = time.perf_counter()
+    update = trainer.export_weights()  # a future: in ray mode the tensors go trainer -> object store -> samplers
+    get([s.update_weights(update) for s in samplers])
+    seconds = time.perf_counter() - t0
+    return get(trainer.weight_nbytes()) * len(samplers), seconds
+
+
+def _fill_masked(totals: list, group: int) -> list[float]:
+    """Masked (failed) samples take their group's mean reward, so they add no advantage."""
+    out = []
+    for g in range(0, len(totals), group):
+        vals = totals[g: g + group]
+        ok = [v for v in vals if v is not None]
+        mean = sum(ok) / len(ok) if ok else 0.0
+        out += [mean if v is None else v for v in vals]
+    return out
+
+
+def rollout_metrics(rollouts, totals, scores, group: int, sample_s: float) -> dict:
+    ok = [v for v in totals if v is not None]
+    groups = [[v for v in totals[g: g + group] if v is not None] for g in range(0, len(totals), group)]
+    comp = [len(r.completion_ids) for r in rollouts]
+    m = {
+        "reward/mean": sum(ok) / len(ok) if ok else 0.0,
+        "reward/std": statistics.pstdev(ok) if len(ok) > 1 else 0.0,
+        "reward/errors": float(scores.errors),
+        "reward/zero_spread_frac": sum(1 for g in groups if len(g) < 2 or max(g) == min(g)) / len(groups),
+        "rollout/clipped_frac": sum(r.finish_reason == "length" for r in rollouts) / len(rollouts),
+        "rollout/errors": float(sum(r.finish_reason == "error" for r in rollouts)),
+        "rollout/completion_len_mean": sum(comp) / len(comp),
+        "rollout/completion_len_max": float(max(comp)),
+        "rollout/prompt_len_mean": sum(len(r.prompt_ids) for r in rollouts) / len(rollouts),
+        "rollout/tokens_per_s": sum(comp) / max(sample_s, 1e-9),
+        "rollout/policy_version": float(min(r.policy_version for r in rollouts)),
+    }
+    for name, vals in scores.per_reward.items():
+        good = [v for v in vals if v is not None]
+        m[f"reward/{name}"] = sum(good) / len(good) if good else 0.0
+    return m
+
+
+def evaluate(cfg: JobConfig, tokenizer, samplers, pool, eval_set: list[dict]) -> dict:
+    """Greedy completions of the eval split: exact-match accuracy (when answers exist) and mean reward."""
+    if not eval_set:
+        return {}
+    t0 = time.perf_counter()
+    requests = [_request(cfg, tokenizer, s, n=1, seed=0, rid=f"eval-{i}", greedy=True) for i, s in enumerate(eval_set)]
+    rollouts = generate(samplers, requests)
+    m = {}
+    if all(s.get("answer") is not None for s in eval_set):
+        m["eval/accuracy"] = sum(exact_match(s["prompt"], r.text, s["answer"]) for s, r in zip(eval_set, rollouts)) / len(eval_set)
+    scores = get(pool.score([(s["prompt"], r.text, s) for s, r in zip(eval_set, rollouts)]))
+    ok = [v for v in scores.totals if v is not None]
+    m["eval/reward_mean"] = sum(ok) / len(ok) if ok else 0.0
+    m["time/eval_s"] = time.perf_counter() - t0
+    return m
+
+
+def print_summary(run_dir: Path, records: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    evals = [r for r in records if "eval/accuracy" in r]
+    steps = [r for r in records if "reward/mean" in r]
+    table = Table(title=f"run dir: {run_dir}")
+    table.add_column("")
+    table.add_column("before RL", justify="right")
+    table.add_column("after RL", justify="right")
+    if evals:
+        table.add_row(f"eval/accuracy (step {evals[0]['step']} -> {evals[-1]['step']})",
+                      f"{evals[0]['eval/accuracy']:.3f}", f"{evals[-1]['eval/accuracy']:.3f}")
+    if steps:
+        table.add_row("reward/mean (first -> last step)", f"{steps[0]['reward/mean']:.3f}", f"{steps[-1]['reward/mean']:.3f}")
+        table.add_row("mismatch/k3 (max over steps)", "", f"{max(r['mismatch/k3'] for r in steps):.3g}")
+        wall = sum(r.get("time/step_s", 0) for r in steps)
+        table.add_row("RL wall time (s)", "", f"{wall:.0f}")
+    Console().print(table)
+    print(f"run dir: {run_dir}")

@@ -1,0 +1,130 @@
+"""`rl4bit export CONFIG_OR_RUN --out DIR` and `rl4bit inspect DIR`.
+
+export: a YAML config -> the model it builds (`rl4bit.models.build_model`,
+seeded), converted by its recipe (`trainer.surgery.convert_model`); a run dir ->
+the same, with the weights of its latest checkpoint (`rl4bit.checkpoint`,
+tensors `model.<state-dict name>`) and its policy version. Either way the
+quantized tensors written are the converted model's own forward QTensors
+(`rl4bit.checkpoint_format.write_checkpoint`), with the character tokenizer of
+`rl4bit.tokenizer` (the one every rl4bit job uses).
+
+inspect: per stored module, its format, bits per value, bytes, and the totals
+against the same weights in BF16, as a rich table.
+
+Leaves out: models loaded from `model.path` with their own tokenizer files
+(the exported tokenizer is rl4bit's), and exporting a dense BF16 copy.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rl4bit.checkpoint_format import INDEX, read_index
+from rl4bit.ct_layout import EXPERT_PROJS
+
+BITS = {"nvfp4": 4.5, "mxfp8": 8.25}
+SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "weight")
+
+
+def _build(cfg):
+    from rl4bit.models import build_model
+    from rl4bit.tokenizer import build_tokenizer
+    from rl4bit.trainer.surgery import convert_model
+
+    tokenizer = build_tokenizer()
+    model = build_model(cfg.model, len(tokenizer), cfg.run.seed)
+    plan = convert_model(model, cfg.recipe)
+    return model.eval(), plan, tokenizer
+
+
+def main(source: str, out: str, overrides: list[str] | None = None) -> int:
+    """Export a config's model or a run dir's latest checkpoint; prints where it went."""
+    from rl4bit.checkpoint_format import write_checkpoint
+    from rl4bit.config import load_config
+
+    src = Path(source)
+    extra = {"source": str(src)}
+    if src.is_dir():
+        if not (src / "config.yaml").is_file():
+            raise FileNotFoundError(f"{src} is a directory without config.yaml: pass a run dir or a YAML config")
+        from rl4bit.checkpoint import load_checkpoint
+
+        cfg = load_config(src / "config.yaml", overrides)
+        model, plan, tokenizer = _build(cfg)
+        tensors, meta = load_checkpoint(src)
+        sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        missing = sorted(set(model.state_dict()) - set(sd))
+        if missing:
+            raise ValueError(f"{src}: the latest checkpoint lacks model tensors {missing[:3]}; "
+                             "was it written with another model config?")
+        model.load_state_dict(sd, strict=True)
+        extra["policy_version"] = int(meta.get("trainer", {}).get("version", 0))
+    else:
+        cfg = load_config(src, overrides)
+        model, plan, tokenizer = _build(cfg)
+        extra["policy_version"] = 0
+    extra["recipe"] = cfg.recipe.name
+    path = write_checkpoint(out, model, plan, tokenizer=tokenizer, extra=extra)
+    print(f"exported {cfg.recipe.name} checkpoint (policy v{extra['policy_version']}) to {path}")
+    return 0
+
+
+def module_rows(path: str | Path) -> list[dict]:
+    """[{module, format, bits, bytes, bf16_bytes}] per stored weight group, from the index and the shard headers."""
+    from rl4bit.checkpoint_format import _header
+
+    path = Path(path)
+    index, entries, _ = read_index(path)
+    sizes: dict[str, int] = {}
+    for fname in index["metadata"]["shards"]:
+        with open(path / fname, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little")
+            header, _ = _header(head + f.read(n), str(path / fname))
+        sizes.update({k: v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items()})
+    rows = []
+    for e in entries:
+        numel = 1
+        for s in e.shape:
+            numel *= int(s)
+        if e.fused:  # per-expert tensors `{module}.{e}.{proj}.{suffix}`
+            projs = EXPERT_PROJS[e.param]
+            stored = sum(v for k, v in sizes.items() if k.startswith(e.module + ".")
+                         and k[len(e.module) + 1:].split(".")[1:2] in ([p] for p in projs))
+        elif e.fmt in BITS:
+            stored = sum(sizes.get(f"{e.module}.{s}", 0) for s in SUFFIXES)
+        else:
+            stored = sizes.get(e.name, 0)
+        fmt = e.fmt if e.fmt in BITS else "bf16"
+        rows.append({"module": e.name, "format": fmt, "bits": 8 * stored / max(numel, 1), "bytes": stored,
+                     "bf16_bytes": 2 * numel, "numel": numel})
+    return rows
+
+
+def inspect_main(path: str) -> int:
+    """Print per-module format, bits/value, bytes, and totals against BF16."""
+    from rich.console import Console
+    from rich.table import Table
+
+    path = Path(path)
+    if not (path / INDEX).is_file():
+        raise FileNotFoundError(f"{path} holds no {INDEX}; is it an `rl4bit export` directory?")
+    rows = module_rows(path)
+    table = Table(title=f"{path}")
+    for col, just in (("module", "left"), ("format", "left"), ("bits/value", "right"), ("bytes", "right"),
+                      ("vs bf16", "right")):
+        table.add_column(col, justify=just)
+    for r in rows:
+        table.add_row(r["module"], r["format"], f"{r['bits']:.2f}", f"{r['bytes']:,}", f"{r['bytes'] / r['bf16_bytes']:.3f}x")
+    table.add_section()
+    for label, sel in (("quantized", lambda r: r["format"] in BITS), ("total", lambda r: True)):
+        rs = [r for r in rows if sel(r)]
+        if not rs:
+            continue
+        b, bf, n = sum(r["bytes"] for r in rs), sum(r["bf16_bytes"] for r in rs), sum(r["numel"] for r in rs)
+        table.add_row(label, "", f"{8 * b / max(n, 1):.2f}", f"{b:,}", f"{b / bf:.3f}x")
+    Console(width=140).print(table)
+    layout = json.loads((path / "rl4bit_layout.json").read_text())
+    print(f"recipe {layout.get('recipe', '?')}, policy v{layout.get('policy_version', '?')}, source {layout.get('source', '?')}")
+    return 0

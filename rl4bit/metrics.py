@@ -1,0 +1,147 @@
+"""Run metrics: `RUN_DIR/metrics.jsonl`, TensorBoard, a live `rich` display, warnings and end-of-run plots.
+
+`MetricsLogger.log(step, metrics)` appends one JSON object a line (`{"step":
+N, key: value, ...}`, keys as in `STEP_KEYS` / `EVAL_KEYS`), mirrors the
+scalars to TensorBoard (`RUN_DIR/tensorboard`) and advances the progress bar.
+It warns loudly (red on the console and `logs/warnings.log`) when learning
+has silently stopped: every completion clipped at the length cap, or every
+GRPO group with zero reward spread (all advantages 0). `plot()` writes
+`plots/{reward,accuracy,mismatch,throughput}.png` from metrics.jsonl.
+`truncate(step)` drops records after a checkpoint's step on resume, so the
+file reads as one uninterrupted run.
+
+Leaves out: remote trackers (W&B, MLflow); point them at metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rl4bit.atomic import atomic_write_text
+
+STEP_KEYS = (
+    "reward/mean", "reward/std", "reward/errors", "reward/zero_spread_frac",
+    "rollout/clipped_frac", "rollout/completion_len_mean", "rollout/completion_len_max", "rollout/prompt_len_mean",
+    "rollout/tokens_per_s", "ppo/clip_frac", "ratio/mean", "ratio/min", "ratio/max", "tis/truncated_frac",
+    "mismatch/k3", "policy/entropy", "policy/version", "loss", "grad_norm", "sync/bytes", "sync/seconds",
+    "time/sample_s", "time/score_s", "time/train_s", "time/sync_s", "time/step_s",
+)
+"""Logged every RL step."""
+EVAL_KEYS = ("eval/accuracy", "eval/reward_mean", "time/eval_s")
+"""Logged before the first step and every data.eval_every steps."""
+
+PLOTS = {
+    "reward": ["reward/mean"],
+    "accuracy": ["eval/accuracy"],
+    "mismatch": ["mismatch/k3"],
+    "throughput": ["rollout/tokens_per_s"],
+}
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: str | Path, *, total_steps: int, tensorboard: bool = True, progress: bool = True,
+                 start_step: int = 0):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / "metrics.jsonl"
+        self.tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+        from rich.console import Console
+
+        self.console = Console(stderr=True)
+        self.progress = None
+        if progress:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self.progress = Progress(TextColumn("[bold]RL"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                                     TextColumn("{task.description}"), console=self.console, transient=False)
+            self.task = self.progress.add_task("", total=total_steps, completed=start_step)
+            self.progress.start()
+        self.last_eval = math.nan
+
+    def log(self, step: int, metrics: dict) -> None:
+        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.tb is not None:
+            for k, v in record.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.tb.add_scalar(k, v, step)
+        if "eval/accuracy" in metrics:
+            self.last_eval = metrics["eval/accuracy"]
+        self._warn_if_stalled(step, metrics)
+        if self.progress is not None and "reward/mean" in metrics:
+            self.progress.update(self.task, completed=step, description=(
+                f"reward {metrics['reward/mean']:.3f}  eval acc {self.last_eval:.3f}  "
+                f"k3 {metrics.get('mismatch/k3', math.nan):.2e}  {metrics.get('rollout/tokens_per_s', 0):.0f} tok/s"))
+
+    def warn(self, message: str) -> None:
+        self.console.print(f"[bold red]WARNING: {message}[/]")
+        with open(self.run_dir / "logs" / "warnings.log", "a") as f:
+            f.write(message + "\n")
+
+    def _warn_if_stalled(self, step: int, m: dict) -> None:
+        if m.get("rollout/clipped_frac") == 1.0:
+            self.warn(f"step {step}: EVERY completion hit sampler.max_new_tokens; rewards cannot tell them apart. "
+                      "Raise sampler.max_new_tokens or add a stop string.")
+        if m.get("reward/zero_spread_frac") == 1.0:
+            self.warn(f"step {step}: EVERY group has zero reward spread, so every advantage is 0 and nothing is learned. "
+                      "The task is too hard or too easy for the policy: change data.digits, the warm start or the reward.")
+
+    def truncate(self, step: int) -> None:
+        """Keep only the records of steps <= `step` (resume from a checkpoint at `step`)."""
+        if not self.path.exists():
+            return
+        keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        atomic_write_text(self.path, "".join(line + "\n" for line in keep))
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.stop()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+
+
+def plot(run_dir: str | Path) -> list[Path]:
+    """One PNG per entry of PLOTS under RUN_DIR/plots; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = read_metrics(run_dir)
+    out = []
+    for name, keys in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(5, 3.2))
+        for key in keys:
+            pts = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if len(pts) < 30 else None, label=key)
+        ax.set_xlabel("RL step")
+        ax.set_title(name)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        path = Path(run_dir) / "plots" / f"{name}.png"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        out.append(path)
+    return out
+
+
+def _plain(v):
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)  # JSON has no NaN/Inf
+    return v

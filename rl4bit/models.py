@@ -1,0 +1,98 @@
+"""Build the policy model: a tiny Hugging Face model from `ModelConfig`, or a local checkpoint.
+
+`build_model(model_cfg, vocab_size, seed)` returns a transformers causal LM in
+`model_cfg.dtype`: with `model_cfg.path` it loads that local checkpoint (no
+downloads); otherwise it builds `model_cfg.tiny` (Qwen3-MoE by default, OLMoE,
+or dense Qwen3) from the config's sizes with weights drawn from `seed`, so
+two processes (trainer and sampler actors) build identical models.
+
+Leaves out: the numerics recipe (applied afterwards by
+`rl4bit.trainer.surgery.convert_model`) and tokenizer resizing for loaded
+checkpoints (their own tokenizer is expected to match).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from rl4bit.config import ModelConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def tiny_config(model_cfg: ModelConfig, vocab_size: int, pad_token_id: int = 0):
+    """The transformers config of the `tiny` model described by `model_cfg`."""
+    from transformers import OlmoeConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=model_cfg.hidden_size,
+        num_hidden_layers=model_cfg.num_layers,
+        num_attention_heads=model_cfg.num_heads,
+        num_key_value_heads=model_cfg.num_heads,
+        max_position_embeddings=model_cfg.max_seq_len,
+        tie_word_embeddings=False,
+        pad_token_id=pad_token_id,
+    )
+    if model_cfg.tiny == "qwen3_moe":
+        return Qwen3MoeConfig(
+            **common,
+            head_dim=model_cfg.hidden_size // model_cfg.num_heads,
+            intermediate_size=2 * model_cfg.expert_intermediate_size,
+            moe_intermediate_size=model_cfg.expert_intermediate_size,
+            num_experts=model_cfg.num_experts,
+            num_experts_per_tok=model_cfg.experts_per_token,
+            norm_topk_prob=True,
+        )
+    if model_cfg.tiny == "olmoe":
+        return OlmoeConfig(
+            **common,
+            intermediate_size=model_cfg.expert_intermediate_size,
+            num_experts=model_cfg.num_experts,
+            num_experts_per_tok=model_cfg.experts_per_token,
+        )
+    return Qwen3Config(
+        **common,
+        head_dim=model_cfg.hidden_size // model_cfg.num_heads,
+        intermediate_size=model_cfg.expert_intermediate_size,
+    )
+
+
+def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int):
+    """A causal LM in `model_cfg.dtype`, in eval mode, on the CPU (callers move it)."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = DTYPES[model_cfg.dtype]
+    if model_cfg.path is not None:
+        if not Path(model_cfg.path).expanduser().is_dir():
+            raise FileNotFoundError(
+                f"model.path: {model_cfg.path!r} is not a directory; point it at a local Hugging Face checkpoint "
+                "(config.json + safetensors) or set model.path to null to build the tiny model"
+            )
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype, local_files_only=True)
+    else:
+        cfg = tiny_config(model_cfg, vocab_size)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(cfg)
+        model = model.to(dtype)
+    model.eval()
+    return model
+
+
+def build_policy_model(cfg, seed: int | None = None):
+    """The model as trainer and samplers hold it: `build_model` then the recipe conversion.
+
+    `rl4bit.trainer.surgery.convert_model` swaps in the quantized modules of
+    `cfg.recipe` (every recipe, bf16 included, so all share one code path) and
+    makes the parameters FP32 master weights; names are unchanged, so a
+    state dict moves between trainer and samplers as is.
+    """
+    from rl4bit.tokenizer import build_tokenizer
+    from rl4bit.trainer.surgery import convert_model
+
+    model = build_model(cfg.model, len(build_tokenizer()), cfg.run.seed if seed is None else seed)
+    convert_model(model, cfg.recipe)
+    return model

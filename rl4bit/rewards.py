@@ -1,0 +1,276 @@
+"""Reward functions: the built-ins, loading by import or file path, and the worker pool that runs them.
+
+A reward is a plain function `reward(prompt: str, completion: str, **sample) -> float`
+(`sample` holds the prompt's other fields, e.g. `answer`). A batched variant
+sets `fn.batched = True` and takes lists: `fn(prompts, completions, **samples) -> list[float]`.
+The config names each by `pkg.module:function` or `path/to/file.py:function`:
+
+    rewards:
+      functions:
+        - {fn: rl4bit.rewards:exact_match, weight: 1.0}
+        - {fn: my_rewards.py:brevity, weight: 0.1}
+
+`RewardPool` runs them in worker processes (`python -m rl4bit.rewards SPEC...`,
+JSON lines over pipes; the workers import the functions themselves) with a per-call timeout: a call that raises, returns a
+non-finite or non-number value, or runs past `timeout_s` masks that sample
+(counted in `reward/errors`, its worker restarted after a timeout), and the
+step fails only when more than `max_error_fraction` of its samples fail.
+`check_rewards(specs, sample)` is the start-up validation: every reward is
+imported and called once and a failure raises `RewardError` naming it.
+
+Leaves out: rewards that need a GPU or a model (run them in your own service
+and call it from a function), async rewards.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Callable
+
+from rl4bit.config import ConfigError
+
+# --------------------------------------------------------------------------- built-ins
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def first_number(text: str) -> str | None:
+    """The first number in `text` (what the model answered), or None."""
+    m = _NUMBER.search(text)
+    return m.group(0) if m else None
+
+
+def exact_match(prompt: str, completion: str, answer: str | None = None, **sample) -> float:
+    """1.0 when the first number of the completion equals `answer` numerically, else 0.0.
+
+    >>> exact_match("12+30=", "42\\n", answer="42")
+    1.0
+    """
+    if answer is None:
+        raise ValueError("exact_match needs an 'answer' field in the sample (add it to the prompt file)")
+    got = first_number(completion)
+    if got is None:
+        return 0.0
+    try:
+        return float(float(got) == float(answer))
+    except ValueError:
+        return float(got.strip() == str(answer).strip())
+
+
+def format_check(prompt: str, completion: str, **sample) -> float:
+    """1.0 when the completion is one number and nothing else (surrounding whitespace allowed).
+
+    >>> format_check("1+1=", "2\\n"), format_check("1+1=", "2 apples")
+    (1.0, 0.0)
+    """
+    return float(re.fullmatch(r"\s*-?\d+(?:\.\d+)?\s*", completion) is not None)
+
+
+def length_penalty(prompt: str, completion: str, max_chars: int = 64, **sample) -> float:
+    """-len(completion) / max_chars, clipped at -1: longer completions cost more.
+
+    >>> length_penalty("1+1=", "2" * 32)
+    -0.5
+    """
+    return -min(len(completion) / max_chars, 1.0)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+class RewardError(ConfigError):
+    """A reward that cannot be loaded, fails its start-up call, or fails too often; names the reward."""
+
+
+def load_reward(spec: str) -> Callable:
+    """Resolve `pkg.module:function` or `path/to/file.py:function` to the function."""
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise RewardError(f"reward {spec!r}: expected 'pkg.module:function' or 'path/file.py:function'")
+    if target.endswith(".py") or "/" in target:
+        path = Path(target).expanduser()
+        if not path.is_file():
+            raise RewardError(f"reward {spec!r}: file {str(path)!r} does not exist (paths are relative to the working directory)")
+        mod_name = f"rl4bit_reward_{abs(hash(str(path.resolve())))}"
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as e:
+            raise RewardError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as e:
+            raise RewardError(f"reward {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise RewardError(f"reward {spec!r}: {target} has no function {name!r}")
+    return fn
+
+
+def reward_name(spec: str) -> str:
+    """Short metric name of a reward spec: the function name."""
+    return spec.rpartition(":")[2]
+
+
+def _call(fn: Callable, prompt: str, completion: str, sample: dict) -> float:
+    extra = {k: v for k, v in sample.items() if k != "prompt"}
+    if getattr(fn, "batched", False):
+        value = fn([prompt], [completion], **{k: [v] for k, v in extra.items()})[0]
+    else:
+        value = fn(prompt, completion, **extra)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise TypeError(f"returned {value!r}; a reward must return a finite float")
+    return float(value)
+
+
+def check_rewards(specs: list[str], sample: dict) -> None:
+    """Start-up validation, in this process: import every reward and call it once on `sample`
+    (completion = its answer, or "0"); a failure raises RewardError naming the reward."""
+    completion = str(sample.get("answer") or "0")
+    for spec in specs:
+        fn = load_reward(spec)
+        try:
+            _call(fn, sample["prompt"], completion, sample)
+        except Exception as e:
+            raise RewardError(
+                f"reward {spec!r} failed its start-up call on prompt {sample['prompt']!r}: {type(e).__name__}: {e}"
+            ) from e
+
+
+# --------------------------------------------------------------------------- worker processes
+
+
+def _worker_main(specs: list[str]) -> None:
+    """`python -m rl4bit.rewards SPEC...`: JSON lines in on stdin, JSON lines out (nothing pickled)."""
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # a reward's print() goes to stderr, never into the protocol
+    sys.stdout = sys.stderr
+    try:
+        fns = [load_reward(s) for s in specs]
+    except Exception as e:
+        proto.write(json.dumps({"load_error": str(e)}) + "\n")
+        proto.flush()
+        return
+    proto.write(json.dumps({"ready": True}) + "\n")
+    proto.flush()
+    for line in sys.stdin:
+        msg = json.loads(line)
+        reply = {"i": msg["i"], "values": []}
+        for spec, fn in zip(specs, fns):
+            try:
+                reply["values"].append(_call(fn, msg["prompt"], msg["completion"], msg["sample"]))
+            except Exception as e:
+                reply = {"i": msg["i"], "error": f"reward {spec!r}: " + traceback.format_exception_only(type(e), e)[-1].strip()}
+                break
+        proto.write(json.dumps(reply) + "\n")
+        proto.flush()
+
+
+@dataclass
+class Scores:
+    """Per-sample weighted totals (None where a reward failed) and per-reward values."""
+
+    totals: list[float | None]
+    per_reward: dict[str, list[float | None]]
+    errors: int = 0
+    messages: list[str] = field(default_factory=list)
+
+
+class RewardPool:
+    """Reward worker processes with a per-call timeout (a plain class; Ray wraps it in rl4bit.actors)."""
+
+    def __init__(self, specs: list[str], weights: list[float], *, timeout_s: float = 10.0, workers: int = 1,
+                 max_error_fraction: float = 0.1):
+        for s in specs:
+            load_reward(s)  # fail fast, in this process, with the reward's name
+        self.specs, self.weights = list(specs), list(weights)
+        self.timeout_s, self.max_error_fraction = timeout_s, max_error_fraction
+        self._workers = [self._start() for _ in range(workers)]
+
+    def _start(self) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rl4bit.rewards", *self.specs],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        )
+        if not wait([proc.stdout], timeout=60):
+            proc.kill()
+            raise RewardError(f"reward worker for {self.specs} did not start within 60 s")
+        reply = json.loads(proc.stdout.readline() or '{"load_error": "the reward worker exited at start-up (see stderr)"}')
+        if "load_error" in reply:
+            proc.wait()
+            raise RewardError(reply["load_error"])
+        return proc
+
+    def score(self, items: list[tuple[str, str, dict]]) -> Scores:
+        """Score (prompt, completion, sample) triples; raises RewardError past max_error_fraction."""
+        results: list = [None] * len(items)
+        messages: list[str] = []
+        todo = list(range(len(items)))[::-1]
+        busy: dict[int, tuple[int, float]] = {}  # worker slot -> (item index, deadline)
+        while todo or busy:
+            for slot in range(len(self._workers)):
+                if slot not in busy and todo:
+                    i = todo.pop()
+                    prompt, completion, sample = items[i]
+                    msg = {"i": i, "prompt": prompt, "completion": completion, "sample": sample}
+                    self._workers[slot].stdin.write(json.dumps(msg, default=str) + "\n")
+                    self._workers[slot].stdin.flush()
+                    busy[slot] = (i, time.monotonic() + self.timeout_s)
+            timeout = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
+            ready = wait([self._workers[s].stdout for s in busy], timeout=timeout)
+            for slot in list(busy):
+                proc = self._workers[slot]
+                i, deadline = busy[slot]
+                if proc.stdout in ready:
+                    line = proc.stdout.readline()
+                    reply = json.loads(line) if line else {"error": f"reward worker died (exit code {proc.wait()})"}
+                    results[i] = reply.get("values")
+                    if "error" in reply:
+                        messages.append(reply["error"])
+                    if not line:
+                        self._workers[slot] = self._start()
+                    del busy[slot]
+                elif time.monotonic() >= deadline:
+                    proc.kill()
+                    proc.wait()
+                    proc.stdout.close()
+                    messages.append(f"rewards {self.specs}: timed out after {self.timeout_s} s on prompt {items[i][0]!r}")
+                    self._workers[slot] = self._start()
+                    del busy[slot]
+        errors = sum(r is None for r in results)
+        if items and errors > self.max_error_fraction * len(items):
+            raise RewardError(
+                f"{errors}/{len(items)} samples failed to score (rewards.max_error_fraction={self.max_error_fraction}); first: {messages[0]}"
+            )
+        per = {reward_name(s): [r[k] if r else None for r in results] for k, s in enumerate(self.specs)}
+        totals = [sum(w * v for w, v in zip(self.weights, r)) if r else None for r in results]
+        return Scores(totals, per, errors, messages)
+
+    def close(self) -> None:
+        for proc in self._workers:
+            try:
+                proc.stdin.close()
+                proc.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+        self._workers = []
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1:])

@@ -1,0 +1,126 @@
+"""Prompt sources: the built-in arithmetic task and prompt files (JSONL or Parquet).
+
+A *sample* is a dict with `prompt` (str), optional `answer` (str) and any
+extra fields; every field except `prompt` reaches the reward functions as
+`**sample`.
+
+- `arithmetic_task(digits, eval_size, seed)`: every `a+b=` with operands
+  below 10**digits; a seeded permutation puts `eval_size` of them in the eval
+  split and the rest in the train split, so the splits are disjoint by
+  construction. The answer is the decimal sum.
+- `load_prompt_file(path)`: JSONL (one JSON object a line) or Parquet
+  (needs pyarrow); a malformed line raises `PromptFileError` naming file and
+  line.
+- `PromptStream`: the train order. Epoch e visits the train split in a
+  permutation seeded by (seed, e); its position (epoch, index) is plain data,
+  stored in checkpoints so a resumed run draws the same prompts.
+
+Leaves out: chat templates (prompts are raw text), other operations than +.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from rl4bit.config import ConfigError, DataConfig
+
+
+class PromptFileError(ConfigError):
+    """A prompt file that cannot be read; the message names the file and line."""
+
+
+def arithmetic_task(digits: int, eval_size: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, eval) samples of `a+b=` with a, b < 10**digits; disjoint splits."""
+    n = 10**digits
+    pairs = [(a, b) for a in range(n) for b in range(n)]
+    if eval_size >= len(pairs):
+        raise ConfigError(f"data.eval_size: {eval_size} leaves no training prompts out of {len(pairs)} {digits}-digit sums; lower it or raise data.digits")
+    random.Random(seed).shuffle(pairs)
+    samples = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
+    return samples[eval_size:], samples[:eval_size]
+
+
+def load_prompt_file(path: str | Path) -> list[dict]:
+    """Samples from a .jsonl/.json-lines or .parquet file; each needs a string `prompt`."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptFileError(f"prompt file {str(path)!r} does not exist")
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ModuleNotFoundError:
+            raise PromptFileError(f"{path}: reading Parquet needs pyarrow; `pip install pyarrow` or convert the file to JSONL") from None
+        rows = pq.read_table(path).to_pylist()
+        for i, row in enumerate(rows):
+            _check_row(row, f"{path}: row {i}")
+        return rows
+    samples = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise PromptFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object") from None
+            _check_row(row, f"{path}:{lineno}")
+            samples.append(row)
+    if not samples:
+        raise PromptFileError(f"{path}: no prompts (the file is empty)")
+    return samples
+
+
+def _check_row(row, where: str) -> None:
+    if not isinstance(row, dict):
+        raise PromptFileError(f"{where}: expected a JSON object with a 'prompt' field, got {type(row).__name__}")
+    if not isinstance(row.get("prompt"), str):
+        raise PromptFileError(f"{where}: missing a string 'prompt' field (keys: {', '.join(map(str, row)) or 'none'})")
+    if "answer" in row and row["answer"] is not None:
+        row["answer"] = str(row["answer"])
+
+
+def load_task(data: DataConfig) -> tuple[list[dict], list[dict]]:
+    """(train, eval) samples for the data config."""
+    if data.task == "arithmetic":
+        return arithmetic_task(data.digits, data.eval_size, data.seed)
+    train = load_prompt_file(data.train_file)
+    evals = load_prompt_file(data.eval_file) if data.eval_file else []
+    return train, evals[: data.eval_size]
+
+
+@dataclass
+class PromptStream:
+    """Draws train prompts in seeded per-epoch permutations; (epoch, index) is its whole state."""
+
+    samples: list[dict]
+    seed: int
+    epoch: int = 0
+    index: int = 0
+
+    def next(self, k: int) -> list[dict]:
+        out = []
+        while len(out) < k:
+            order = self._order()
+            take = min(k - len(out), len(order) - self.index)
+            out += [self.samples[j] for j in order[self.index : self.index + take]]
+            self.index += take
+            if self.index == len(order):
+                self.epoch, self.index = self.epoch + 1, 0
+        return out
+
+    def _order(self) -> list[int]:
+        cached = getattr(self, "_cache", None)
+        if cached is None or cached[0] != self.epoch:
+            order = list(range(len(self.samples)))
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+            self._cache = (self.epoch, order)
+        return self._cache[1]
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state(self, state: dict) -> None:
+        self.epoch, self.index = int(state["epoch"]), int(state["index"])

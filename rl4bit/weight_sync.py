@@ -1,0 +1,376 @@
+"""Weight sync trainer -> N samplers: buckets of layers, each checksummed, the update stamped with a policy version.
+
+    sender = WeightSender(trainer_model, plan)                 # plan: rl4bit.trainer.plan.quant_plan
+    receivers = [ray.remote(WeightReceiver).remote(model_factory) ...]   # or in-process WeightReceiver(model)
+    sync_ray(sender, receivers, version=7)                     # Ray object store
+    broadcast_update(src=0, sender=... | receiver=..., version=7)   # torch.distributed (NCCL / gloo)
+
+Payload: the checkpoint's own encoding (`rl4bit.checkpoint_format` /
+`rl4bit.ct_layout`): each bucket is a safetensors blob of the stored tensors of
+whole decoder layers (NVFP4 codes + E4M3 scales + global scales, MXFP8, dense),
+the trainer forward's QTensors bit for bit. The sender builds one bucket at a
+time, so its extra memory is one bucket (plus the transport's copy of it).
+
+Receiver protocol (`WeightReceiver`): `begin(version, n, layout)` ->
+`receive(version, i, payload, sha256)` per bucket (verified at once against its
+SHA-256) -> `commit(version)`. Buckets are staged (decoded, host memory: one
+copy of the update, what makes the switch all-or-nothing); `commit` checks that
+every bucket arrived and verified and every tensor fits its live buffer, then
+copies them in place (`copy_`: pointer-stable, so CUDA graphs stay valid) and
+only then switches `version`. A corrupt, missing, duplicated or stale bucket,
+or an interrupted sender, is fail-stop: WeightSyncError naming the bucket and
+what to do; the staging is dropped and the previous version keeps serving.
+
+Targets: a model whose quantized modules are in serving mode
+(`surgery.load_quantized`; the QTensors' storage is overwritten in place, the
+first sync into a not-yet-serving module calls load_quantized once), a plain
+model (quantized weights are decoded into its parameters), or an
+EmbeddedEngine (dense tensors through `engine.update_weights`, which owns the
+engine's version; see the note in `_Apply`).
+
+Leaves out: multi-node object-store tuning, NCCL-specific bucketing (the
+broadcast sends the same blobs as uint8 tensors), partial (per-layer) updates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from rl4bit.checkpoint_format import (CheckpointError, Entry, decode_entry, encode_entry, entries_from_json,
+                                      group_by_layer, layout_json, model_layout, pack, unpack)
+from rl4bit.kernels import QTensor, dequantize
+
+DEFAULT_BUCKET_BYTES = 256 << 20
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update that was rejected; the receiver keeps serving its previous version."""
+
+
+@dataclass
+class Bucket:
+    version: int
+    index: int
+    count: int
+    payload: bytes
+    sha256: str
+
+
+def stored_bytes(e: Entry, dense_bytes: int = 2) -> int:
+    """Estimated bytes of one weight as stored (for bucket planning only)."""
+    n = 1
+    for s in e.shape:
+        n *= int(s)
+    if e.fmt == "nvfp4":
+        return n // 2 + n // 16 + 8 * int(e.shape[0]) * 3
+    if e.fmt == "mxfp8":
+        return n + n // 32
+    return n * dense_bytes
+
+
+class WeightSender:
+    """Streams a (converted) trainer model as checksummed buckets of whole layers."""
+
+    def __init__(self, model, plan: dict[str, str], *, bucket_bytes: int = DEFAULT_BUCKET_BYTES, dense_dtype=None):
+        self.model, self.plan, self.dense_dtype = model, dict(plan), dense_dtype
+        self.entries = model_layout(model, plan)
+        self.groups: list[list[Entry]] = []
+        size = 0
+        for layer in group_by_layer(self.entries):
+            b = sum(stored_bytes(e) for e in layer)
+            if self.groups and size + b <= bucket_bytes:
+                self.groups[-1].extend(layer)
+                size += b
+            else:
+                self.groups.append(list(layer))
+                size = b
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.groups)
+
+    def layout(self) -> dict:
+        return layout_json(self.entries, self.plan)
+
+    def bucket(self, version: int, i: int) -> Bucket:
+        tensors: dict[str, torch.Tensor] = {}
+        outers: dict[str, list] = {}
+        with torch.no_grad():
+            for e in self.groups[i]:
+                tensors.update({k: v.cpu() for k, v in encode_entry(self.model, e, self.dense_dtype, outers).items()})
+        payload = pack(tensors, outers)
+        return Bucket(version, i, len(self.groups), payload, hashlib.sha256(payload).hexdigest())
+
+    def buckets(self, version: int) -> Iterator[Bucket]:
+        for i in range(len(self.groups)):
+            yield self.bucket(version, i)
+
+
+# ------------------------------------------------------------------ receiver
+
+
+class WeightReceiver:
+    """Stages a versioned update bucket by bucket; switches only on a complete, verified update."""
+
+    def __init__(self, target):
+        self.target = target() if callable(target) and not isinstance(target, torch.nn.Module) else target
+        self.version = 0
+        self._staging: dict | None = None
+
+    @property
+    def model(self):
+        return self.target.model if hasattr(self.target, "update_weights") else self.target  # an engine, or the model
+
+    def serving_version(self) -> int:
+        return int(getattr(self.target, "version", self.version)) if hasattr(self.target, "update_weights") else self.version
+
+    def begin(self, version: int, count: int, layout: dict) -> None:
+        self._staging = None
+        if not isinstance(version, int) or version <= self.serving_version():
+            raise WeightSyncError(f"update v{version} is not newer than the serving v{self.serving_version()}; "
+                                  "stamp updates with increasing policy versions")
+        self._staging = {"version": version, "count": int(count), "entries": entries_from_json(layout), "buckets": {}}
+
+    def abort(self, reason: str = "aborted by the sender") -> None:
+        self._staging = None
+
+    def _fail(self, msg: str):
+        self._staging = None
+        raise WeightSyncError(f"{msg}; update dropped, v{self.serving_version()} keeps serving")
+
+    def receive(self, version: int, index: int, payload: bytes, sha256: str) -> None:
+        st = self._staging
+        if st is None or st["version"] != version:
+            self._fail(f"bucket {index} of v{version} arrived outside an update (begin(v{version}) missing or dropped)")
+        if not 0 <= index < st["count"] or index in st["buckets"]:
+            self._fail(f"bucket {index} of v{version} is out of range or duplicated (expected 0..{st['count'] - 1} once)")
+        try:
+            st["buckets"][index] = unpack(payload, f"bucket {index}/{st['count']} of v{version}", sha256)
+        except Exception as e:  # CheckpointError, or a corrupt blob failing inside safetensors
+            self._fail(str(e) if isinstance(e, CheckpointError) else f"bucket {index} of v{version} unreadable: {e}")
+
+    def commit(self, version: int) -> int:
+        st = self._staging
+        if st is None or st["version"] != version:
+            self._fail(f"commit of v{version} without a staged update")
+        missing = sorted(set(range(st["count"])) - set(st["buckets"]))
+        if missing:
+            self._fail(f"update v{version} is incomplete: buckets {missing} of {st['count']} never arrived "
+                       "(sender interrupted?); resend the whole update")
+        tensors, outers = {}, {}
+        for b, o in st["buckets"].values():
+            tensors.update(b)
+            outers.update(o)
+        try:
+            apply = _Apply(self.target, self.model)
+            for e in st["entries"]:
+                apply.add(e, decode_entry(tensors, e, outers))
+            apply.run(version)
+        except (KeyError, ValueError) as err:
+            self._fail(f"update v{version} does not fit this model: {err}")
+        self._staging = None
+        self.version = version
+        return version
+
+    def quantized(self) -> dict:
+        """{module: {param: QTensor}} now served (in-process use)."""
+        from rl4bit.trainer.surgery import quant_modules
+
+        return {n: dict(m.served) for n, m in quant_modules(self.model).items() if m.served is not None}
+
+    def snapshot(self) -> bytes:
+        """safetensors bytes of everything served: `q.{module}.{param}.{data,scale,outer}` (fp8 as uint8) and
+        `dense.{state-dict name}`; for parity checks across processes without pickling tensors."""
+        out = {}
+        for module, params in self.quantized().items():
+            for param, q in params.items():
+                for field in ("data", "scale", "outer"):
+                    t = getattr(q, field)
+                    out[f"q.{module}.{param}.{field}"] = t.view(torch.uint8) if t.element_size() == 1 else t.clone()
+        for k, v in self.model.state_dict().items():
+            out[f"dense.{k}"] = v.detach().clone()
+        return pack(out)
+
+
+class _Apply:
+    """Checks every (destination, source) pair first, then copies: all or nothing.
+
+    EmbeddedEngine targets: dense tensors go through `engine.update_weights`
+    (which checks them again and bumps the engine's version); the served QTensors
+    are copied just before, after the same checks. A hook on the engine that
+    takes QTensors too would make that one call.
+    """
+
+    def __init__(self, target, model):
+        self.target, self.model = target, model
+        self.copies: list[tuple[torch.Tensor, torch.Tensor, str]] = []
+        self.loads: list[tuple[torch.nn.Module, str, QTensor]] = []
+        self.engine_dense: dict[str, torch.Tensor] = {}
+        self.live = model.state_dict(keep_vars=True)
+
+    @staticmethod
+    def _check(dst: torch.Tensor, src: torch.Tensor, name: str, exact_dtype: bool) -> None:
+        if tuple(dst.shape) != tuple(src.shape):
+            raise ValueError(f"{name}: update shape {tuple(src.shape)} != live {tuple(dst.shape)}")
+        if exact_dtype and dst.dtype != src.dtype:
+            raise ValueError(f"{name}: update dtype {src.dtype} != live {dst.dtype}")
+        if src.is_floating_point() and src.dtype.itemsize > 1 and not bool(torch.isfinite(src).all()):
+            raise ValueError(f"{name}: holds NaN/Inf")
+
+    def _copy(self, dst: torch.Tensor, src: torch.Tensor, name: str, exact_dtype: bool) -> None:
+        self._check(dst, src, name, exact_dtype)
+        self.copies.append((dst, src, name))
+
+    def add(self, e: Entry, value) -> None:
+        module = self.model.get_submodule(e.module) if e.module else self.model
+        if isinstance(value, QTensor):
+            served = getattr(module, "served", False)
+            if served is not False and getattr(module.spec, "fmt", None) == value.fmt:
+                if served is None:
+                    self.loads.append((module, e.param, value))
+                    return
+                live = served[e.param]
+                for field in ("data", "scale", "outer"):
+                    self._copy(getattr(live, field), getattr(value, field), f"{e.name}.{field}", True)
+                return
+            dst = getattr(module, e.param)
+            value = dequantize(value, dst.dtype)
+            value = value if e.fused else value.reshape(dst.shape)
+        if hasattr(self.target, "update_weights"):
+            if e.name not in self.live:
+                raise ValueError(f"{e.name}: not a tensor of the sampler's model")
+            dst = self.live[e.name]
+            src = value.to(dst.dtype)
+            self._check(dst, src, e.name, False)
+            self.engine_dense[e.name] = src
+            return
+        self._copy(getattr(module, e.param), value, e.name, False)
+
+    def run(self, version: int) -> None:
+        by_module: dict[torch.nn.Module, dict] = {}
+        for module, param, q in self.loads:
+            by_module.setdefault(module, {})[param] = q
+        with torch.no_grad():
+            for module, qw in by_module.items():
+                module.load_quantized(qw)
+            for dst, src, _ in self.copies:
+                dst.copy_(src)
+        if hasattr(self.target, "update_weights"):
+            from rl4bit.sampler.types import WeightUpdate
+
+            self.target.update_weights(WeightUpdate(version=version, tensors=self.engine_dense))
+
+
+# ------------------------------------------------------------------ transports
+
+
+def sync_ray(sender: WeightSender, receivers: list, version: int, *, buckets: Iterable[Bucket] | None = None) -> int:
+    """Push update `version` to Ray actor receivers (WeightReceiver actors) through the object store.
+
+    One bucket in flight: each is put, received and verified by every actor,
+    then released. Any failure aborts the update on every receiver and raises
+    WeightSyncError; they keep serving their previous version. Returns bytes sent per receiver.
+    """
+    import ray
+
+    ray.get([r.begin.remote(version, sender.num_buckets, sender.layout()) for r in receivers])
+    sent = 0
+    try:
+        for b in (buckets if buckets is not None else sender.buckets(version)):
+            ref = ray.put(b.payload)
+            ray.get([r.receive.remote(version, b.index, ref, b.sha256) for r in receivers])
+            sent += len(b.payload)
+            del ref
+        ray.get([r.commit.remote(version) for r in receivers])
+    except BaseException as e:
+        ray.get([r.abort.remote(str(e)) for r in receivers])
+        if isinstance(e, WeightSyncError):  # Ray's RayTaskError(WeightSyncError) is one too
+            raise
+        raise WeightSyncError(f"weight sync to v{version} failed ({type(e).__name__}: {e}); "
+                              "receivers keep serving their previous version") from e
+    return sent
+
+
+def _bcast_bytes(data: bytes | None, src: int, group) -> bytes | None:
+    """Broadcast one byte string from `src` (None there = abort marker); returns it on every rank (None = abort)."""
+    import torch.distributed as dist
+
+    is_src = dist.get_rank() == src
+    n = torch.tensor([(-1 if data is None else len(data)) if is_src else 0], dtype=torch.int64)
+    dist.broadcast(n, src, group=group)
+    if int(n) < 0:
+        return None
+    if int(n) == 0:
+        return b""
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if is_src else torch.empty(int(n), dtype=torch.uint8)
+    dist.broadcast(buf, src, group=group)
+    return data if is_src else buf.numpy().tobytes()
+
+
+def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: WeightReceiver | None = None,
+                     version: int | None = None, buckets: Iterable[Bucket] | None = None, group=None) -> int:
+    """Collective weight update over torch.distributed (gloo on CPU, NCCL on GPU once blobs live on device).
+
+    Rank `src` passes `sender` and `version`; every other rank a `receiver`.
+    An exception on the sender mid-stream broadcasts an abort marker, so
+    receivers never wait forever. All ranks then agree (all_reduce MAX) on
+    whether every receiver committed; on any failure every rank raises
+    WeightSyncError carrying the lowest failing rank's message, and the
+    receivers keep serving their previous version.
+    Returns the update's version.
+    """
+    import torch.distributed as dist
+
+    me = dist.get_rank()
+    error: str | None = None
+    if me == src:
+        header = json.dumps({"version": version, "count": sender.num_buckets, "layout": sender.layout()}).encode()
+        _bcast_bytes(header, src, group)
+        try:
+            for b in (buckets if buckets is not None else sender.buckets(version)):
+                _bcast_bytes(b.sha256.encode() + b.payload, src, group)
+        except Exception as e:  # tell the receivers, then report
+            error = f"sender failed mid-stream ({type(e).__name__}: {e})"
+            _bcast_bytes(None, src, group)
+        else:
+            _bcast_bytes(b"", src, group)  # end of stream
+    else:
+        h = json.loads(_bcast_bytes(None, src, group))
+        version = h["version"]
+        try:
+            receiver.begin(version, h["count"], h["layout"])
+        except WeightSyncError as e:
+            error = str(e)
+        i = 0
+        while True:
+            blob = _bcast_bytes(None, src, group)
+            if blob is None:
+                error = error or f"sender aborted update v{version} after {i} bucket(s)"
+                receiver.abort(error)
+                break
+            if blob == b"":
+                break
+            if error is None:
+                try:
+                    receiver.receive(version, i, blob[64:], blob[:64].decode(errors="replace"))
+                except WeightSyncError as e:
+                    error = str(e)
+            i += 1
+        if error is None:
+            try:
+                receiver.commit(version)
+            except WeightSyncError as e:
+                error = str(e)
+    world = dist.get_world_size(group)
+    first = torch.tensor([world if error is None else me], dtype=torch.int64)
+    dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)  # lowest failing rank reports for everyone
+    if int(first) < world:
+        msg = _bcast_bytes(error.encode() if me == int(first) else None, int(first), group).decode()
+        raise WeightSyncError(error if error is not None else
+                              f"weight sync v{version} failed on rank {int(first)}: {msg}; receivers keep their previous version")
+    return version

@@ -1,0 +1,99 @@
+"""Helpers shared by the weight-sync tests, in an importable module.
+
+The gloo test's worker lives here, not in the test module: processes started
+by torch.multiprocessing's spawn import the worker by module name, and a test
+module collected with --import-mode=importlib has no importable name, while
+this folder is on sys.path (tests/checkpoint/conftest.py), which spawn passes
+on to its children.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from rl4bit.trainer.surgery import quantized_weights
+from rl4bit.weight_sync import WeightReceiver, WeightSender, WeightSyncError
+
+from ckpt_models import bump_weights, make_sampler_model, make_trainer_model
+
+BUCKET_BYTES = 40_000  # several buckets for the tiny model
+
+
+def _bits(t):
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_serves(snapshot: bytes, model) -> None:
+    """A receiver's snapshot (served QTensors + dense weights) equals the trainer's, bit for bit."""
+    from safetensors.torch import load
+
+    got = load(snapshot)
+    want = quantized_weights(model)
+    served = {k.rsplit(".", 1)[0][2:] for k in got if k.startswith("q.")}
+    assert served == {f"{m}.{p}" for m, ps in want.items() for p in ps}
+    for module, params in want.items():
+        for param, q in params.items():
+            for f in ("data", "scale", "outer"):
+                mine, theirs = _bits(getattr(q, f)).reshape(-1), _bits(got[f"q.{module}.{param}.{f}"]).reshape(-1)
+                if f == "outer":
+                    mine = mine.expand(theirs.numel()) if mine.numel() == 1 else mine
+                n = int((mine != theirs).sum())
+                assert n == 0, f"{module}.{param}.{f}: {n} values differ"
+    sd = model.state_dict()
+    dense = {k[6:]: v for k, v in got.items() if k.startswith("dense.")}
+    assert dense
+    for k, v in dense.items():
+        if k in sd:
+            assert torch.equal(v, sd[k].to(v.dtype)), k
+
+
+def corrupted(buckets, which: int):
+    for b in buckets:
+        if b.index == which:
+            blob = bytearray(b.payload)
+            blob[len(blob) // 2] ^= 0x01
+            b = dataclasses.replace(b, payload=bytes(blob))
+        yield b
+
+
+def interrupted(buckets, after: int):
+    for b in buckets:
+        if b.index == after:
+            raise ConnectionError("trainer died mid-sync")
+        yield b
+
+
+def broadcast_worker(rank: int, world: int, init_file: str) -> None:
+    import torch.distributed as dist
+
+    from rl4bit.weight_sync import broadcast_update
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        trainer, plan = make_trainer_model(0)  # both ranks build it: rank 1 uses it as the expected values
+        sender = WeightSender(trainer, plan, bucket_bytes=BUCKET_BYTES)
+        if rank == 0:
+            broadcast_update(0, sender=sender, version=1)
+            bump_weights(trainer)
+            with pytest.raises(WeightSyncError, match="bucket 1"):
+                broadcast_update(0, sender=sender, version=2, buckets=corrupted(sender.buckets(2), 1))
+            with pytest.raises(WeightSyncError, match="trainer died"):
+                broadcast_update(0, sender=sender, version=2, buckets=interrupted(sender.buckets(2), 2))
+            broadcast_update(0, sender=sender, version=2)
+        else:
+            rx = WeightReceiver(make_sampler_model())
+            assert broadcast_update(0, receiver=rx) == 1
+            assert_serves(rx.snapshot(), trainer)
+            for what in ("bucket 1", "aborted"):  # corrupt bucket, then a sender dying mid-stream
+                with pytest.raises(WeightSyncError, match=what):
+                    broadcast_update(0, receiver=rx)
+                assert rx.serving_version() == 1
+                assert_serves(rx.snapshot(), trainer)
+            assert broadcast_update(0, receiver=rx) == 2
+            bump_weights(trainer)
+            assert_serves(rx.snapshot(), trainer)
+    finally:
+        dist.destroy_process_group()

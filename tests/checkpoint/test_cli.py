@@ -1,0 +1,57 @@
+"""`rl4bit export` (from a config and from a run dir's latest checkpoint) and `rl4bit inspect`."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from rl4bit import checkpoint_format as ckf
+
+OVERRIDES = ["model.num_layers=2", "model.hidden_size=32", "model.expert_intermediate_size=32", "model.num_experts=4"]
+
+
+def _bits(t):
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def test_export_config_then_run_dir_then_inspect(tmp_path, capsys):
+    from rl4bit.checkpoint import save_checkpoint
+    from rl4bit.cli import main as cli
+    from rl4bit.config import dump_yaml, load_config
+    from rl4bit.export import _build
+    from rl4bit.trainer.surgery import quantized_weights
+
+    assert cli(["export", "configs/quickstart.yaml", "--out", str(tmp_path / "a"), *sum((["-o", o] for o in OVERRIDES), [])]) == 0
+    layout = json.loads((tmp_path / "a" / ckf.LAYOUT).read_text())
+    assert layout["recipe"] == "nvfp4" and layout["policy_version"] == 0
+
+    # a run dir: its config + a checkpoint holding other weights (a trained policy, version 7)
+    cfg = load_config("configs/quickstart.yaml", OVERRIDES)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_yaml(cfg))
+    model, plan, _ = _build(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(-0.5)
+    save_checkpoint(run, 7, {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()},
+                    {"trainer": {"version": 7}})
+    assert cli(["export", str(run), "--out", str(tmp_path / "b")]) == 0
+    back = ckf.load_qtensors(tmp_path / "b")
+    for module, params in quantized_weights(model).items():
+        for param, q in params.items():
+            assert torch.equal(_bits(back[module][param].data), _bits(q.data)), module
+            assert torch.equal(_bits(back[module][param].scale), _bits(q.scale)), module
+    assert json.loads((tmp_path / "b" / ckf.LAYOUT).read_text())["policy_version"] == 7
+
+    capsys.readouterr()
+    assert cli(["inspect", str(tmp_path / "b")]) == 0
+    out = capsys.readouterr().out
+    assert "nvfp4" in out and "quantized" in out and "total" in out
+    # 4.5 bits + per-expert scales: the expert weights are at most 0.30x BF16
+    from rl4bit.export import module_rows
+
+    rows = [r for r in module_rows(tmp_path / "b") if r["format"] == "nvfp4"]
+    assert rows and all(4.5 <= r["bits"] < 4.8 for r in rows)
+    assert sum(r["bytes"] for r in rows) / sum(r["bf16_bytes"] for r in rows) <= 0.30

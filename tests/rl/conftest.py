@@ -1,0 +1,22 @@
+"""Shared pieces of the RL-loop tests: a small, fast variant of the quickstart config."""
+
+from pathlib import Path
+
+import pytest
+
+QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
+
+SMALL = [
+    "model.num_layers=2", "model.hidden_size=32", "model.expert_intermediate_size=32", "model.num_experts=4",
+    "model.num_heads=2", "model.max_seq_len=32", "model.dtype=float32",
+    "rl.steps=2", "rl.prompts_per_step=4", "rl.samples_per_prompt=4", "rl.ppo_epochs=2",
+    "run.warmup_sft_steps=3", "run.warmup_batch_size=8", "run.cpu_threads=1", "run.progress=false",
+    "data.eval_size=8", "data.eval_every=2", "run.checkpoint_every=2", "sampler.max_new_tokens=6",
+    "trainer.device=cpu",
+]
+"""Overrides that shrink the quickstart to seconds per step (same code paths: nvfp4 recipe, embedded sampler)."""
+
+
+@pytest.fixture
+def small():
+    return list(SMALL)

@@ -1,0 +1,111 @@
+"""The RL loop end to end on a small quickstart: local and Ray modes, reward swapping, fail-fast, resume."""
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from rl4bit import driver
+from rl4bit.metrics import EVAL_KEYS, STEP_KEYS, read_metrics
+from rl4bit.rewards import RewardError
+
+from .conftest import QUICKSTART
+
+TIMING_KEYS = ("time/", "rollout/tokens_per_s", "sync/seconds")
+
+
+@pytest.fixture
+def deadline():
+    """Fail (instead of hanging CI) if a run takes more than 240 s."""
+    def boom(*_):
+        raise TimeoutError("RL run exceeded the test's 240 s deadline")
+
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.alarm(240)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, old)
+
+
+def _check_run(run_dir, steps):
+    records = read_metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(steps + 1))
+    assert set(EVAL_KEYS) <= set(records[0]), f"step 0 lacks {set(EVAL_KEYS) - set(records[0])}"
+    for r in records[1:]:
+        missing = set(STEP_KEYS) - set(r)
+        assert not missing, f"step {r['step']} lacks {missing}"
+        assert r["mismatch/k3"] == 0.0  # the embedded sampler and the trainer agree bit for bit
+    assert "eval/accuracy" in records[-1]
+    for name in ("reward", "accuracy", "mismatch", "throughput"):
+        assert (run_dir / "plots" / f"{name}.png").stat().st_size > 1000
+    assert list((run_dir / "tensorboard").iterdir())
+    assert json.loads((run_dir / "checkpoints" / "latest.json").read_text())["step"] == steps
+    return records
+
+
+def test_local_mode_run_logs_every_metric(tmp_path, small, deadline, capsys):
+    out = tmp_path / "run"
+    assert driver.main(QUICKSTART, out=str(out), overrides=small + ["ray.mode=local"]) == 0
+    _check_run(out, 2)
+    assert f"run dir: {out}" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_ray_mode_run_logs_every_metric(tmp_path, small, deadline):
+    """`rl4bit train` in Ray mode, as a user runs it: its own process, its own private cluster.
+
+    A subprocess, not driver.main in this process: Ray caches its auth token per
+    process, so a cluster started earlier by another test would refuse this one.
+    """
+    pytest.importorskip("ray")
+    out = tmp_path / "run"
+    cli = Path(sys.executable).with_name("rl4bit")
+    args = [str(cli), "train", str(QUICKSTART), "--out", str(out)]
+    for o in small + ["ray.mode=ray", "ray.num_cpus=2"]:
+        args += ["-o", o]
+    r = subprocess.run(args, capture_output=True, text=True, timeout=230)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert str(out) in r.stdout, "the run ends by printing its run dir"
+    _check_run(out, 2)
+    assert any((out / "ray").glob("session_*")), "Ray's session files belong under the run dir"
+    assert (out / "ray" / "auth_token").stat().st_mode & 0o077 == 0, "the cluster's auth token: under the run dir, private"
+
+
+def test_swapping_the_reward_changes_the_rewards(tmp_path, small, deadline):
+    f = tmp_path / "my_rewards.py"
+    f.write_text("def constant(prompt, completion, **sample):\n    return 0.25\n")
+    one_step = small + ["ray.mode=local", "rl.steps=1", "run.warmup_sft_steps=0", "run.tensorboard=false"]
+    by_file = driver.main(QUICKSTART, out=str(tmp_path / "a"), overrides=one_step + [f"rewards.functions=[{{fn: '{f}:constant'}}]"])
+    by_import = driver.main(QUICKSTART, out=str(tmp_path / "b"),
+                            overrides=one_step + ["rewards.functions=[{fn: 'rl4bit.rewards:length_penalty', weight: 2.0}]"])
+    assert by_file == by_import == 0
+    a, b = read_metrics(tmp_path / "a")[1], read_metrics(tmp_path / "b")[1]
+    assert a["reward/mean"] == 0.25 and a["reward/constant"] == 0.25
+    assert b["reward/mean"] < 0 and b["reward/mean"] == pytest.approx(2 * b["reward/length_penalty"])
+
+
+def test_a_broken_reward_fails_fast_with_its_name(tmp_path, small):
+    f = tmp_path / "broken.py"
+    f.write_text("def explode(prompt, completion, **sample):\n    return 1 / 0\n")
+    with pytest.raises(RewardError, match=r"explode.*ZeroDivisionError"):
+        driver.main(QUICKSTART, out=str(tmp_path / "run"), overrides=small + [f"rewards.functions=[{{fn: '{f}:explode'}}]"])
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # failed before any actor or step
+
+
+@pytest.mark.slow
+def test_resumed_run_matches_an_uninterrupted_one(tmp_path, small, deadline):
+    cfg = small + ["ray.mode=local", "run.tensorboard=false", "rl.steps=4", "run.checkpoint_every=2",
+                   "rewards.functions=[{fn: 'rl4bit.rewards:length_penalty'}]"]  # spread from step 1: something trains
+    full = tmp_path / "full"
+    driver.main(QUICKSTART, out=str(full), overrides=cfg)
+    part = tmp_path / "part"
+    driver.main(QUICKSTART, out=str(part), overrides=cfg + ["rl.steps=2"])
+    driver.main(None, resume=str(part), overrides=["rl.steps=4"])
+    a, b = read_metrics(full), read_metrics(part)
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING_KEYS)}  # noqa: E731
+    assert [strip(r) for r in a] == [strip(r) for r in b]
+    assert any(r.get("loss", 0) != 0 for r in a[3:]), "resume equality is vacuous if nothing trains"

@@ -1,0 +1,99 @@
+"""Rewards (built-ins, loading, worker pool) and tasks (arithmetic splits, prompt files)."""
+
+import json
+
+import pytest
+
+from rl4bit.rewards import RewardError, RewardPool, exact_match, format_check, length_penalty, load_reward
+from rl4bit.tasks import PromptFileError, PromptStream, arithmetic_task, load_prompt_file
+
+
+def test_builtins():
+    assert exact_match("12+30=", "42\n", answer="42") == 1.0
+    assert exact_match("12+30=", " 42", answer="42") == 1.0
+    assert exact_match("12+30=", "43", answer="42") == 0.0
+    assert exact_match("12+30=", "abc", answer="42") == 0.0
+    assert format_check("1+1=", "2\n") == 1.0 and format_check("1+1=", "2 apples") == 0.0
+    assert length_penalty("p", "x" * 32) == -0.5 and length_penalty("p", "x" * 1000) == -1.0
+
+
+def test_load_by_import_path_and_file(tmp_path):
+    assert load_reward("rl4bit.rewards:format_check") is format_check
+    f = tmp_path / "my_reward.py"
+    f.write_text("def half(prompt, completion, **s):\n    return 0.5\n")
+    assert load_reward(f"{f}:half")("p", "c") == 0.5
+    with pytest.raises(RewardError, match="no function 'nope'"):
+        load_reward(f"{f}:nope")
+    with pytest.raises(RewardError, match="cannot import module 'no_such_mod'"):
+        load_reward("no_such_mod:f")
+    with pytest.raises(RewardError, match="does not exist"):
+        load_reward(f"{tmp_path}/missing.py:f")
+
+
+def test_pool_masks_errors_times_out_and_fails_past_the_fraction(tmp_path):
+    f = tmp_path / "r.py"
+    f.write_text(
+        "import time\n"
+        "def odd_fails(prompt, completion, answer=None, **s):\n"
+        "    if int(answer) % 2: raise ValueError('odd answer')\n"
+        "    return 1.0\n"
+        "def slow(prompt, completion, answer=None, **s):\n"
+        "    if answer == 'slow': time.sleep(30)\n"
+        "    return 2.0\n"
+    )
+    pool = RewardPool([f"{f}:odd_fails"], [0.5], max_error_fraction=0.5)
+    try:
+        s = pool.score([("p", "c", {"answer": str(i)}) for i in range(4)])
+        assert s.totals == [0.5, None, 0.5, None] and s.errors == 2
+        assert "odd answer" in s.messages[0] and "odd_fails" in s.messages[0]
+        with pytest.raises(RewardError, match="2/3 samples failed"):
+            pool.score([("p", "c", {"answer": a}) for a in ("1", "3", "2")])
+    finally:
+        pool.close()
+    pool = RewardPool([f"{f}:slow"], [1.0], timeout_s=0.5, max_error_fraction=0.5)
+    try:
+        s = pool.score([("p", "c", {"answer": a}) for a in ("1", "slow", "2")])
+        assert s.totals == [2.0, None, 2.0] and "timed out" in s.messages[0]
+        assert pool.score([("p", "c", {"answer": "3"})]).totals == [2.0]  # the worker was restarted
+    finally:
+        pool.close()
+
+
+def test_arithmetic_splits_are_disjoint_and_seeded():
+    train, evals = arithmetic_task(2, 64, seed=0)
+    assert len(evals) == 64 and len(train) == 10_000 - 64
+    assert not {s["prompt"] for s in train} & {s["prompt"] for s in evals}
+    a, b = evals[0]["prompt"][:-1].split("+")
+    assert int(evals[0]["answer"]) == int(a) + int(b)
+    assert arithmetic_task(2, 64, seed=0)[1] == evals and arithmetic_task(2, 64, seed=1)[1] != evals
+
+
+def test_prompt_stream_resumes_from_its_state():
+    s = PromptStream([{"prompt": str(i)} for i in range(5)], seed=3)
+    first = s.next(3)
+    state = s.state()
+    rest = s.next(6)  # crosses an epoch
+    s2 = PromptStream([{"prompt": str(i)} for i in range(5)], seed=3)
+    s2.load_state(state)
+    assert s2.next(6) == rest and sorted(p["prompt"] for p in first + rest[:2]) == list("01234")
+
+
+def test_prompt_files(tmp_path):
+    good = tmp_path / "p.jsonl"
+    good.write_text(json.dumps({"prompt": "1+1=", "answer": 2, "level": "easy"}) + "\n\n" + json.dumps({"prompt": "x"}) + "\n")
+    rows = load_prompt_file(good)
+    assert rows[0] == {"prompt": "1+1=", "answer": "2", "level": "easy"} and rows[1] == {"prompt": "x"}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "a"}) + "\n{not json\n")
+    with pytest.raises(PromptFileError, match=r"bad.jsonl:2: not valid JSON"):
+        load_prompt_file(bad)
+    bad.write_text(json.dumps({"question": "a"}) + "\n")
+    with pytest.raises(PromptFileError, match=r"bad.jsonl:1: missing a string 'prompt'.*question"):
+        load_prompt_file(bad)
+    pq = tmp_path / "p.parquet"
+    pq.write_bytes(b"PAR1")
+    try:
+        import pyarrow  # noqa: F401
+    except ModuleNotFoundError:
+        with pytest.raises(PromptFileError, match="needs pyarrow"):
+            load_prompt_file(pq)

@@ -1,0 +1,364 @@
+"""The Trainer: holds the policy (converted by the recipe), runs GRPO steps, exports weights.
+
+A plain class (Ray wraps it in `rl4bit.actors`; `local` mode calls it directly):
+
+    trainer = Trainer(cfg)
+    trainer.warm_start(train_samples)          # optional supervised phase (quickstart)
+    trainer.setup_rl()                         # recipe conversion, AdamW, reference model
+    metrics = trainer.train_step(batch)        # a TrainBatch of one RL step's rollouts
+    update = trainer.export_weights()          # a WeightUpdate for the samplers
+
+Numerics. Logprobs are recomputed through the embedded sampler's own
+batch-invariant forward (`sequence_logprobs`: sequences packed end to end in
+one [1, T] row, per-sequence attention over a fixed `max_seq_len` of key
+positions, every GEMM padded to >= MIN_ROWS rows; `rl4bit.sampler.kv_cache`),
+with gradients; `train_attention` is the engine's attention minus the KV cache. Every
+row's bits then depend only on its own sequence, so on the same weights the
+trainer's logprobs equal the sampler's bitwise and `mismatch/k3` is exactly 0
+(on CPU; with another sampler it measures the real mismatch). The recipe's
+quantized modules (`rl4bit.trainer.surgery`) hold FP32 master weights; AdamW
+updates them in place, so the exported tensors are the masters (names as in
+`model.state_dict()`). With `model.dtype: bfloat16` the forward runs under
+bf16 autocast.
+
+Per RL step: `ppo_epochs` optimizer steps over all rollouts, each accumulating
+micro-batches of at most `trainer.tokens_per_microbatch` tokens; epoch 0's
+forward also yields the "old" logprobs of the PPO ratio (same weights, same
+bits). A step whose loss or gradient norm is not finite is skipped; the job
+stops after `trainer.max_nonfinite_steps` in a row.
+
+Leaves out: minibatches within an epoch, learning-rate schedules, expert parallelism.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from rl4bit.config import JobConfig
+from rl4bit.models import build_model
+from transformers import AttentionInterface
+
+from rl4bit.sampler.kv_cache import ENGINE_IMPL, MIN_ROWS, _pad_rows
+from rl4bit.sampler.types import WeightUpdate
+from rl4bit.tokenizer import build_tokenizer
+from rl4bit.trainer import grpo
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a NaN/Inf loss or gradient."""
+
+
+@dataclass
+class TrainBatch:
+    """One RL step's rollouts, group after group (samples_per_prompt consecutive rows share a prompt)."""
+
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    sampler_logprobs: list[list[float]]
+    advantages: list[float]
+
+
+# --------------------------------------------------------------------------- the engine's forward, with grad
+
+
+TRAIN_IMPL = "rl4bit_train"
+
+
+def train_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, rl4bit_train=None, **kwargs):
+    """`kv_cache.engine_attention` for whole sequences, without the KV cache (cheap to differentiate).
+
+    Each sequence's keys/values are zero-padded to `max_len` positions, exactly
+    what its cache slot holds after a prefill, so every matmul, mask and softmax
+    has the engine's shapes and values and the outputs match it bit for bit.
+    """
+    spans, max_len, min_rows = rl4bit_train
+    _, hq, t, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    out = query.new_zeros(1, t, hq, d)
+    keys_pos = torch.arange(max_len, device=query.device)
+    for a, b in spans:
+        n = b - a
+        k_slot = torch.nn.functional.pad(key[0, :, a:b], (0, 0, 0, max_len - n))  # [Hkv, max_len, D]
+        v_slot = torch.nn.functional.pad(value[0, :, a:b], (0, 0, 0, max_len - n))
+        q = _pad_rows(query[0, :, a:b].reshape(hkv, g * n, d), min_rows)
+        scores = torch.matmul(q, k_slot.transpose(1, 2)) * scaling
+        q_pos = torch.arange(0, n, device=query.device).repeat(g)
+        allowed = _pad_rows(keys_pos[None, :] <= q_pos[:, None], scores.shape[1])
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).nan_to_num(0.0)
+        o = torch.matmul(probs, v_slot)[:, : g * n]
+        out[0, a:b] = o.reshape(hq, n, d).transpose(0, 1)
+    return out, None
+
+
+AttentionInterface.register(TRAIN_IMPL, train_attention)
+
+
+@contextlib.contextmanager
+def engine_numerics(model):
+    """Route attention through `train_attention` and HF experts through the engine's padded loop."""
+    cfg = model.config
+    saved = (cfg._attn_implementation, getattr(cfg, "_experts_implementation", None))
+    cfg._attn_implementation = TRAIN_IMPL
+    if hasattr(cfg, "_experts_implementation"):
+        cfg._experts_implementation = ENGINE_IMPL
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = saved[0]
+        if hasattr(cfg, "_experts_implementation"):
+            cfg._experts_implementation = saved[1]
+
+
+def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float,
+                      max_seq_len: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per sequence, the logprobs of its completion tokens at `temperature`; and the summed entropy (detached).
+
+    Mirrors `EmbeddedEngine.score` for many sequences at once (one packed row).
+    """
+    dev = next(model.parameters()).device
+    ids, pos, spans, rows, targets = [], [], [], [], []
+    for p, c in zip(prompts, completions):
+        seq = list(p) + list(c)[:-1]
+        start = len(ids)
+        spans.append((start, start + len(seq)))
+        rows += range(start + len(p) - 1, start + len(seq))
+        targets += list(c)
+        ids += seq
+        pos += range(len(seq))
+    pad = max(0, MIN_ROWS - len(ids))
+    base = getattr(model, model.base_model_prefix)
+    with engine_numerics(model):
+        hidden = base(input_ids=torch.tensor([ids + [0] * pad], device=dev),
+                      position_ids=torch.tensor([pos + [0] * pad], device=dev),
+                      use_cache=False, rl4bit_train=(spans, max_seq_len, MIN_ROWS)).last_hidden_state[0]
+    h = _pad_rows(hidden[torch.tensor(rows, device=dev)], MIN_ROWS)
+    logits = model.get_output_embeddings()(h)[: len(rows)].float()
+    logp_all = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    logp = logp_all.gather(1, torch.tensor(targets, device=dev)[:, None])[:, 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1).detach().sum()
+    return list(logp.split([len(c) for c in completions])), entropy
+
+
+def microbatches(lengths: list[int], tokens_per_microbatch: int) -> list[list[int]]:
+    """Consecutive index groups whose summed lengths stay within the budget (a longer sequence goes alone)."""
+    out, cur, used = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and used + n > tokens_per_microbatch:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _pad(seqs: list[list[float]], dev) -> tuple[torch.Tensor, torch.Tensor]:
+    t = max(len(s) for s in seqs)
+    vals = torch.zeros(len(seqs), t, device=dev)
+    mask = torch.zeros(len(seqs), t, device=dev)
+    for i, s in enumerate(seqs):
+        vals[i, : len(s)] = torch.as_tensor(s, dtype=torch.float32)
+        mask[i, : len(s)] = 1
+    return vals, mask
+
+
+def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
+    t = max(p.numel() for p in parts)
+    return torch.stack([torch.nn.functional.pad(p, (0, t - p.numel())) for p in parts])
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+class Trainer:
+    """Policy + AdamW; one `train_step` per RL step (see module docstring)."""
+
+    def __init__(self, cfg: JobConfig):
+        if cfg.run.cpu_threads:
+            torch.set_num_threads(cfg.run.cpu_threads)
+        self.cfg = cfg
+        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.trainer.device == "auto" else cfg.trainer.device)
+        self.tokenizer = build_tokenizer()
+        torch.manual_seed(cfg.run.seed)
+        self.model = build_model(cfg.model, len(self.tokenizer), cfg.run.seed).to(self.device)
+        self.optimizer = None
+        self.ref_model = None
+        self.opt_steps = 0
+        self.version = 0
+        self.nonfinite_in_a_row = 0
+
+    # ------------------------------------------------------------------ phases
+    def warm_start(self, samples: list[dict]) -> dict:
+        """Supervised warm start on (prompt, answer) pairs, before the recipe conversion."""
+        from rl4bit.warmstart import supervised_warm_start
+
+        run = self.cfg.run
+        return supervised_warm_start(self.model, self.tokenizer, samples, steps=run.warmup_sft_steps,
+                                     lr=run.warmup_lr, batch_size=run.warmup_batch_size, seed=run.seed)
+
+    def setup_rl(self) -> None:
+        """Convert the model by the recipe (FP32 masters), build AdamW and the frozen reference."""
+        from rl4bit.trainer.surgery import convert_model
+
+        convert_model(self.model, self.cfg.recipe)
+        self.model.to(self.device).eval()  # eval: no dropout; training-mode switches do not apply here
+        t = self.cfg.trainer
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+        if self.cfg.rl.kl_coef > 0:
+            self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
+        self.version = 1  # the first policy the samplers serve (their built-in weights are version 0)
+
+    # ------------------------------------------------------------------ the step
+    def _autocast(self):
+        bf16 = self.cfg.model.dtype == "bfloat16"
+        return torch.autocast(self.device.type, torch.bfloat16, enabled=bf16)
+
+    def _logprobs(self, model, batch: TrainBatch, idx: list[int]):
+        with self._autocast():
+            return sequence_logprobs(model, [batch.prompt_ids[i] for i in idx], [batch.completion_ids[i] for i in idx],
+                                     self.cfg.sampler.temperature, self.cfg.model.max_seq_len)
+
+    def train_step(self, batch: TrainBatch) -> dict:
+        """`ppo_epochs` optimizer steps on one RL step's rollouts; returns the step's metrics."""
+        from rl4bit.trainer.surgery import set_step
+
+        rl, t = self.cfg.rl, self.cfg.trainer
+        keep = [i for i, c in enumerate(batch.completion_ids) if c]
+        lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.prompt_ids))]
+        mbs = [[keep[j] for j in mb] for mb in microbatches([lengths[i] for i in keep], t.tokens_per_microbatch)]
+        total_tokens = float(sum(len(batch.completion_ids[i]) for i in keep))
+        total_seqs = float(len(keep))
+        tis_cap = rl.tis_cap if rl.tis_cap is not None else (2.0 if self.cfg.sampler.backend != "embedded" else None)
+        old: dict[int, torch.Tensor] = {}
+        ref: dict[int, torch.Tensor] = {}
+        sums = dict(loss=0.0, clipped=0.0, ratio_sum=0.0, tokens=0.0, tis_truncated=0.0, kl_ref_sum=0.0,
+                    entropy=0.0, k3=0.0)
+        rmin, rmax, norms, skipped = math.inf, -math.inf, [], 0
+        for epoch in range(rl.ppo_epochs):
+            set_step(self.model, self.opt_steps)
+            self.optimizer.zero_grad(set_to_none=True)
+            loss_total = 0.0
+            for mb in mbs:
+                logp_list, entropy = self._logprobs(self.model, batch, mb)
+                if epoch == 0:
+                    for i, lp in zip(mb, logp_list):
+                        old[i] = lp.detach()
+                    if self.ref_model is not None:
+                        with torch.no_grad():
+                            for i, lp in zip(mb, self._logprobs(self.ref_model, batch, mb)[0]):
+                                ref[i] = lp
+                    sums["entropy"] += entropy.item()
+                logp, mask = _stack(logp_list), _pad([batch.completion_ids[i] for i in mb], self.device)[1]
+                old_lp = _stack([old[i] for i in mb])
+                samp = _pad([batch.sampler_logprobs[i] for i in mb], self.device)[0]
+                if epoch == 0:
+                    sums["k3"] += grpo.k3(samp, old_lp)[mask.bool()].sum().item()  # KL(sampler || trainer)
+                adv = torch.tensor([batch.advantages[i] for i in mb], device=self.device)
+                loss, st = grpo.ppo_clip_loss(
+                    logp, old_lp, adv, mask, clip_eps=rl.clip_eps, agg=rl.loss_agg, sampler_logp=samp, tis_cap=tis_cap,
+                    ref_logp=_stack([ref[i] for i in mb]) if ref else None, kl_coef=rl.kl_coef,
+                    total_tokens=total_tokens, total_seqs=total_seqs)
+                loss.backward()
+                loss_total += loss.item()
+                for k in ("clipped", "ratio_sum", "tokens", "tis_truncated", "kl_ref_sum"):
+                    sums[k] += st.get(k, 0.0)
+                rmin, rmax = min(rmin, st["ratio_min"]), max(rmax, st["ratio_max"])
+            sums["loss"] += loss_total
+            norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+            norm = float(norm)
+            norms.append(norm)
+            if math.isfinite(loss_total) and math.isfinite(norm):
+                self.optimizer.step()
+                self.nonfinite_in_a_row = 0
+            else:
+                skipped += 1
+                self.nonfinite_in_a_row += 1
+                if self.nonfinite_in_a_row >= t.max_nonfinite_steps:
+                    raise NonFiniteError(
+                        f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                        f"(loss {loss_total}, grad norm {norm}); lower trainer.lr or try recipe.name=mxfp8")
+            self.opt_steps += 1
+        self.version += 1
+        ntok = max(total_tokens, 1.0)
+        nrat = max(sums["tokens"], 1.0)
+        return {
+            "loss": sums["loss"] / rl.ppo_epochs,
+            "grad_norm": sum(norms) / len(norms),
+            "ppo/clip_frac": sums["clipped"] / nrat,
+            "ratio/mean": sums["ratio_sum"] / nrat,
+            "ratio/min": rmin if keep else 1.0,
+            "ratio/max": rmax if keep else 1.0,
+            "tis/truncated_frac": sums["tis_truncated"] / nrat,
+            "tis/enabled": float(tis_cap is not None),
+            "kl/ref": sums["kl_ref_sum"] / nrat,
+            "mismatch/k3": sums["k3"] / ntok,
+            "policy/entropy": sums["entropy"] / ntok,
+            "train/skipped_steps": float(skipped),
+            "train/lr": self.optimizer.param_groups[0]["lr"],
+            "policy/version": float(self.version),
+        }
+
+    # ------------------------------------------------------------------ sync and state
+    def export_weights(self) -> WeightUpdate:
+        """The current weights as a WeightUpdate (names as in model.state_dict(); CPU copies)."""
+        tensors = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        return WeightUpdate(version=self.version, tensors=tensors)
+
+    def weight_nbytes(self) -> int:
+        """Bytes of one WeightUpdate's tensors."""
+        return sum(v.numel() * v.element_size() for v in self.model.state_dict().values())
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict]:
+        """Everything to resume: tensors (model, AdamW moments, torch RNG) and JSON-able metadata."""
+        tensors = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        for p, st in self.optimizer.state.items():
+            for k, v in st.items():
+                tensors[f"optim.{names[id(p)]}.{k}"] = torch.as_tensor(v).detach().to("cpu", copy=True)
+        tensors["rng.torch_cpu"] = torch.get_rng_state()
+        if self.device.type == "cuda":
+            tensors["rng.torch_cuda"] = torch.cuda.get_rng_state(self.device)
+        meta = {
+            "opt_steps": self.opt_steps,
+            "version": self.version,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "python_rng": _py_rng_state(),
+        }
+        return tensors, meta
+
+    def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """Restore `state()` (call after setup_rl)."""
+        model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+        missing = set(self.model.state_dict()) - set(model_sd)
+        if missing:
+            raise ValueError(f"checkpoint lacks model tensors {sorted(missing)[:3]}; it was written for another model config")
+        self.model.load_state_dict(model_sd, strict=True)
+        for name, p in self.model.named_parameters():
+            st = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
+            if st:
+                self.optimizer.state[p] = {k: v.to(self.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
+        torch.set_rng_state(tensors["rng.torch_cpu"])
+        if "rng.torch_cuda" in tensors and self.device.type == "cuda":
+            torch.cuda.set_rng_state(tensors["rng.torch_cuda"], self.device)
+        self.opt_steps, self.version = int(meta["opt_steps"]), int(meta["version"])
+        self.nonfinite_in_a_row = int(meta["nonfinite_in_a_row"])
+        random.setstate(_to_py_rng(meta["python_rng"]))
+
+
+def _py_rng_state() -> list:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def _to_py_rng(state: list) -> tuple:
+    return (state[0], tuple(state[1]), state[2])

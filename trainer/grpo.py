@@ -1,0 +1,97 @@
+"""GRPO as pure tensor functions: advantages, the PPO-clip loss, and its diagnostics.
+
+- `group_advantages(rewards, group_size)`: A_i = (r_i - mean_g) / (std_g + eps)
+  per group of `group_size` consecutive samples (std is the unbiased sample std,
+  as TRL's GRPOTrainer; `normalize_std=False` keeps only the centring, Dr. GRPO).
+- `ppo_clip_loss(...)`: per token
+  `max(-A * ratio, -A * clip(ratio, 1-eps, 1+eps))` with `ratio = exp(logp - old_logp)`,
+  times a truncated importance weight `min(exp(old_logp - sampler_logp), cap)`
+  when `tis_cap` is set (the sampler's tokens came from a slightly different
+  policy, e.g. vLLM), plus `kl_coef * k3(ref || policy)` when a reference is
+  given; aggregated by `aggregate`.
+- `aggregate(values, mask, how, ...)`: "token_mean" (sum over every
+  completion token / token count) or "seq_mean" (mean of per-sequence token
+  means). `total_tokens` / `total_seqs` let micro-batches add up to exactly the
+  full-batch value.
+- `k3(logp, ref_logp)`: the k3 estimator of KL(pi || ref) from samples of pi,
+  `exp(ref - logp) - (ref - logp) - 1` per token; >= 0 and 0 iff equal.
+
+Tensors are [B, T] (B sequences, T completion positions, `mask` 1 on real
+tokens). Leaves out: value functions, entropy bonus, sequence-level ratios (GSPO).
+References: DeepSeekMath (GRPO), Schulman's k3, Yao et al. "Your efficient RL
+framework secretly brings you off-policy RL training" (truncated IS).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalized advantages for [P * G] rewards laid out group after group."""
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}; pass prompts x samples_per_prompt rewards")
+    r = rewards.float().view(-1, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if normalize_std:
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def aggregate(values: torch.Tensor, mask: torch.Tensor, how: str, *, total_tokens: float | None = None,
+              total_seqs: float | None = None) -> torch.Tensor:
+    """Reduce [B, T] per-token values to a scalar; totals default to this batch's counts."""
+    mask = mask.to(values.dtype)
+    if how == "token_mean":
+        denom = total_tokens if total_tokens is not None else mask.sum().clamp(min=1)
+        return (values * mask).sum() / denom
+    if how == "seq_mean":
+        per_seq = (values * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1)
+        denom = total_seqs if total_seqs is not None else values.shape[0]
+        return per_seq.sum() / denom
+    raise ValueError(f"loss aggregation {how!r} is not one of token_mean, seq_mean")
+
+
+def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || ref) from tokens sampled by pi."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
+                  clip_eps: float = 0.2, agg: str = "token_mean", sampler_logp: torch.Tensor | None = None,
+                  tis_cap: float | None = None, ref_logp: torch.Tensor | None = None, kl_coef: float = 0.0,
+                  total_tokens: float | None = None, total_seqs: float | None = None) -> tuple[torch.Tensor, dict]:
+    """The PPO-clip policy loss (scalar) and detached per-token statistics.
+
+    `advantages` is [B] (one per sequence) or [B, T]. Statistics are sums over
+    real tokens (so micro-batches add up): clipped tokens, ratio sum/min/max,
+    TIS-truncated tokens, k3 to the reference.
+    """
+    adv = advantages[:, None] if advantages.dim() == 1 else advantages
+    ratio = torch.exp(logp - old_logp)
+    clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_eps)
+    per_token = torch.maximum(-adv * ratio, -adv * clipped_ratio)
+    m = mask.bool()
+    stats = {}
+    if tis_cap is not None:
+        if sampler_logp is None:
+            raise ValueError("tis_cap is set but sampler_logp is missing; pass the sampler's per-token logprobs")
+        raw = torch.exp(old_logp - sampler_logp).detach()
+        weight = raw.clamp(max=tis_cap)
+        per_token = per_token * weight
+        stats["tis_truncated"] = (raw > tis_cap)[m].sum().item()
+    if ref_logp is not None and kl_coef > 0:
+        kl = k3(logp, ref_logp)
+        per_token = per_token + kl_coef * kl
+        stats["kl_ref_sum"] = kl.detach()[m].sum().item()
+    loss = aggregate(per_token, mask, agg, total_tokens=total_tokens, total_seqs=total_seqs)
+    r = ratio.detach()[m]
+    stats.update(
+        clipped=((-adv * clipped_ratio) > (-adv * ratio)).detach()[m].sum().item(),
+        ratio_sum=r.sum().item(),
+        ratio_min=r.min().item() if r.numel() else 1.0,
+        ratio_max=r.max().item() if r.numel() else 1.0,
+        tokens=m.sum().item(),
+    )
+    return loss, stats
