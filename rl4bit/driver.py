@@ -5,7 +5,7 @@
         score     every completion with the configured rewards                (RewardPool actor)
         advantage group-normalized per prompt                                 (trainer.grpo)
         train     ppo_epochs optimizer steps                                  (Trainer actor)
-        sync      the new weights into every sampler                          (WeightUpdate)
+        sync      the new weights into every sampler                          (rl4bit.weight_sync buckets)
         evaluate  greedy accuracy on the eval split, every data.eval_every
         log       metrics.jsonl + TensorBoard + progress bar
         checkpoint every run.checkpoint_every steps (and at the end)
@@ -19,6 +19,12 @@ the warm-started model's, before any RL step. `--resume RUN_DIR` reloads the
 run's stored config (overrides still apply, e.g. `-o rl.steps=40`) and its
 latest checkpoint, and continues; on CPU the metrics after the checkpoint
 equal an uninterrupted run's (time and throughput aside).
+
+Weight sync ships what the trainer's forward computes with: the quantized
+modules' own QTensors (NVFP4 codes + scales, or MXFP8) and the other tensors
+as FP32 masters, in SHA-256-stamped buckets; samplers serve those QTensors (no
+recalibration) and switch version all-or-nothing. A rejected update stops the
+job (WeightSyncError); the samplers keep serving the previous version.
 
 Sampling randomness is keyed by (run.seed, step, prompt index), so no sampler
 RNG state needs saving. Leaves out: asynchronous (off-policy) rollouts,
@@ -47,6 +53,7 @@ from rl4bit.tasks import PromptStream, load_task
 from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer.actor import TrainBatch, Trainer
 from rl4bit.trainer.grpo import group_advantages
+from rl4bit.weight_sync import WeightSyncError
 
 
 def main(config_path, out=None, resume=None, overrides=None) -> int:
@@ -194,12 +201,33 @@ def generate(samplers, requests: list[Request]):
 
 
 def sync_weights(trainer, samplers) -> tuple[int, float]:
-    """Push the trainer's weights into every sampler; (bytes moved in all, seconds)."""
+    """Push the trainer's weights into every sampler, bucket by bucket; (bytes shipped in all, seconds).
+
+    In ray mode each bucket goes trainer -> object store -> samplers (the
+    future is passed on, never fetched here); in local mode it is a Python
+    object handed over in-process. Any failure aborts the update on every
+    sampler and raises WeightSyncError: fail-stop, the old version keeps serving.
+    """
     t0 = time.perf_counter()
-    update = trainer.export_weights()  # a future: in ray mode the tensors go trainer -> object store -> samplers
-    get([s.update_weights(update) for s in samplers])
-    seconds = time.perf_counter() - t0
-    return get(trainer.weight_nbytes()) * len(samplers), seconds
+    version, count, layout = get(trainer.weight_header())
+    shipped = 0
+    try:
+        get([s.begin_update(version, count, layout) for s in samplers])
+        for i in range(count):
+            bucket = trainer.weight_bucket(i)  # a future: one bucket in flight
+            shipped += sum(get([s.receive_bucket(bucket) for s in samplers]))
+        get([s.commit_update(version) for s in samplers])
+    except Exception as e:
+        for s in samplers:
+            try:
+                get(s.abort_update(str(e)))
+            except Exception:  # a dead sampler cannot abort; the job stops anyway
+                pass
+        if isinstance(e, WeightSyncError):
+            raise WeightSyncError(f"{e}; the job stops (fail-stop)") from e
+        raise WeightSyncError(f"weight sync to v{version} failed ({type(e).__name__}: {e}); "
+                              "samplers keep serving their previous version; the job stops") from e
+    return shipped, time.perf_counter() - t0
 
 
 def _fill_masked(totals: list, group: int) -> list[float]:

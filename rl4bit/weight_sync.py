@@ -25,8 +25,11 @@ Targets: a model whose quantized modules are in serving mode
 (`surgery.load_quantized`; the QTensors' storage is overwritten in place, the
 first sync into a not-yet-serving module calls load_quantized once), a plain
 model (quantized weights are decoded into its parameters), or an
-EmbeddedEngine (dense tensors through `engine.update_weights`, which owns the
-engine's version; see the note in `_Apply`).
+EmbeddedEngine (QTensors and dense tensors together through
+`engine.update_weights(update, quantized)`, which owns the engine's version).
+The RL loop (`rl4bit.driver.sync_weights`) drives the same protocol through
+actor calls: `Trainer.weight_header` / `weight_bucket`, `Sampler.begin_update`
+/ `receive_bucket` / `commit_update`.
 
 Leaves out: multi-node object-store tuning, NCCL-specific bucketing (the
 broadcast sends the same blobs as uint8 tensors), partial (per-layer) updates.
@@ -200,17 +203,18 @@ class WeightReceiver:
 class _Apply:
     """Checks every (destination, source) pair first, then copies: all or nothing.
 
-    EmbeddedEngine targets: dense tensors go through `engine.update_weights`
-    (which checks them again and bumps the engine's version); the served QTensors
-    are copied just before, after the same checks. A hook on the engine that
-    takes QTensors too would make that one call.
+    EmbeddedEngine targets: the dense tensors and the QTensors go together
+    through `engine.update_weights(update, quantized)`, which checks them all,
+    copies them in place and switches the engine's version in one step.
     """
 
     def __init__(self, target, model):
         self.target, self.model = target, model
+        self.engine = hasattr(target, "update_weights")
         self.copies: list[tuple[torch.Tensor, torch.Tensor, str]] = []
         self.loads: list[tuple[torch.nn.Module, str, QTensor]] = []
         self.engine_dense: dict[str, torch.Tensor] = {}
+        self.engine_q: dict[str, dict[str, QTensor]] = {}
         self.live = model.state_dict(keep_vars=True)
 
     @staticmethod
@@ -231,17 +235,19 @@ class _Apply:
         if isinstance(value, QTensor):
             served = getattr(module, "served", False)
             if served is not False and getattr(module.spec, "fmt", None) == value.fmt:
-                if served is None:
+                if self.engine:
+                    self.engine_q.setdefault(e.module, {})[e.param] = value
+                elif served is None:
                     self.loads.append((module, e.param, value))
-                    return
-                live = served[e.param]
-                for field in ("data", "scale", "outer"):
-                    self._copy(getattr(live, field), getattr(value, field), f"{e.name}.{field}", True)
+                else:
+                    live = served[e.param]
+                    for field in ("data", "scale", "outer"):
+                        self._copy(getattr(live, field), getattr(value, field), f"{e.name}.{field}", True)
                 return
             dst = getattr(module, e.param)
             value = dequantize(value, dst.dtype)
             value = value if e.fused else value.reshape(dst.shape)
-        if hasattr(self.target, "update_weights"):
+        if self.engine:
             if e.name not in self.live:
                 raise ValueError(f"{e.name}: not a tensor of the sampler's model")
             dst = self.live[e.name]
@@ -252,6 +258,11 @@ class _Apply:
         self._copy(getattr(module, e.param), value, e.name, False)
 
     def run(self, version: int) -> None:
+        if self.engine:
+            from rl4bit.sampler.types import WeightUpdate
+
+            self.target.update_weights(WeightUpdate(version=version, tensors=self.engine_dense), self.engine_q)
+            return
         by_module: dict[torch.nn.Module, dict] = {}
         for module, param, q in self.loads:
             by_module.setdefault(module, {})[param] = q
@@ -260,10 +271,6 @@ class _Apply:
                 module.load_quantized(qw)
             for dst, src, _ in self.copies:
                 dst.copy_(src)
-        if hasattr(self.target, "update_weights"):
-            from rl4bit.sampler.types import WeightUpdate
-
-            self.target.update_weights(WeightUpdate(version=version, tensors=self.engine_dense))
 
 
 # ------------------------------------------------------------------ transports

@@ -2,8 +2,16 @@
 
     sampler = Sampler(build_model, tokenizer, SamplerConfig())   # or a model instance
     rollouts = sampler.generate([Request("q0", prompt_ids, SamplingParams(n=8, seed=0))])
-    sampler.update_weights(WeightUpdate(version=1, tensors=trainer_state_dict))
+    sampler.begin_update(version, count, layout)   # the RL loop's sync (rl4bit.weight_sync protocol):
+    sampler.receive_bucket(bucket)                  #   checksummed buckets of the trainer's own QTensors,
+    sampler.commit_update(version)                  #   switched all-or-nothing
+    sampler.update_weights(WeightUpdate(version=1, tensors=state_dict))   # dense tensors by name (tests, tools)
     sampler.health()  # {"version", "tokens_generated", "tokens_per_s", "ok", ...}
+
+The model's quantized modules (a model converted by the recipe, e.g.
+`rl4bit.models.build_policy_model`) are switched to serving mode at start:
+they hold QTensors, no master weights, and run the trainer's quantized forward
+bit for bit (`rl4bit.trainer.modules`). Updates overwrite those QTensors in place.
 
 `local` mode builds it in-process (pdb and pytest work); `ray` mode wraps this
 same class with `ray.remote` in one place. Nothing here imports Ray.
@@ -21,6 +29,8 @@ import torch
 from rl4bit.config import SamplerConfig
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
+from rl4bit.trainer.surgery import load_quantized, quantized_weights
+from rl4bit.weight_sync import Bucket, WeightReceiver
 
 
 def default_params(cfg: SamplerConfig, **overrides) -> SamplingParams:
@@ -48,6 +58,9 @@ class Sampler:
         self.config = config
         self.engine = EmbeddedEngine(model, tokenizer, max_batch_size=config.max_batch_size, device=device,
                                      max_seq_len=max_seq_len)
+        with torch.no_grad():  # serving mode: the QTensors the forward would quantize now; masters dropped
+            load_quantized(self.engine.model, quantized_weights(self.engine.model))
+        self.receiver = WeightReceiver(self.engine)
         self._last_error: str | None = None
 
     def generate(self, requests: list[Request]) -> list[Rollout]:
@@ -61,6 +74,22 @@ class Sampler:
         """Apply `update` (all-or-nothing; ValueError keeps the old version). Returns the serving version."""
         self.engine.update_weights(update)
         return self.engine.version
+
+    def begin_update(self, version: int, count: int, layout: dict) -> None:
+        """Start staging update `version` of `count` buckets (WeightSyncError if not newer than the serving one)."""
+        self.receiver.begin(version, count, layout)
+
+    def receive_bucket(self, bucket: Bucket) -> int:
+        """Verify (SHA-256) and stage one bucket; returns its payload bytes. WeightSyncError drops the update."""
+        self.receiver.receive(bucket.version, bucket.index, bucket.payload, bucket.sha256)
+        return len(bucket.payload)
+
+    def commit_update(self, version: int) -> int:
+        """Switch to `version` if every bucket arrived and fits (all-or-nothing); returns the serving version."""
+        return self.receiver.commit(version)
+
+    def abort_update(self, reason: str = "aborted by the driver") -> None:
+        self.receiver.abort(reason)
 
     def score(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
         """Logprobs of `completion_ids` through the engine's numerics (bitwise what generate reported)."""

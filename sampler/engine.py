@@ -23,7 +23,10 @@ Bad input fails only its own request (finish_reason "error", `error` says why).
 `update_weights` is all-or-nothing and pointer-stable.
 
 Quantized weights: the engine runs whatever modules the model holds, e.g. the
-trainer's NVFP4 modules frozen by `rl4bit.trainer.surgery.load_quantized`.
+trainer's NVFP4 modules frozen by `rl4bit.trainer.surgery.load_quantized`
+(serving mode: QTensors, no master weights); `update_weights(update, quantized)`
+swaps their QTensors in the same all-or-nothing step as the dense tensors
+(what `rl4bit.weight_sync.WeightReceiver` calls).
 
 Leaves out: prefix sharing between the n samples of a prompt (each prefills
 its own copy), chunked prefill, CUDA graphs, an NVFP4 decode GEMM kernel.
@@ -32,6 +35,7 @@ its own copy), chunked prefill, CUDA graphs, an NVFP4 decode GEMM kernel.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -271,12 +275,16 @@ class EmbeddedEngine:
         return [float(policy_logprobs(row, temperature)[t]) for row, t in zip(logits, completion_ids)]
 
     # ------------------------------------------------------------------ weights
-    def update_weights(self, update: WeightUpdate) -> None:
-        """Copy `update.tensors` into the live parameters; all-or-nothing.
+    def update_weights(self, update: WeightUpdate, quantized: dict | None = None) -> None:
+        """Copy `update.tensors` (dense) and `quantized` (served QTensors) into the model; all-or-nothing.
 
-        Every tensor is checked first (known name, same shape, same dtype, finite
-        values; version not older than the serving one); any problem raises
-        ValueError and leaves the old weights and version serving.
+        `quantized` is {module name: {param: QTensor}} for the model's quantized
+        modules (`rl4bit.trainer.surgery`): a module already serving gets its
+        QTensors' storage overwritten in place; one not yet serving is put into
+        serving mode from them (`load_quantized`, master weights dropped).
+        Everything is checked first (known name, same shape, same dtype, finite
+        values, same format; version not older than the serving one); any
+        problem raises ValueError and leaves the old weights and version serving.
         """
         if not isinstance(update, WeightUpdate):
             raise ValueError(f"update_weights needs a WeightUpdate, got {type(update).__name__}")
@@ -289,22 +297,67 @@ class EmbeddedEngine:
                 close = [k for k in live if k.split(".")[-1] == name.split(".")[-1]][:3]
                 problems.append(f"unknown tensor {name!r} (not in model.state_dict(); similar: {close})")
                 continue
-            dst = live[name]
-            if not isinstance(t, torch.Tensor):
-                problems.append(f"{name}: {type(t).__name__} is not a tensor")
-            elif t.shape != dst.shape:
-                problems.append(f"{name}: shape {tuple(t.shape)} != model's {tuple(dst.shape)}")
-            elif t.dtype != dst.dtype:
-                problems.append(f"{name}: dtype {t.dtype} != model's {dst.dtype}; cast it to {dst.dtype} before sending")
-            elif t.is_floating_point() and not bool(torch.isfinite(t).all()):
-                problems.append(f"{name}: holds NaN/Inf values")
+            problems += _tensor_problems(name, t, live[name])
+        copies, loads = self._plan_quantized(quantized or {}, problems)
         if problems:
             raise ValueError(f"weight update v{update.version} rejected, v{self._version} keeps serving: "
                              + "; ".join(problems))
         with torch.no_grad():
             for name, t in update.tensors.items():
                 live[name].copy_(t)
+            for dst, src in copies:
+                dst.copy_(src)
+            for module, qweights in loads:
+                module.load_quantized({p: _to_device(q, self.device) for p, q in qweights.items()})
         self._version = update.version
+
+    def _plan_quantized(self, quantized: dict, problems: list[str]):
+        """(in-place copies, modules to load) for `quantized`; what does not fit goes to `problems`."""
+        modules = dict(self.model.named_modules())
+        copies, loads = [], []
+        for mname, qweights in quantized.items():
+            module = modules.get(mname)
+            if module is None or not hasattr(module, "load_quantized") or getattr(module.spec, "fmt", None) == "bf16":
+                problems.append(f"{mname!r} is not a quantized module of this model; build the sampler's model "
+                                "with the trainer's recipe (rl4bit.models.build_policy_model)")
+                continue
+            if module.served is None:
+                if set(qweights) != set(module._param_names):
+                    problems.append(f"{mname}: needs QTensors for {sorted(module._param_names)}, got {sorted(qweights)}")
+                problems += [f"{mname}.{p}: format {q.fmt!r} != the module's {module.spec.fmt!r}"
+                             for p, q in qweights.items() if q.fmt != module.spec.fmt]
+                loads.append((module, qweights))
+                continue
+            for param, q in qweights.items():
+                if param not in module.served:
+                    problems.append(f"unknown quantized weight {mname}.{param}")
+                    continue
+                if q.fmt != module.served[param].fmt:
+                    problems.append(f"{mname}.{param}: format {q.fmt!r} != served {module.served[param].fmt!r}")
+                    continue
+                for field in ("data", "scale", "outer"):
+                    dst, src = getattr(module.served[param], field), getattr(q, field)
+                    found = _tensor_problems(f"{mname}.{param}.{field}", src, dst)
+                    problems += found
+                    if not found:
+                        copies.append((dst, src))
+        return copies, loads
+
+
+def _tensor_problems(name: str, t, dst: torch.Tensor) -> list[str]:
+    if not isinstance(t, torch.Tensor):
+        return [f"{name}: {type(t).__name__} is not a tensor"]
+    if t.shape != dst.shape:
+        return [f"{name}: shape {tuple(t.shape)} != model's {tuple(dst.shape)}"]
+    if t.dtype != dst.dtype:
+        return [f"{name}: dtype {t.dtype} != model's {dst.dtype}; cast it to {dst.dtype} before sending"]
+    if t.is_floating_point() and t.element_size() > 1 and not bool(torch.isfinite(t).all()):
+        return [f"{name}: holds NaN/Inf values"]
+    return []
+
+
+def _to_device(q, device):
+    return dataclasses.replace(q, data=q.data.to(device), scale=q.scale.to(device), outer=q.outer.to(device))
 
 
 def _eos_ids(model, tokenizer) -> set[int]:

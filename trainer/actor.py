@@ -6,7 +6,8 @@ A plain class (Ray wraps it in `rl4bit.actors`; `local` mode calls it directly):
     trainer.warm_start(train_samples)          # optional supervised phase (quickstart)
     trainer.setup_rl()                         # recipe conversion, AdamW, reference model
     metrics = trainer.train_step(batch)        # a TrainBatch of one RL step's rollouts
-    update = trainer.export_weights()          # a WeightUpdate for the samplers
+    version, count, layout = trainer.weight_header()   # weight sync (rl4bit.weight_sync), then
+    bucket = trainer.weight_bucket(i)                  #   bucket i of 0..count-1, for the samplers
 
 Numerics. Logprobs are recomputed through the embedded sampler's own
 batch-invariant forward (`sequence_logprobs`: sequences packed end to end in
@@ -17,8 +18,9 @@ row's bits then depend only on its own sequence, so on the same weights the
 trainer's logprobs equal the sampler's bitwise and `mismatch/k3` is exactly 0
 (on CPU; with another sampler it measures the real mismatch). The recipe's
 quantized modules (`rl4bit.trainer.surgery`) hold FP32 master weights; AdamW
-updates them in place, so the exported tensors are the masters (names as in
-`model.state_dict()`). With `model.dtype: bfloat16` the forward runs under
+updates them in place. The weight sync ships what the forward computes with:
+the quantized modules' QTensors and every other tensor as its FP32 master
+(see `weight_bucket`). With `model.dtype: bfloat16` the forward runs under
 bf16 autocast.
 
 Per RL step: `ppo_epochs` optimizer steps over all rollouts, each accumulating
@@ -45,7 +47,6 @@ from rl4bit.models import build_model
 from transformers import AttentionInterface
 
 from rl4bit.sampler.kv_cache import ENGINE_IMPL, MIN_ROWS, _pad_rows
-from rl4bit.sampler.types import WeightUpdate
 from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer import grpo
 
@@ -195,6 +196,8 @@ class Trainer:
         self.opt_steps = 0
         self.version = 0
         self.nonfinite_in_a_row = 0
+        self.plan: dict[str, str] = {}
+        self._sender = None
 
     # ------------------------------------------------------------------ phases
     def warm_start(self, samples: list[dict]) -> dict:
@@ -209,7 +212,7 @@ class Trainer:
         """Convert the model by the recipe (FP32 masters), build AdamW and the frozen reference."""
         from rl4bit.trainer.surgery import convert_model
 
-        convert_model(self.model, self.cfg.recipe)
+        self.plan = convert_model(self.model, self.cfg.recipe)
         self.model.to(self.device).eval()  # eval: no dropout; training-mode switches do not apply here
         t = self.cfg.trainer
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -309,14 +312,32 @@ class Trainer:
         }
 
     # ------------------------------------------------------------------ sync and state
-    def export_weights(self) -> WeightUpdate:
-        """The current weights as a WeightUpdate (names as in model.state_dict(); CPU copies)."""
-        tensors = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        return WeightUpdate(version=self.version, tensors=tensors)
+    def weight_header(self) -> tuple[int, int, dict]:
+        """(policy version, number of buckets, layout) of the next weight update (`rl4bit.weight_sync`)."""
+        if self._sender is None:
+            if self.optimizer is None:
+                raise RuntimeError("weight sync before setup_rl(): the samplers serve the recipe-converted model; "
+                                   "call trainer.setup_rl() (or load_state after it) first")
+            from rl4bit.weight_sync import WeightSender
 
-    def weight_nbytes(self) -> int:
-        """Bytes of one WeightUpdate's tensors."""
-        return sum(v.numel() * v.element_size() for v in self.model.state_dict().values())
+            self._sender = WeightSender(self.model, self.plan, dense_dtype=None)  # dense: FP32 masters, as computed with
+        return self.version, self._sender.num_buckets, self._sender.layout()
+
+    def weight_bucket(self, index: int):
+        """Bucket `index` of the current version: the stored tensors of whole layers, SHA-256 stamped.
+
+        Quantized weights are re-quantized from the FP32 masters with nearest
+        rounding (`module.quantized_weights()` -> `qgemm.quantize_weight`, the
+        very call the forward makes; deterministic), not cached from the last
+        forward: that forward ran before the optimizer step, so its QTensors are
+        one step stale, and keeping them would hold a second copy of the expert
+        weights. The bits shipped are the ones the next forward (and its logprob
+        recompute) uses, so the samplers serve the trainer's QTensors bit for
+        bit. Cost: one quantize pass over the expert weights per sync.
+        """
+        if self._sender is None:
+            self.weight_header()
+        return self._sender.bucket(self.version, index)
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything to resume: tensors (model, AdamW moments, torch RNG) and JSON-able metadata."""

@@ -20,10 +20,19 @@ def test_microbatches_respect_the_token_budget():
     assert microbatches([3, 3], 100) == [[0, 1]]
 
 
+def _sync(trainer, sampler) -> int:
+    """The driver's weight sync, in-process: bytes shipped."""
+    version, count, layout = trainer.weight_header()
+    sampler.begin_update(version, count, layout)
+    shipped = sum(sampler.receive_bucket(trainer.weight_bucket(i)) for i in range(count))
+    assert sampler.commit_update(version) == version == sampler.version
+    return shipped
+
+
 def _rollouts(cfg, trainer):
     sampler = Sampler(lambda: build_policy_model(cfg), trainer.tokenizer, cfg.sampler, device="cpu",
                       max_seq_len=cfg.model.max_seq_len)
-    sampler.update_weights(trainer.export_weights())
+    _sync(trainer, sampler)
     reqs = [Request(str(i), trainer.tokenizer(p, add_special_tokens=False).input_ids, SamplingParams(max_new_tokens=6, n=3, seed=i))
             for i, p in enumerate(["1+2=", "33+4=", "9+90="])]
     return sampler.generate(reqs)
@@ -73,11 +82,11 @@ def test_non_finite_steps_are_skipped_then_stop_the_job(small):
     cfg = load_config(QUICKSTART, small + ["recipe.name=bf16", "rl.ppo_epochs=1", "trainer.max_nonfinite_steps=2"])
     trainer = Trainer(cfg)
     trainer.setup_rl()
-    before = {k: v.clone() for k, v in trainer.export_weights().tensors.items()}
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     bad = TrainBatch([[5, 14, 6, 17]], [[7, 2]], [[-1.0, -1.0]], [float("nan")])
     m = trainer.train_step(bad)
     assert m["train/skipped_steps"] == 1.0
-    for k, v in trainer.export_weights().tensors.items():
+    for k, v in trainer.model.state_dict().items():
         assert torch.equal(v, before[k]), f"{k} changed on a skipped step"
     with pytest.raises(NonFiniteError, match="2 optimizer steps in a row"):
         trainer.train_step(bad)
