@@ -34,7 +34,6 @@ its own copy), chunked prefill, CUDA graphs, an NVFP4 decode GEMM kernel.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
 import time
@@ -43,7 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rl4bit.kernels.philox import derive_seed
-from rl4bit.sampler.kv_cache import ENGINE_IMPL, MIN_ROWS, KVCache, StepLayout, _pad_rows
+from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, _pad_rows, model_implementations
 from rl4bit.sampler.sampling import policy_logprobs, sample_rows
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
 
@@ -122,7 +121,7 @@ class EmbeddedEngine:
                 results.append(None)
                 waiting.append(self._new_seq(len(results) - 1, req, i))
         active: list[_Seq] = []
-        with self._engine_numerics(), torch.inference_mode():
+        with model_implementations(self.model), torch.inference_mode():
             while waiting or active:
                 budget = self.max_prefill_tokens
                 while waiting and len(active) < self.max_batch_size and self.cache.free:
@@ -169,21 +168,6 @@ class EmbeddedEngine:
         max_new = min(p.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
         return _Seq(out_index, req, i, p, gen, set(p.stop_token_ids) | self.eos_ids, max_new,
                     pending=list(req.prompt_ids))
-
-    @contextlib.contextmanager
-    def _engine_numerics(self):
-        """Route the model's attention and experts through kv_cache.py's batch-invariant plug-ins."""
-        cfg = self.model.config
-        saved = (cfg._attn_implementation, getattr(cfg, "_experts_implementation", None))
-        cfg._attn_implementation = ENGINE_IMPL
-        if saved[1] is not None or hasattr(cfg, "_experts_implementation"):
-            cfg._experts_implementation = ENGINE_IMPL
-        try:
-            yield
-        finally:
-            cfg._attn_implementation = saved[0]
-            if hasattr(cfg, "_experts_implementation"):
-                cfg._experts_implementation = saved[1]
 
     def _forward(self, seqs: list[_Seq], tokens_per_seq: list[list[int]], starts: list[int], rows: list[int]):
         """One packed forward; returns fp32 logits [len(rows), V] of the packed positions `rows`."""
@@ -267,7 +251,7 @@ class EmbeddedEngine:
         s = _Seq(-1, Request("score", list(prompt_ids)), 0, SamplingParams(), None, set(), 0)
         s.slot = self.cache.acquire()
         try:
-            with self._engine_numerics(), torch.inference_mode():
+            with model_implementations(self.model), torch.inference_mode():
                 rows = list(range(len(prompt_ids) - 1, len(ids) - 1))
                 logits = self._forward([s], [ids[:-1]], [0], rows)
         finally:
@@ -335,9 +319,9 @@ class EmbeddedEngine:
                 if q.fmt != module.served[param].fmt:
                     problems.append(f"{mname}.{param}: format {q.fmt!r} != served {module.served[param].fmt!r}")
                     continue
-                for field in ("data", "scale", "outer"):
-                    dst, src = getattr(module.served[param], field), getattr(q, field)
-                    found = _tensor_problems(f"{mname}.{param}.{field}", src, dst)
+                for part in ("data", "scale", "outer"):
+                    dst, src = getattr(module.served[param], part), getattr(q, part)
+                    found = _tensor_problems(f"{mname}.{param}.{part}", src, dst)
                     problems += found
                     if not found:
                         copies.append((dst, src))

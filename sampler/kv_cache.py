@@ -34,6 +34,7 @@ sliding-window attention, CUDA graphs.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -169,3 +170,24 @@ def engine_experts(self, hidden_states, top_k_index, top_k_weights):
 
 AttentionInterface.register(ENGINE_IMPL, engine_attention)
 ExpertsInterface.register(ENGINE_IMPL, engine_experts)
+
+
+@contextlib.contextmanager
+def model_implementations(model, attn_impl: str = ENGINE_IMPL):
+    """Route `model`'s attention through `attn_impl` and its HF experts through the engine's padded loop.
+
+    The sampler uses ENGINE_IMPL attention (over its KV cache); the trainer's
+    logprob recompute uses its own cache-free copy of it. Experts always take the
+    engine's batch-invariant path. Restores the model's settings on exit.
+    """
+    cfg = model.config
+    saved = (cfg._attn_implementation, getattr(cfg, "_experts_implementation", None))
+    cfg._attn_implementation = attn_impl
+    if hasattr(cfg, "_experts_implementation"):
+        cfg._experts_implementation = ENGINE_IMPL
+    try:
+        yield
+    finally:
+        cfg._attn_implementation = saved[0]
+        if hasattr(cfg, "_experts_implementation"):
+            cfg._experts_implementation = saved[1]

@@ -34,19 +34,17 @@ Leaves out: minibatches within an epoch, learning-rate schedules, expert paralle
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import random
 from dataclasses import dataclass
 
 import torch
+from transformers import AttentionInterface
 
 from rl4bit.config import JobConfig
 from rl4bit.models import build_model
-from transformers import AttentionInterface
-
-from rl4bit.sampler.kv_cache import ENGINE_IMPL, MIN_ROWS, _pad_rows
+from rl4bit.sampler.kv_cache import MIN_ROWS, _pad_rows, model_implementations
 from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer import grpo
 
@@ -102,22 +100,6 @@ def train_attention(module, query, key, value, attention_mask, scaling, dropout=
 AttentionInterface.register(TRAIN_IMPL, train_attention)
 
 
-@contextlib.contextmanager
-def engine_numerics(model):
-    """Route attention through `train_attention` and HF experts through the engine's padded loop."""
-    cfg = model.config
-    saved = (cfg._attn_implementation, getattr(cfg, "_experts_implementation", None))
-    cfg._attn_implementation = TRAIN_IMPL
-    if hasattr(cfg, "_experts_implementation"):
-        cfg._experts_implementation = ENGINE_IMPL
-    try:
-        yield
-    finally:
-        cfg._attn_implementation = saved[0]
-        if hasattr(cfg, "_experts_implementation"):
-            cfg._experts_implementation = saved[1]
-
-
 def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float,
                       max_seq_len: int) -> tuple[list[torch.Tensor], torch.Tensor]:
     """Per sequence, the logprobs of its completion tokens at `temperature`; and the summed entropy (detached).
@@ -136,7 +118,7 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
         pos += range(len(seq))
     pad = max(0, MIN_ROWS - len(ids))
     base = getattr(model, model.base_model_prefix)
-    with engine_numerics(model):
+    with model_implementations(model, TRAIN_IMPL):
         hidden = base(input_ids=torch.tensor([ids + [0] * pad], device=dev),
                       position_ids=torch.tensor([pos + [0] * pad], device=dev),
                       use_cache=False, rl4bit_train=(spans, max_seq_len, MIN_ROWS)).last_hidden_state[0]
