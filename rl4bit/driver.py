@@ -46,6 +46,7 @@ from rl4bit.config import JobConfig, load_config
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.metrics import MetricsLogger, plot, read_metrics
 from rl4bit.models import build_policy_model
+from rl4bit.parity_stats import live_parity_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
 from rl4bit.rundir import create_run_dir
 from rl4bit.sampler.types import Request, SamplingParams
@@ -147,6 +148,11 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> list[dict]:
                       "time/train_s": t_train, "time/sync_s": sync_s})
             if step % cfg.data.eval_every == 0 or step == cfg.rl.steps:
                 m.update(evaluate(cfg, tokenizer, samplers, pool, eval_set))
+            if cfg.parity.reference:  # live parity against a finished reference run
+                m.update(live_parity_metrics(cfg.parity.reference, run_dir, step, m["reward/mean"], cfg.parity.threshold))
+                if m.get("parity/diverged"):
+                    logger.warn(f"reward diverges from the reference run {cfg.parity.reference}: "
+                                f"trailing gap {m['parity/reward_gap_trailing']:+.3f} beyond {cfg.parity.threshold}")
             m["time/step_s"] = time.perf_counter() - t_step
             logger.log(step, m)
             # checkpoint

@@ -1,0 +1,113 @@
+"""Parity statistics on synthetic curves: a known gap is detected, no gap passes, and the live reward gap."""
+
+import json
+
+import numpy as np
+import pytest
+
+from rl4bit import parity, parity_stats as ps
+
+THRESHOLD = 0.02
+
+
+def _runs(mean: float, *, seeds: int, n: int, noise: float, rng) -> list[np.ndarray]:
+    """Per-seed observations around `mean` (a seed effect plus per-observation noise)."""
+    return [mean + rng.normal(0, noise / 4) + rng.normal(0, noise, n) for _ in range(seeds)]
+
+
+def test_a_known_gap_is_detected():
+    rng = np.random.default_rng(1)
+    a = _runs(0.60, seeds=3, n=20, noise=0.03, rng=rng)
+    b = _runs(0.50, seeds=3, n=20, noise=0.03, rng=rng)
+    d = ps.bootstrap_diff(a, b)
+    assert d["lo"] <= 0.10 <= d["hi"], d  # the interval covers the true gap
+    v = ps.verdict(d, THRESHOLD)
+    assert not v["holds"] and not v["interval_contains_0"] and not v["under_threshold"]
+    assert v["miss_by"] == pytest.approx(d["lo"]) and v["excess"] == pytest.approx(d["diff"] - THRESHOLD)
+    assert "FAILS" in v["text"] and f"{d['diff'] - THRESHOLD:.4f}" in v["text"]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_no_gap_passes(seed):
+    rng = np.random.default_rng(100 + seed)
+    a = _runs(0.55, seeds=3, n=20, noise=0.02, rng=rng)
+    b = _runs(0.55, seeds=3, n=20, noise=0.02, rng=rng)
+    d = ps.bootstrap_diff(a, b)
+    v = ps.verdict(d, THRESHOLD)
+    assert v["holds"], v["text"]
+    assert "parity holds" in v["text"]
+
+
+def test_a_gap_inside_a_wide_interval_still_fails_on_the_threshold():
+    d = {"diff": 0.05, "lo": -0.04, "hi": 0.14, "level": 0.95}
+    v = ps.verdict(d, THRESHOLD)
+    assert v["interval_contains_0"] and not v["holds"]
+    assert v["excess"] == pytest.approx(0.03) and "exceeds the threshold" in v["text"]
+
+
+def test_bootstrap_is_seeded_and_paired():
+    rng = np.random.default_rng(3)
+    a = _runs(0.5, seeds=2, n=10, noise=0.05, rng=rng)
+    assert ps.bootstrap_diff(a, a, seed=7) == ps.bootstrap_diff(a, a, seed=7)
+    same = ps.bootstrap_diff(a, a, seed=7)
+    assert same["diff"] == 0.0 and same["hi"] - same["lo"] > 0  # observation resampling still spreads
+    m = ps.bootstrap_mean(a)
+    assert m["lo"] <= m["mean"] <= m["hi"]
+    with pytest.raises(ValueError, match="same number of seeds"):
+        ps.bootstrap_diff(a, a[:1])
+
+
+def test_accuracy_observations_and_curves():
+    recs = [{"step": 0, "eval/accuracy": 0.25}, {"step": 1, "reward/mean": 0.1}, {"step": 2, "reward/mean": 0.3,
+                                                                                    "eval/accuracy": 0.625}]
+    obs = ps.final_accuracy_obs(recs, 8)
+    assert obs.sum() == 5 and len(obs) == 8
+    assert ps.final_reward_obs(recs, 5).tolist() == [0.1, 0.3]
+    s, m, lo, hi = ps.mean_curve([([1, 2, 3], [0.0, 1.0, 2.0]), ([1, 2], [2.0, 3.0])])
+    assert s.tolist() == [1, 2] and m.tolist() == [1.0, 2.0] and lo.tolist() == [0.0, 1.0] and hi.tolist() == [2.0, 3.0]
+    assert ps.steps_to_reach([1, 2, 3, 4, 5], [0.1, 0.2, 0.9, 0.9, 0.9], 0.6, smooth=2) == 4
+    assert ps.steps_to_reach([1, 2], [0.1, 0.2], 0.6) is None
+    assert ps.target_level(0.2, 0.7) == pytest.approx(0.6)
+
+
+def _fake_run(tmp_path, recipe, seed, reward_end, acc_end, steps=20, rng=None):
+    """A run's records: reward rising linearly from 0.3 to `reward_end` plus noise; eval at 0, 10, 20."""
+    recs = [{"step": 0, "eval/accuracy": 0.40}]
+    for t in range(1, steps + 1):
+        r = {"step": t, "reward/mean": 0.3 + (reward_end - 0.3) * t / steps + rng.normal(0, 0.01),
+             "rollout/tokens_per_s": 1000.0, "time/step_s": 1.0, "mismatch/k3": 0.0}
+        if t % 10 == 0:
+            r["eval/accuracy"] = round(acc_end * 256) / 256 if t == steps else 0.5
+        recs.append(r)
+    return {"recipe": recipe, "seed": seed, "run_dir": tmp_path / f"{recipe}-seed{seed}", "wall_s": 60.0, "records": recs}
+
+
+@pytest.mark.parametrize("gap, holds", [(0.0, True), (0.12, False)])
+def test_analyze_on_synthetic_runs(tmp_path, gap, holds):
+    rng = np.random.default_rng(11)
+    runs = [_fake_run(tmp_path, r, s, 0.8 - (gap if r == "nvfp4" else 0.0), 0.7 - (gap if r == "nvfp4" else 0.0), rng=rng)
+            for s in range(3) for r in ("nvfp4", "mxfp8")]
+    rep = parity.analyze(runs, ["nvfp4", "mxfp8"], threshold=THRESHOLD, eval_size=256, steps=20)
+    assert rep["verdict"]["holds"] is holds, rep["verdict"]["text"]
+    acc = next(c for c in rep["comparisons"] if c["metric"] == "final_accuracy")
+    assert acc["diff"] == pytest.approx(-gap, abs=1 / 256)
+    nv, mx = rep["recipes"]["nvfp4"]["steps_to_target"], rep["recipes"]["mxfp8"]["steps_to_target"]
+    assert mx is not None and (nv is None or nv > mx if gap else abs(nv - mx) <= 2)
+
+
+def test_reward_gap_reads_the_reference(tmp_path):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    (ref / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        [{"step": 0, "eval/accuracy": 0.5}] + [{"step": t, "reward/mean": 0.5} for t in range(1, 4)])))
+    assert ps.reward_gap(ref, 2, 0.53) == pytest.approx(0.03)
+    assert ps.reward_gap(ref, 9, 0.5) is None
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "reward/mean": 0.50}) + "\n")
+    m = ps.live_parity_metrics(ref, run, 2, 0.56, THRESHOLD)
+    assert m["parity/reward_gap"] == pytest.approx(0.06)
+    assert m["parity/reward_gap_trailing"] == pytest.approx(0.03) and m["parity/diverged"] == 1.0
+    assert ps.live_parity_metrics(ref, run, 2, 0.51, THRESHOLD)["parity/diverged"] == 0.0
+    with pytest.raises(FileNotFoundError, match="parity.reference"):
+        ps.reward_gap(tmp_path / "missing", 1, 0.0)
