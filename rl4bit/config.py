@@ -104,15 +104,14 @@ class SamplerConfig:
     """vLLM only: fraction of GPU memory vLLM may take."""
 
     def validate(self, path: str) -> None:
-        _positive(self, path, "replicas", "max_new_tokens", "max_batch_size")
-        if self.temperature < 0:
-            raise ConfigError(f"{path}.temperature: {self.temperature} must be >= 0 (0 = greedy)")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError(f"{path}.top_p: {self.top_p} must be in (0, 1]")
-        if self.top_k < 0:
-            raise ConfigError(f"{path}.top_k: {self.top_k} must be >= 0 (0 = off)")
-        if not 0 <= self.min_p < 1:
-            raise ConfigError(f"{path}.min_p: {self.min_p} must be in [0, 1)")
+        from rl4bit.sampler.types import SamplingParams  # one set of rules for job defaults and per-request params
+
+        _positive(self, path, "replicas", "max_batch_size")
+        try:
+            SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                           max_new_tokens=self.max_new_tokens, stop=list(self.stop)).validate()
+        except ValueError as e:  # the message starts with the field name
+            raise ConfigError(f"{path}.{e}") from None
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"{path}.gpu_memory_utilization: {self.gpu_memory_utilization} must be in (0, 1]")
 
