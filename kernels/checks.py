@@ -20,24 +20,36 @@ def _first_index(mask: torch.Tensor) -> tuple[int, ...]:
     return tuple(int(i) for i in idx)
 
 
-def check_input(x, fmt: str, block: int, *, allow_nan: bool) -> None:
-    """Raise ValueError if x cannot be quantized to `fmt` with blocks of `block` along the last dim."""
+def layout_problem(x, fmt: str, block: int) -> str | None:
+    """What makes x unquantizable to `fmt` before its values are read (type, dtype, shape), or None.
+
+    Shared by the reference (`check_input` raises it) and the Triton wrappers,
+    so both name the problem and the fix in the same words.
+    """
     if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{fmt}: expected a torch.Tensor, got {type(x).__name__}")
+        return f"{fmt}: expected a torch.Tensor, got {type(x).__name__}"
     if x.dtype not in FLOAT_DTYPES:
-        raise ValueError(
+        return (
             f"{fmt}: input dtype {x.dtype} is not a high-precision float; pass float32, bfloat16, "
             f"float16 or float64 (to re-quantize an already quantized tensor, dequantize it first)"
         )
     if x.dim() == 0 or x.numel() == 0:
-        raise ValueError(f"{fmt}: cannot quantize a tensor of shape {tuple(x.shape)}; it needs a non-empty last dimension")
+        return f"{fmt}: cannot quantize a tensor of shape {tuple(x.shape)}; it needs a non-empty last dimension"
     k = x.shape[-1]
     if k % block:
         padded = (k + block - 1) // block * block
-        raise ValueError(
+        return (
             f"{fmt}: last dimension {k} of shape {tuple(x.shape)} is not a multiple of {block} "
             f"({fmt} block); pad it with zeros to {padded} (or exclude this tensor from {fmt})"
         )
+    return None
+
+
+def check_input(x, fmt: str, block: int, *, allow_nan: bool) -> None:
+    """Raise ValueError if x cannot be quantized to `fmt` with blocks of `block` along the last dim."""
+    problem = layout_problem(x, fmt, block)
+    if problem is not None:
+        raise ValueError(problem)
     inf = torch.isinf(x)
     if bool(inf.any()):
         raise ValueError(

@@ -152,3 +152,24 @@ def e8m0_rceil_of_quotient(amax, MAN: tl.constexpr, SHIFT: tl.constexpr, ZERO_MA
     bits = amax.to(tl.int32, bitcast=True)
     e = (bits >> 23) - SHIFT + ((bits & 0x7FFFFF) > MAN).to(tl.int32)
     return tl.where(bits <= ZERO_MAX_BITS, 0, tl.minimum(tl.maximum(e, 1), 254))
+
+
+@triton.jit
+def tile_2d(pid_r, pid_c, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Rows, cols, in-bounds mask and int64 element offsets of one [BLOCK_R, BLOCK_C] tile of a row-major [R, C] tensor."""
+    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (rows < R)[:, None] & (cols < C)[None, :]
+    offs = rows.to(tl.int64)[:, None] * C + cols[None, :]
+    return rows, cols, mask, offs
+
+
+@triton.jit
+def raise_flag(bad, flag_ptr):
+    """Set *flag_ptr when the 2D int tile `bad` holds a nonzero (a value the format cannot hold).
+
+    The host wrapper reads the flag and raises the reference's exact error (triton_dispatch).
+    """
+    b = tl.max(tl.max(bad, axis=1), axis=0)
+    if b > 0:
+        tl.atomic_max(flag_ptr, b)

@@ -33,12 +33,14 @@ import triton
 import triton.language as tl
 
 from rl4bit.kernels.formats_triton import (
-    nonfinite_flag,
     e4m3_code_rn,
     e4m3_code_sr,
     e4m3_value,
     e8m0_rceil_of_quotient,
+    nonfinite_flag,
     pow2,
+    raise_flag,
+    tile_2d,
 )
 from rl4bit.kernels.philox_triton import philox_bits4, split_seed
 
@@ -78,10 +80,8 @@ def _sign_byte(x):
 
 @triton.jit
 def _flag_inf(x, flag_ptr):
-    """Set *flag_ptr to 1 if the tile holds an Inf (the caller raises the reference's error)."""
-    bad = tl.max(tl.max((tl.abs(x) == float("inf")).to(tl.int32), axis=1), axis=0)
-    if bad > 0:
-        tl.atomic_max(flag_ptr, bad)
+    """Set *flag_ptr to 1 if the tile holds an Inf (MXFP8 keeps NaN as a 0xFF scale; Inf is an error)."""
+    raise_flag((tl.abs(x) == float("inf")).to(tl.int32), flag_ptr)
 
 
 @triton.jit
@@ -90,10 +90,7 @@ def _mxfp8_rows_kernel(x_ptr, data_ptr, scale_ptr, flag_ptr, M, K, seed_lo, seed
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 32
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < M)[:, None] & (cols < K)[None, :]
-    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    rows, cols, mask, offs = tile_2d(pid_m, pid_k, M, K, BLOCK_M, BLOCK_K)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _flag_inf(x, flag_ptr)
     x3 = tl.reshape(x, [BLOCK_M, G, 32])

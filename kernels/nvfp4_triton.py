@@ -30,12 +30,15 @@ import torch
 import triton
 import triton.language as tl
 
+from rl4bit.kernels.checks import layout_problem
 from rl4bit.kernels.formats_triton import (
     e2m1_code_sr,
     e2m1_round,
     e4m3_code_rn,
     e4m3_value,
     nonfinite_flag,
+    raise_flag,
+    tile_2d,
 )
 from rl4bit.kernels.philox_triton import philox_bits4, split_seed
 
@@ -94,11 +97,8 @@ def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, R, 
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 16
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    rows, cols, mask, offs = tile_2d(pid_r, pid_k, R, K, BLOCK_R, BLOCK_K)
     rmask = rows < R
-    mask = rmask[:, None] & (cols < K)[None, :]
-    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
     if EVEN:
         x = tl.load(x_ptr + offs).to(tl.float32)
     else:
@@ -106,9 +106,7 @@ def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, R, 
     ax3 = tl.abs(tl.reshape(x, [BLOCK_R, G, 16]))
     # NaN-keeping block amax: one compare per block finds any NaN or Inf in the tile
     b = tl.reduce(ax3, 2, _max_nan)
-    bad = tl.max(tl.max(tl.where(b <= 3.4028234663852886e38, 0, 1), axis=1), axis=0)
-    if bad > 0:
-        tl.atomic_max(flag_ptr, bad)
+    raise_flag(tl.where(b <= 3.4028234663852886e38, 0, 1), flag_ptr)
     if ROW_AMAX:
         amax = tl.max(b, axis=1)
     else:
@@ -183,9 +181,9 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
     [..., 1] or [E, 1, 1]) and checks the flag.
     """
     K = x.shape[-1]
-    if K % NV_BLOCK:
-        raise ValueError(f"nvfp4: last dimension {K} of shape {tuple(x.shape)} is not a multiple of 16 "
-                         f"(NVFP4 block); pad it with zeros to {-(-K // 16) * 16}")
+    problem = layout_problem(x, "nvfp4", NV_BLOCK)
+    if problem is not None:
+        raise ValueError(problem)
     x2 = x.contiguous().reshape(-1, K)
     R = x2.shape[0]
     dev = x.device

@@ -22,7 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rl4bit.kernels.formats_triton import e8m0_rceil_of_quotient, nonfinite_flag, pow2
+from rl4bit.kernels.checks import layout_problem
+from rl4bit.kernels.formats_triton import e8m0_rceil_of_quotient, nonfinite_flag, pow2, raise_flag, tile_2d
 from rl4bit.kernels.philox_triton import philox_bits, split_seed
 
 S2F6_BLOCK = 32
@@ -53,14 +54,9 @@ def _s2f6_quant_kernel(x_ptr, data_ptr, scale_ptr, flag_ptr, R, K, seed_lo, seed
     pid_k = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 32
     N: tl.constexpr = BLOCK_R * G
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < R)[:, None] & (cols < K)[None, :]
-    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    rows, cols, mask, offs = tile_2d(pid_r, pid_k, R, K, BLOCK_R, BLOCK_K)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    bad = tl.max(tl.max(((tl.abs(x) == float("inf")) | (x != x)).to(tl.int32), axis=1), axis=0)
-    if bad > 0:
-        tl.atomic_max(flag_ptr, bad)
+    raise_flag(((tl.abs(x) == float("inf")) | (x != x)).to(tl.int32), flag_ptr)
     t = tl.reshape(x, [N, 32])
     if HAS_RHT:
         t = t * _signs(seed_lo, seed_hi)[None, :]
@@ -87,10 +83,7 @@ def _s2f6_dequant_kernel(data_ptr, scale_ptr, out_ptr, R, K, seed_lo, seed_hi,
     pid_k = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 32
     N: tl.constexpr = BLOCK_R * G
-    rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows < R)[:, None] & (cols < K)[None, :]
-    offs = rows.to(tl.int64)[:, None] * K + cols[None, :]
+    rows, cols, mask, offs = tile_2d(pid_r, pid_k, R, K, BLOCK_R, BLOCK_K)
     q = tl.load(data_ptr + offs, mask=mask, other=0).to(tl.float32)
     scols = pid_k * G + tl.arange(0, G)
     smask = (rows < R)[:, None] & (scols < K // 32)[None, :]
@@ -112,9 +105,9 @@ def _tile(K: int, target: int = 4096) -> tuple[int, int]:
 def quantize_s2f6(x: torch.Tensor, *, rht_seed=None):
     """S2F6 of x [..., K] (of rht(x, rht_seed) if given) -> (int8 [..., K], uint8 E8M0 [..., K/32], flag int32 [1])."""
     K = x.shape[-1]
-    if K % S2F6_BLOCK:
-        raise ValueError(f"s2f6: last dimension {K} of shape {tuple(x.shape)} is not a multiple of 32 "
-                         f"(S2F6 block / Hadamard size); pad it with zeros to {-(-K // 32) * 32}")
+    problem = layout_problem(x, "s2f6", S2F6_BLOCK)
+    if problem is not None:
+        raise ValueError(problem)
     x2 = x.contiguous().reshape(-1, K)
     R = x2.shape[0]
     data = torch.empty((R, K), dtype=torch.int8, device=x.device)

@@ -16,15 +16,14 @@ from __future__ import annotations
 import torch
 
 from rl4bit.kernels import mxfp8_triton, nvfp4_triton, s2f6_triton
-from rl4bit.kernels.checks import FLOAT_DTYPES, check_input
+from rl4bit.kernels.checks import check_input, layout_problem
 from rl4bit.kernels.qtensor import BLOCK, QTensor
 from rl4bit.kernels.stochastic import check_seed
 
 
 def _plain_ok(x, block: int) -> bool:
     """True when x passes the reference's cheap checks (type, dtype, shape); values are checked in-kernel."""
-    return (isinstance(x, torch.Tensor) and x.dtype in FLOAT_DTYPES and x.dim() > 0 and x.numel() > 0
-            and x.shape[-1] % block == 0)
+    return layout_problem(x, "", block) is None
 
 
 def _raise_if_flagged(flag: torch.Tensor, x: torch.Tensor, fmt: str, allow_nan: bool) -> None:
