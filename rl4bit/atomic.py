@@ -1,13 +1,16 @@
 """Atomic file writes: write a temporary sibling, fsync it, rename over the target, fsync the directory.
 
 A reader (or a resumed run) sees either the old file or the new one, never a
-torn write, even if the process is killed mid-write. Leaves out: cross-device
-moves (the temporary file always sits beside its target).
+torn write, even if the process is killed mid-write. Directories (checkpoints,
+exports) are written to a temporary sibling, synced with `fsync_tree`, and
+swapped in with `replace_dir`. Leaves out: cross-device moves (the temporary
+always sits beside its target).
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -40,3 +43,32 @@ def fsync_dir(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_tree(path: str | Path) -> None:
+    """fsync every file directly inside `path`, then `path` itself."""
+    for f in Path(path).iterdir():
+        if f.is_file():
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    fsync_dir(path)
+
+
+def replace_dir(tmp: str | Path, out: str | Path) -> None:
+    """Rename the finished directory `tmp` over `out`.
+
+    An existing `out` is moved aside first and deleted only once the new one is
+    in place, so at every instant one complete version exists on disk.
+    """
+    tmp, out = Path(tmp), Path(out)
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / out.name)
+    os.rename(tmp, out)
+    fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)

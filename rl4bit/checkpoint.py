@@ -18,14 +18,13 @@ export (`rl4bit export`).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from rl4bit.atomic import atomic_write_text, fsync_dir
+from rl4bit.atomic import atomic_write_text, fsync_tree, replace_dir
 
 FORMAT = 1
 
@@ -45,17 +44,8 @@ def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, torch.Ten
     tmp.mkdir()
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "state.safetensors"))
     (tmp / "state.json").write_text(json.dumps({"format": FORMAT, "step": step, **meta}, indent=1))
-    for f in tmp.iterdir():
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(root)
+    fsync_tree(tmp)
+    replace_dir(tmp, final)
     atomic_write_text(root / "latest.json", json.dumps({"step": step, "dir": name}))
     for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
         shutil.rmtree(old)

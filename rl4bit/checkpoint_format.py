@@ -43,7 +43,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from rl4bit import ct_layout
-from rl4bit.atomic import fsync_dir
+from rl4bit.atomic import fsync_tree, replace_dir
 
 INDEX = "model.safetensors.index.json"
 LAYOUT = "rl4bit_layout.json"
@@ -286,27 +286,12 @@ def write_checkpoint(out: str | Path, model, plan: dict[str, str], *, tokenizer=
         _write_file(tmp / "config.json", _json(cfg))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
-            for f in tmp.iterdir():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        fsync_dir(tmp)
-        _swap_in(tmp, out)
+        fsync_tree(tmp)
+        replace_dir(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
-
-
-def _swap_in(tmp: Path, out: Path) -> None:
-    """Rename tmp over out; the old out is moved aside first and removed only once the new one is in place."""
-    old = None
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.rename(out, old / out.name)
-    os.rename(tmp, out)
-    fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 # ------------------------------------------------------------------ read
