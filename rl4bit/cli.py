@@ -18,6 +18,10 @@ BENCHES = {
     "rollout": ("rl4bit.bench_rollout", "sampler tokens/s: NVFP4 vs BF16 weights vs HF generate"),
     "sync": ("rl4bit.bench_sync", "weight-sync bytes and seconds, NVFP4 vs BF16"),
     "comm": ("rl4bit.bench_comm", "expert-parallel dispatch/combine all-to-all"),
+    "gemm": ("rl4bit.bench_gemm", "quantized GEMMs (NVFP4 decode/grouped, MXFP8 backward) vs cuBLAS BF16 and HBM"),
+    "step": ("rl4bit.bench_step", "the RL step, nvfp4 vs bf16 everywhere: sample/score/train/sync, peak memory"),
+    "soak": ("rl4bit.bench_soak", "memory per step of a long run (flat after warm-up)"),
+    "all": ("rl4bit.bench_all", "every bench above but comm/ce/soak, then one summary table against the baselines"),
 }
 
 
@@ -64,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks (each figure beside its ceiling or baseline)",
                        description="Benchmarks: " + "; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items()))
-    p.add_argument("what", choices=[*BENCHES, "all"])
+    p.add_argument("what", choices=list(BENCHES))
+    p.add_argument("config", nargs="?", help="job config (step, soak; default configs/gpu-h200.yaml for step)")
+    p.add_argument("--steps", type=int, help="RL steps (step, soak)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--quick", action="store_true", help="small shapes, for smoke runs on a CPU")
     p.add_argument("--out", help="directory for plots and JSON results")
@@ -103,18 +109,22 @@ def cmd_config(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    names = list(BENCHES) if args.what == "all" else [args.what]
-    status = 0
-    for name in names:
-        module, what = BENCHES[name]
-        try:
-            mod = _require(module, f"`rl4bit bench {name}` ({what})")
-        except NotBuilt as e:
-            print(f"rl4bit bench {name}: {e}", file=sys.stderr)
-            status = 2
+    import inspect
+
+    module, what = BENCHES[args.what]
+    mod = _require(module, f"`rl4bit bench {args.what}` ({what})")
+    kwargs = dict(device=_device(args.device), quick=args.quick, out=args.out)
+    params = inspect.signature(mod.run).parameters
+    for name in ("config", "steps"):
+        value = getattr(args, name)
+        if value is None:
             continue
-        mod.run(device=_device(args.device), quick=args.quick, out=args.out)
-    return status
+        if name not in params:
+            print(f"rl4bit bench {args.what}: takes no {name} argument", file=sys.stderr)
+            return 2
+        kwargs[name] = value
+    mod.run(**kwargs)
+    return 0
 
 
 def cmd_train(args) -> int:

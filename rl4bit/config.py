@@ -100,6 +100,8 @@ class SamplerConfig:
     """Stop strings; a completion ends at the first one (included in the text)."""
     max_batch_size: int = 64
     """Most sequences decoded together."""
+    ignore_eos: bool = False
+    """Keep sampling past eos (to max_new_tokens): decode-heavy throughput benchmarks, not learning runs."""
     gpu_memory_utilization: float = 0.5
     """vLLM only: fraction of GPU memory vLLM may take."""
 
@@ -109,7 +111,8 @@ class SamplerConfig:
         _positive(self, path, "replicas", "max_batch_size")
         try:
             SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                           max_new_tokens=self.max_new_tokens, stop=list(self.stop)).validate()
+                           max_new_tokens=self.max_new_tokens, stop=list(self.stop),
+                           ignore_eos=self.ignore_eos).validate()
         except ValueError as e:  # the message starts with the field name
             raise ConfigError(f"{path}.{e}") from None
         if not 0 < self.gpu_memory_utilization <= 1:

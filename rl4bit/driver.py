@@ -27,22 +27,35 @@ recalibration) and switch version all-or-nothing. A rejected update stops the
 job (WeightSyncError); the samplers keep serving the previous version.
 
 Sampling randomness is keyed by (run.seed, step, prompt index), so no sampler
-RNG state needs saving. Leaves out: asynchronous (off-policy) rollouts,
-partial-group retries, multi-node placement.
+RNG state needs saving. Faults (tests/reliability): a Sampler actor that dies
+mid-rollout is restarted by Ray (up to `ray.sampler_restarts` times a job), the
+restarted ones get the current weights and the step's rollouts are redone
+(same seeds, so the same rollouts); a dead Trainer, K non-finite steps in a
+row, a rejected weight update or a corrupt checkpoint stop the job with a
+clear error (`rl4bit train: error: ...`, exit status 1) that names what
+failed and, where it applies, the `--resume` command. Output paths are resolved
+and checked before anything is written.
+
+Leaves out: asynchronous (off-policy) rollouts, partial-group retries,
+multi-node placement, restarting the Trainer in place (resume instead).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 
-from rl4bit.actors import Cluster, get
+from rl4bit.actors import ActorDiedError, Cluster, get, wait_alive
 from rl4bit.checkpoint import load_checkpoint, save_checkpoint
-from rl4bit.config import JobConfig, load_config
+from rl4bit.checkpoint_format import CheckpointError
+from rl4bit.config import ConfigError, JobConfig, load_config
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.metrics import MetricsLogger, plot, read_metrics
 from rl4bit.models import build_policy_model
@@ -52,30 +65,56 @@ from rl4bit.rundir import create_run_dir
 from rl4bit.sampler.types import Request, SamplingParams
 from rl4bit.tasks import PromptStream, load_task
 from rl4bit.tokenizer import build_tokenizer
-from rl4bit.trainer.actor import TrainBatch, Trainer
+from rl4bit.trainer.actor import NonFiniteError, TrainBatch, Trainer
 from rl4bit.trainer.grpo import group_advantages
 from rl4bit.weight_sync import WeightSyncError
 
 
+JOB_ERRORS = (ActorDiedError, NonFiniteError, WeightSyncError, CheckpointError)
+"""Failures that stop a running job: `main` prints them as one clear line and returns 1."""
+
+
 def main(config_path, out=None, resume=None, overrides=None) -> int:
     if resume is not None:
-        run_dir = Path(resume)
+        run_dir = Path(resume).expanduser().resolve()
+        if not (run_dir / "config.yaml").is_file():
+            raise FileNotFoundError(f"--resume {resume}: {run_dir / 'config.yaml'} is missing; pass the run dir a `rl4bit train` wrote")
         cfg = load_config(run_dir / "config.yaml", overrides)
     else:
         cfg = load_config(config_path, overrides)
-        run_dir = create_run_dir(cfg, out)
-    run(cfg, run_dir, resume=resume is not None)
+        run_dir = create_run_dir(cfg, checked_out_dir(out) if out is not None else None)
+    try:
+        run(cfg, run_dir, resume=resume is not None)
+    except JOB_ERRORS as e:
+        print(f"rl4bit train: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
-def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> list[dict]:
+def checked_out_dir(out: str | Path) -> Path:
+    """`--out` resolved (~, symlinks, ..) and checked before anything is written: a directory we may write."""
+    path = Path(out).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise ConfigError(f"--out {out}: {path} exists and is not a directory; choose a directory path")
+    parent = path
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: cannot create or write {path} ({parent} is not a writable directory); "
+                          "choose a directory you can write")
+    return path
+
+
+def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+    """The job; `on_step(step, metrics)` is called after each step is logged (the soak bench's hook)."""
     if cfg.run.cpu_threads:
         torch.set_num_threads(cfg.run.cpu_threads)
     tokenizer = build_tokenizer()
     train_set, eval_set = load_task(cfg.data)
     stream = PromptStream(train_set, cfg.data.seed)
     specs = [_absolute(r.fn) for r in cfg.rewards.functions]
-    check_rewards(specs, train_set[0])
+    limits = reward_limits(cfg)
+    check_rewards(specs, train_set[0], **limits)
 
     cluster = Cluster(cfg, run_dir)
     logger = pool = None
@@ -86,10 +125,12 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> list[dict]:
         gpu = 1 if device.startswith("cuda") else 0
         trainer = cluster.actor(Trainer, cfg, num_gpus=gpu)
         builder = functools.partial(build_policy_model, cfg)
+        restarts = int(getattr(cfg.ray, "sampler_restarts", 3))
         samplers = [cluster.actor(Sampler, builder, tokenizer, cfg.sampler, device=device, max_seq_len=cfg.model.max_seq_len,
-                                  num_gpus=gpu) for _ in range(cfg.sampler.replicas)]
-        pool = cluster.actor(RewardPool, specs, [r.weight for r in cfg.rewards.functions], timeout_s=cfg.rewards.timeout_s,
-                             workers=cfg.rewards.workers, max_error_fraction=cfg.rewards.max_error_fraction)
+                                  num_gpus=gpu, restarts=restarts) for _ in range(cfg.sampler.replicas)]
+        pool = cluster.actor(RewardPool, specs, [r.weight for r in cfg.rewards.functions], workers=cfg.rewards.workers,
+                             max_error_fraction=cfg.rewards.max_error_fraction, **limits)
+        recover = SamplerRecovery(trainer, samplers, restarts)
 
         start = 0
         if resume:
@@ -109,57 +150,64 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> list[dict]:
             logger.truncate(start)
         sync_bytes, sync_s = sync_weights(trainer, samplers)
         if not resume:
-            logger.log(0, evaluate(cfg, tokenizer, samplers, pool, eval_set))
+            logger.log(0, evaluate(cfg, tokenizer, samplers, pool, eval_set, recover))
 
-        for step in range(start + 1, cfg.rl.steps + 1):
-            t_step = time.perf_counter()
-            # sample
-            t0 = time.perf_counter()
-            prompts = stream.next(cfg.rl.prompts_per_step)
-            requests = [_request(cfg, tokenizer, p, n=cfg.rl.samples_per_prompt, seed=derive_seed(cfg.run.seed, step, i), rid=f"{step}-{i}")
-                        for i, p in enumerate(prompts)]
-            rollouts = generate(samplers, requests)
-            t_sample = time.perf_counter() - t0
-            # score
-            t0 = time.perf_counter()
-            G = cfg.rl.samples_per_prompt
-            samples = [prompts[k // G] for k in range(len(rollouts))]
-            scores = get(pool.score([(s["prompt"], r.text, s) for s, r in zip(samples, rollouts)]))
-            totals = [None if r.finish_reason == "error" else v for r, v in zip(rollouts, scores.totals)]
-            t_score = time.perf_counter() - t0
-            # advantages
-            rewards = torch.tensor(_fill_masked(totals, G))
-            adv = group_advantages(rewards, G, normalize_std=cfg.rl.normalize_std)
-            batch = TrainBatch(
-                prompt_ids=[r.prompt_ids for r in rollouts],
-                completion_ids=[r.completion_ids if v is not None else [] for r, v in zip(rollouts, totals)],
-                sampler_logprobs=[r.logprobs for r in rollouts],
-                advantages=adv.tolist(),
-            )
-            # train
-            t0 = time.perf_counter()
-            m = get(trainer.train_step(batch))
-            t_train = time.perf_counter() - t0
-            # sync
-            sync_bytes, sync_s = sync_weights(trainer, samplers)
-            # log (and evaluate)
-            m.update(rollout_metrics(rollouts, totals, scores, G, t_sample))
-            m.update({"sync/bytes": sync_bytes, "sync/seconds": sync_s, "time/sample_s": t_sample, "time/score_s": t_score,
-                      "time/train_s": t_train, "time/sync_s": sync_s})
-            if step % cfg.data.eval_every == 0 or step == cfg.rl.steps:
-                m.update(evaluate(cfg, tokenizer, samplers, pool, eval_set))
-            if cfg.parity.reference:  # live parity against a finished reference run
-                m.update(live_parity_metrics(cfg.parity.reference, run_dir, step, m["reward/mean"], cfg.parity.threshold))
-                if m.get("parity/diverged"):
-                    logger.warn(f"reward diverges from the reference run {cfg.parity.reference}: "
-                                f"trailing gap {m['parity/reward_gap_trailing']:+.3f} beyond {cfg.parity.threshold}")
-            m["time/step_s"] = time.perf_counter() - t_step
-            logger.log(step, m)
-            # checkpoint
-            every = cfg.run.checkpoint_every
-            if (every and step % every == 0) or step == cfg.rl.steps:
-                tensors, meta = get(trainer.state())
-                save_checkpoint(run_dir, step, tensors, {"trainer": meta, "data": stream.state()}, keep=cfg.run.keep_checkpoints)
+        step = start
+        try:
+            for step in range(start + 1, cfg.rl.steps + 1):
+                t_step = time.perf_counter()
+                # sample
+                t0 = time.perf_counter()
+                prompts = stream.next(cfg.rl.prompts_per_step)
+                requests = [_request(cfg, tokenizer, p, n=cfg.rl.samples_per_prompt, seed=derive_seed(cfg.run.seed, step, i), rid=f"{step}-{i}")
+                            for i, p in enumerate(prompts)]
+                rollouts = generate(samplers, requests, recover)
+                t_sample = time.perf_counter() - t0
+                # score
+                t0 = time.perf_counter()
+                G = cfg.rl.samples_per_prompt
+                samples = [prompts[k // G] for k in range(len(rollouts))]
+                scores = get(pool.score([(s["prompt"], r.text, s) for s, r in zip(samples, rollouts)]))
+                totals = [None if r.finish_reason == "error" else v for r, v in zip(rollouts, scores.totals)]
+                t_score = time.perf_counter() - t0
+                # advantages
+                rewards = torch.tensor(_fill_masked(totals, G))
+                adv = group_advantages(rewards, G, normalize_std=cfg.rl.normalize_std)
+                batch = TrainBatch(
+                    prompt_ids=[r.prompt_ids for r in rollouts],
+                    completion_ids=[r.completion_ids if v is not None else [] for r, v in zip(rollouts, totals)],
+                    sampler_logprobs=[r.logprobs for r in rollouts],
+                    advantages=adv.tolist(),
+                )
+                # train
+                t0 = time.perf_counter()
+                m = get(trainer.train_step(batch))
+                t_train = time.perf_counter() - t0
+                # sync
+                sync_bytes, sync_s = sync_weights(trainer, samplers)
+                # log (and evaluate)
+                m.update(rollout_metrics(rollouts, totals, scores, G, t_sample))
+                m.update({"sync/bytes": sync_bytes, "sync/seconds": sync_s, "time/sample_s": t_sample, "time/score_s": t_score,
+                          "time/train_s": t_train, "time/sync_s": sync_s})
+                m["rollout/sampler_restarts"] = float(recover.used)
+                if step % cfg.data.eval_every == 0 or step == cfg.rl.steps:
+                    m.update(evaluate(cfg, tokenizer, samplers, pool, eval_set, recover))
+                if cfg.parity.reference:  # live parity against a finished reference run
+                    m.update(live_parity_metrics(cfg.parity.reference, run_dir, step, m["reward/mean"], cfg.parity.threshold))
+                    if m.get("parity/diverged"):
+                        logger.warn(f"reward diverges from the reference run {cfg.parity.reference}: "
+                                    f"trailing gap {m['parity/reward_gap_trailing']:+.3f} beyond {cfg.parity.threshold}")
+                m["time/step_s"] = time.perf_counter() - t_step
+                logger.log(step, m)
+                if on_step is not None:
+                    on_step(step, m)
+                # checkpoint
+                every = cfg.run.checkpoint_every
+                if (every and step % every == 0) or step == cfg.rl.steps:
+                    tensors, meta = get(trainer.state())
+                    save_checkpoint(run_dir, step, tensors, {"trainer": meta, "data": stream.state()}, keep=cfg.run.keep_checkpoints)
+        except ActorDiedError as e:  # a Sampler past its restarts, the Trainer, the reward pool
+            raise ActorDiedError(e.actor, e.detail, f"the job stops at step {step}. {_resume_hint(run_dir)}") from None
     finally:
         if logger is not None:
             logger.close()
@@ -179,6 +227,46 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False) -> list[dict]:
 # --------------------------------------------------------------------------- the steps' pieces
 
 
+def reward_limits(cfg: JobConfig) -> dict:
+    """RewardPool's per-call limits from the rewards section (memory_mb / cpu_s default where the config lacks them)."""
+    r = cfg.rewards
+    return {"timeout_s": r.timeout_s, "memory_mb": int(getattr(r, "memory_mb", 2048)), "cpu_s": getattr(r, "cpu_s", None)}
+
+
+def _resume_hint(run_dir: Path) -> str:
+    latest = Path(run_dir) / "checkpoints" / "latest.json"
+    if not latest.is_file():
+        return f"There is no checkpoint yet in {run_dir}; start the run again"
+    import json
+
+    step = json.loads(latest.read_text()).get("step")
+    return f"Continue from the last checkpoint (step {step}): rl4bit train --resume {run_dir}"
+
+
+class SamplerRecovery:
+    """What `generate` does when a Sampler actor died: wait for Ray's restart, re-send the current weights.
+
+    Called with the ActorDiedError; returns True when the rollouts may be redone,
+    False (the caller re-raises) for another actor or past `budget` restarts.
+    """
+
+    def __init__(self, trainer, samplers, budget: int):
+        self.trainer, self.samplers, self.budget, self.used = trainer, samplers, budget, 0
+
+    def __call__(self, err: ActorDiedError) -> bool:
+        if err.actor != "Sampler" or self.used >= self.budget:
+            return False
+        self.used += 1
+        print(f"rl4bit: {err}; Ray restarts it ({self.used}/{self.budget} restarts this job); "
+              "re-sending the current weights and redoing the rollouts", file=sys.stderr)
+        health = [wait_alive(s) for s in self.samplers]
+        version = get(self.trainer.weight_header())[0]
+        stale = [s for s, h in zip(self.samplers, health) if h["version"] < version]
+        if stale:
+            sync_weights(self.trainer, stale)
+        return True
+
+
 def _absolute(spec: str) -> str:
     """File-path rewards made absolute, so actors with another working directory find them."""
     target, _, name = spec.rpartition(":")
@@ -192,18 +280,28 @@ def _request(cfg: JobConfig, tokenizer, sample: dict, *, n: int, seed: int, rid:
     params = SamplingParams(
         temperature=0.0 if greedy else s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p,
         max_new_tokens=s.max_new_tokens, stop=list(s.stop), n=n, seed=seed,
+        ignore_eos=s.ignore_eos and not greedy,
     )
     ids = tokenizer(sample["prompt"], add_special_tokens=False).input_ids
     return Request(id=rid, prompt_ids=ids, params=params, prompt=sample["prompt"])
 
 
-def generate(samplers, requests: list[Request]):
-    """Split requests into contiguous shards, one per sampler; rollouts come back in request order."""
+def generate(samplers, requests: list[Request], recover: Callable[[ActorDiedError], bool] | None = None):
+    """Split requests into contiguous shards, one per sampler; rollouts come back in request order.
+
+    A dead sampler: `recover(err)` (SamplerRecovery) readies the restarted one and
+    every shard is generated again (seeded requests: the same rollouts).
+    """
     k = len(samplers)
     bounds = [round(i * len(requests) / k) for i in range(k + 1)]
     shards = [requests[bounds[i]: bounds[i + 1]] for i in range(k)]
-    results = get([s.generate(shard) for s, shard in zip(samplers, shards) if shard])
-    return [r for part in results for r in part]
+    while True:
+        try:
+            results = get([s.generate(shard) for s, shard in zip(samplers, shards) if shard])
+            return [r for part in results for r in part]
+        except ActorDiedError as e:
+            if recover is None or not recover(e):
+                raise
 
 
 def sync_weights(trainer, samplers) -> tuple[int, float]:
@@ -270,13 +368,13 @@ def rollout_metrics(rollouts, totals, scores, group: int, sample_s: float) -> di
     return m
 
 
-def evaluate(cfg: JobConfig, tokenizer, samplers, pool, eval_set: list[dict]) -> dict:
+def evaluate(cfg: JobConfig, tokenizer, samplers, pool, eval_set: list[dict], recover=None) -> dict:
     """Greedy completions of the eval split: exact-match accuracy (when answers exist) and mean reward."""
     if not eval_set:
         return {}
     t0 = time.perf_counter()
     requests = [_request(cfg, tokenizer, s, n=1, seed=0, rid=f"eval-{i}", greedy=True) for i, s in enumerate(eval_set)]
-    rollouts = generate(samplers, requests)
+    rollouts = generate(samplers, requests, recover)
     m = {}
     if all(s.get("answer") is not None for s in eval_set):
         m["eval/accuracy"] = sum(exact_match(s["prompt"], r.text, s["answer"]) for s, r in zip(eval_set, rollouts)) / len(eval_set)

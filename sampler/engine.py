@@ -166,7 +166,8 @@ class EmbeddedEngine:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(derive_seed(seed, i) & (2**63 - 1))
         max_new = min(p.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
-        return _Seq(out_index, req, i, p, gen, set(p.stop_token_ids) | self.eos_ids, max_new,
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
+        return _Seq(out_index, req, i, p, gen, stop_ids, max_new,
                     pending=list(req.prompt_ids))
 
     def _forward(self, seqs: list[_Seq], tokens_per_seq: list[list[int]], starts: list[int], rows: list[int]):

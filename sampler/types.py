@@ -47,6 +47,8 @@ class SamplingParams:
     """Completions sampled per prompt (sample_index 0..n-1)."""
     seed: Optional[int] = None
     """Seed of this request's randomness (sample i uses a generator seeded from (seed, i)); None: drawn from the engine's own generator."""
+    ignore_eos: bool = False
+    """Do not stop at the tokenizer's eos (stop_token_ids still stop): fixed-length rollouts for throughput benchmarks (vLLM's `ignore_eos`)."""
     processed_logprobs: bool = False
     """Also return logprobs under the truncated distribution actually sampled from (Rollout.processed_logprobs)."""
 
@@ -75,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids: {self.stop_token_ids!r} must be a list of token ids (ints >= 0)")
         if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
             raise ValueError(f"seed: {self.seed!r} must be None or an int >= 0")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: {self.ignore_eos!r} must be a bool")
         if not isinstance(self.processed_logprobs, bool):
             raise ValueError(f"processed_logprobs: {self.processed_logprobs!r} must be a bool")
 

@@ -1,0 +1,155 @@
+"""`rl4bit bench all`: every benchmark in one run, then one table of each headline figure beside its baseline.
+
+Runs, in this order and in this process, each section's own bench (they print
+their full tables as they go): `kernels` (format kernels vs the measured copy
+bandwidth), `gemm` (quantized GEMMs vs cuBLAS BF16 and the HBM floor), `train`
+(trainer tokens/s and peak memory per recipe), `rollout` (embedded engine
+NVFP4 vs BF16 weights vs Hugging Face `generate`), `sync` (weight-sync bytes
+and seconds; needs Ray), `step` (the RL step, nvfp4 vs bf16, time split into
+sample/score/train/sync, peak memory). A section that fails or cannot run here
+is reported as such in the summary; the others still run.
+
+The summary's ratio column is always "better than baseline" > 1 where a
+target is stated (speedups: baseline time / ours; memory and bytes: ours /
+baseline, target <= the bound), so a reader can check each target at a glance.
+
+Leaves out: `comm` (expert-parallel all-to-all; it needs several processes and
+is its own `rl4bit bench comm`), `ce` (the loss kernel bench).
+
+    rl4bit bench all --device cuda --out results/h200
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from rl4bit.atomic import atomic_write_text
+
+SECTIONS = ("kernels", "gemm", "train", "rollout", "sync", "step")
+
+
+def _call(name: str, device: str, quick: bool, out: str | None) -> dict:
+    mod = importlib.import_module(f"rl4bit.bench_{name}")
+    sub = str(Path(out) / name) if out else None
+    if sub:
+        Path(sub).mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    res = mod.run(device=device, quick=quick, out=sub)
+    return {"ok": True, "seconds": time.perf_counter() - t0, "result": res}
+
+
+def _rows_kernels(res) -> list[tuple]:
+    rows = []
+    for r in res:
+        target = r.get("target")
+        rows.append((f"kernel {r['kernel']} {r['shape']}", f"{r['gbps']:.0f} GB/s", f"copy {r['copy_gbps']:.0f} GB/s",
+                     r["of_copy"], None if target is None else f">= {target:.2f}"))
+    return rows
+
+
+def _rows_gemm(res) -> list[tuple]:
+    return [tuple(r) for r in res.get("summary", [])]  # bench_gemm states its own rows in this form
+
+
+def _rows_train(res) -> list[tuple]:
+    rows = []
+    by = {r["recipe"]: r for r in res.get("train", [])}
+    base = by.get("bf16")
+    for name, r in by.items():
+        if base is None:
+            continue
+        mem = r.get("peak_mem_gib")
+        rows.append((f"trainer {name} tokens/s", f"{r['tokens_per_s']:.0f}", f"bf16 {base['tokens_per_s']:.0f}",
+                     r["tokens_per_s"] / base["tokens_per_s"], ">= 0.87 (1.15x overhead)" if name == "nvfp4" else None))
+        if mem is not None and base.get("peak_mem_gib"):
+            rows.append((f"trainer {name} peak memory", f"{mem:.1f} GiB", f"bf16 {base['peak_mem_gib']:.1f} GiB",
+                         mem / base["peak_mem_gib"], None))
+    return rows
+
+
+def _rows_rollout(res) -> list[tuple]:
+    rows = []
+    for r in res.get("rows", []):
+        b, e, h, q = r["batch"], r["engine"], r["hf"], r.get("engine_nvfp4")
+        rows.append((f"rollout batch {b}: engine BF16 tok/s", f"{e['gen_tok_s']:.0f}", f"HF generate {h['gen_tok_s']:.0f}",
+                     e["gen_tok_s"] / h["gen_tok_s"], ">= 20" if b == 64 else None))
+        if q:
+            target = ">= 2.5" if b <= 16 else (">= 1.8" if b == 64 else None)
+            rows.append((f"rollout batch {b}: engine NVFP4 tok/s", f"{q['gen_tok_s']:.0f}", f"engine BF16 {e['gen_tok_s']:.0f}",
+                         q["gen_tok_s"] / e["gen_tok_s"], target))
+    return rows
+
+
+def _rows_sync(res) -> list[tuple]:
+    nv, bf = res["rows"]["nvfp4"], res["rows"]["bf16"]
+    return [("sync expert bytes (nvfp4)", f"{nv['expert_bytes']:,}", f"bf16 {bf['expert_bytes']:,}",
+             nv["expert_bytes"] / bf["expert_bytes"], "<= 0.30"),
+            ("sync seconds (nvfp4)", f"{nv['seconds']:.3f}", f"bf16 {bf['seconds']:.3f}", bf["seconds"] / nv["seconds"], None)]
+
+
+def _rows_step(res) -> list[tuple]:
+    q, b = res["rows"]
+    rows = [(f"RL step {p} s (nvfp4)", f"{q['seconds'][p]:.3f}", f"bf16 {b['seconds'][p]:.3f}",
+             b["seconds"][p] / q["seconds"][p] if q["seconds"][p] else float("nan"), ">= 1.3" if p == "step" else None)
+            for p in ("sample", "score", "train", "sync", "step")]
+    if q.get("peak_gib"):
+        rows.append(("RL job peak GPU memory (nvfp4)", f"{q['peak_gib']:.1f} GiB", f"bf16 {b['peak_gib']:.1f} GiB",
+                     q["peak_gib"] / b["peak_gib"], "<= 0.6"))
+    return rows
+
+
+SUMMARY = {"kernels": _rows_kernels, "gemm": _rows_gemm, "train": _rows_train, "rollout": _rows_rollout,
+           "sync": _rows_sync, "step": _rows_step}
+
+
+def run(device: str = "cuda", quick: bool = False, out: str | None = None, sections=SECTIONS) -> dict:
+    """Every section, then the summary table; all results in out/bench_all.json."""
+    results: dict[str, dict] = {}
+    for name in sections:
+        print(f"\n=== rl4bit bench {name} ({device}{', quick' if quick else ''}) ===", flush=True)
+        try:
+            results[name] = _call(name, device, quick, out)
+        except ModuleNotFoundError as e:
+            results[name] = {"ok": False, "error": f"not available here: {e}"}
+        except BaseException as e:  # SystemExit from a section's own checks, too: report and go on
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            traceback.print_exc()
+            results[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    rows = []
+    for name in sections:
+        r = results[name]
+        if not r["ok"]:
+            rows.append((f"[{name}]", "not run", r["error"][:90], None, None))
+            continue
+        try:
+            rows.extend(SUMMARY[name](r["result"]))
+        except (KeyError, TypeError, ZeroDivisionError) as e:
+            rows.append((f"[{name}]", "no summary", f"{type(e).__name__}: {e}", None, None))
+    _print_summary(rows, device)
+    if out:
+        atomic_write_text(Path(out) / "bench_all.json",
+                          json.dumps({"device": device, "quick": quick, "summary": rows, "sections": results},
+                                     indent=1, default=str))
+    return {"summary": rows, "sections": results}
+
+
+def _print_summary(rows: list[tuple], device: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else device
+    t = Table(title=f"rl4bit bench all: {gpu} (ratio > 1 = better than the baseline, except memory/bytes: ours / baseline)")
+    for col in ("figure", "ours", "baseline / ceiling", "ratio", "target"):
+        t.add_column(col, justify="left" if col in ("figure", "baseline / ceiling") else "right")
+    for fig, ours, base, ratio, target in rows:
+        t.add_row(fig, ours, base, "" if ratio is None else f"{ratio:.2f}", target or "")
+    Console(width=max(Console().width, 150)).print(t)

@@ -1,0 +1,112 @@
+"""`rl4bit bench step`: the whole RL step, `nvfp4` everywhere beside `bf16` everywhere, in one process.
+
+Runs the same job twice in local mode (trainer and sampler in this process, so
+one allocator's peak covers both): once with the config's recipe (`nvfp4`:
+NVFP4 expert GEMMs in the trainer, NVFP4 expert weights in the sampler) and
+once with `recipe.name: bf16` (BF16 expert GEMMs, BF16 serving). The workload
+is made decode-heavy, as RL steps are in practice: `sampler.ignore_eos`, so
+every rollout runs to `sampler.max_new_tokens` (default here 256). No warm
+start and no evaluation: only the timed RL steps.
+
+For each recipe it reports the mean step time after the first (warm-up) step,
+split into sample / score / train / sync (the driver's `time/*` metrics), the
+rollout tokens/s and peak GPU memory; the ratio column is bf16 / nvfp4 (> 1:
+nvfp4 faster or smaller). Targets from issue 11: step >= 1.3x faster, peak
+memory <= 0.6x.
+
+Leaves out: Ray actors (the device image has no Ray), several samplers, and the
+warm start (its cost is the same under both recipes).
+
+    rl4bit bench step --device cuda                 # configs/gpu-h200.yaml
+    python -m rl4bit.bench_step --quick --device cpu  # a tiny smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from rl4bit.atomic import atomic_write_text
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu-h200.yaml"
+PHASES = ("sample", "score", "train", "sync")
+
+
+def _overrides(quick: bool, device: str, steps: int, new_tokens: int) -> list[str]:
+    o = [f"rl.steps={steps}", "run.warmup_sft_steps=0", "run.checkpoint_every=0", "run.progress=false",
+         "run.tensorboard=false", "ray.mode=local", f"trainer.device={device}", "sampler.ignore_eos=true",
+         f"sampler.max_new_tokens={new_tokens}", f"data.eval_every={10 * steps}", "data.eval_size=8"]
+    if quick:
+        o += ["model.hidden_size=64", "model.num_layers=2", "model.num_experts=4", "model.expert_intermediate_size=64",
+              "model.num_heads=4", "model.max_seq_len=64", "model.dtype=float32", "rl.prompts_per_step=4",
+              "rl.samples_per_prompt=2", "run.cpu_threads=1"]
+    return o
+
+
+def run_job(config: Path, recipe: str, overrides: list[str]) -> dict:
+    """One job in this process; its per-step metrics and the allocator's peak."""
+    from rl4bit.config import load_config
+    from rl4bit.driver import run
+    from rl4bit.rundir import create_run_dir
+
+    cfg = load_config(config, [*overrides, f"recipe.name={recipe}"])
+    cuda = cfg.trainer.device.startswith("cuda")
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    with tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-") as d:
+        records = [r for r in run(cfg, create_run_dir(cfg, Path(d) / "run")) if r.get("step", 0) >= 1]
+    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    timed = records[1:] or records  # the first step compiles kernels and fills caches
+    mean = {p: statistics.fmean(r[f"time/{p}_s"] for r in timed) for p in PHASES}
+    mean["step"] = statistics.fmean(r["time/step_s"] for r in timed)
+    tokens = statistics.fmean(r.get("rollout/tokens_per_s", 0.0) for r in timed)
+    return {"recipe": recipe, "steps_timed": len(timed), "seconds": mean, "rollout_tok_s": tokens, "peak_gib": peak,
+            "reward": statistics.fmean(r["reward/mean"] for r in records)}
+
+
+def run(device: str = "cuda", quick: bool = False, out: str | None = None, config: str | Path | None = None,
+        steps: int = 4, new_tokens: int = 256) -> dict:
+    """Both jobs, one table; results.json under `out`."""
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise RuntimeError("bench step on cuda needs a GPU (use --quick --device cpu for a smoke run)")
+    config = Path(config) if config else CONFIG
+    overrides = _overrides(quick, device, steps, 8 if quick else new_tokens)
+    rows = [run_job(config, r, overrides) for r in ("nvfp4", "bf16")]
+    q, b = rows
+    print(f"\nRL step, {config.name}, {device}: nvfp4 vs bf16 (mean of {q['steps_timed']} steps after the first)")
+    print(f"{'figure':<22}{'nvfp4':>12}{'bf16':>12}{'bf16/nvfp4':>12}")
+    for p in (*PHASES, "step"):
+        qs, bs = q["seconds"][p], b["seconds"][p]
+        print(f"{p + ' s':<22}{qs:>12.3f}{bs:>12.3f}{bs / qs if qs else float('nan'):>12.2f}")
+    print(f"{'rollout tok/s':<22}{q['rollout_tok_s']:>12.0f}{b['rollout_tok_s']:>12.0f}"
+          f"{q['rollout_tok_s'] / b['rollout_tok_s'] if b['rollout_tok_s'] else float('nan'):>12.2f}  (nvfp4/bf16)")
+    if q["peak_gib"] is not None:
+        print(f"{'peak GPU GiB':<22}{q['peak_gib']:>12.1f}{b['peak_gib']:>12.1f}{q['peak_gib'] / b['peak_gib']:>12.2f}  (nvfp4/bf16)")
+    result = {"device": device, "config": str(config), "quick": quick, "rows": rows,
+              "step_speedup": b["seconds"]["step"] / q["seconds"]["step"],
+              "peak_ratio": q["peak_gib"] / b["peak_gib"] if q["peak_gib"] else None}
+    if out:
+        atomic_write_text(Path(out) / "bench_step.json", json.dumps(result, indent=1))
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--config")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--out")
+    a = p.parse_args(argv)
+    run(a.device, a.quick, a.out, a.config, a.steps, a.new_tokens)
+
+
+if __name__ == "__main__":
+    main()

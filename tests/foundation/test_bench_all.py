@@ -1,0 +1,28 @@
+"""`rl4bit bench all` / `bench step` on the CPU: the sections run, the summary states each figure beside its baseline,
+and a section that cannot run is reported without stopping the others."""
+
+import json
+
+from rl4bit import bench_all
+from rl4bit.cli import main
+
+
+def test_bench_all_runs_sections_and_reports_missing_ones(tmp_path, capsys):
+    res = bench_all.run(device="cpu", quick=True, out=str(tmp_path), sections=("step", "nonexistent"))
+    assert res["sections"]["step"]["ok"]
+    assert not res["sections"]["nonexistent"]["ok"]
+    figures = {row[0]: row for row in res["summary"]}
+    step = figures["RL step step s (nvfp4)"]
+    assert step[4] == ">= 1.3" and step[3] > 0
+    for phase in ("sample", "score", "train", "sync"):
+        assert f"RL step {phase} s (nvfp4)" in figures
+    assert figures["[nonexistent]"][1] == "not run"
+    saved = json.loads((tmp_path / "bench_all.json").read_text())
+    assert saved["sections"]["step"]["result"]["rows"][0]["recipe"] == "nvfp4"
+    out = capsys.readouterr().out
+    assert "rl4bit bench all" in out and "bf16/nvfp4" in out
+
+
+def test_bench_cli_rejects_arguments_a_bench_does_not_take(capsys):
+    assert main(["bench", "kernels", "some.yaml", "--device", "cpu", "--quick"]) == 2
+    assert "takes no config" in capsys.readouterr().err
