@@ -11,12 +11,21 @@ The config names each by `pkg.module:function` or `path/to/file.py:function`:
         - {fn: my_rewards.py:brevity, weight: 0.1}
 
 `RewardPool` runs them in worker processes (`python -m rl4bit.rewards SPEC...`,
-JSON lines over pipes; the workers import the functions themselves) with a per-call timeout: a call that raises, returns a
-non-finite or non-number value, or runs past `timeout_s` masks that sample
-(counted in `reward/errors`, its worker restarted after a timeout), and the
-step fails only when more than `max_error_fraction` of its samples fail.
+JSON lines over pipes; the workers import the functions themselves: reward code
+never runs in the driver or the pool's own process) with a per-call timeout: a
+call that raises, returns a non-finite or non-number value, exits its process
+or runs past `timeout_s` masks that sample (counted in `reward/errors`, its
+worker restarted when it died or timed out), and the step fails only when more
+than `max_error_fraction` of its samples fail.
 `check_rewards(specs, sample)` is the start-up validation: every reward is
-imported and called once and a failure raises `RewardError` naming it.
+imported and called once (in a worker) and a failure raises `RewardError` naming it.
+
+Resource limits (`resource.setrlimit`, set in the worker before any reward is
+imported): address space = the worker's size at start-up + `memory_mb` (a
+reward allocating past it gets MemoryError, the sample is masked), and a soft
+CPU limit of `cpu_s` seconds per call (past it the kernel kills the worker with
+SIGXCPU; it is restarted, the sample masked). 0 turns a limit off. These bound
+mistakes, not an attacker: a reward is your own code, with your permissions.
 
 Leaves out: rewards that need a GPU or a model (run them in your own service
 and call it from a function), async rewards.
@@ -28,8 +37,10 @@ import importlib
 import importlib.util
 import json
 import math
+import numbers
 import os
 import re
+import resource
 import subprocess
 import sys
 import time
@@ -132,43 +143,75 @@ def _call(fn: Callable, prompt: str, completion: str, sample: dict) -> float:
         value = fn([prompt], [completion], **{k: [v] for k, v in extra.items()})[0]
     else:
         value = fn(prompt, completion, **extra)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise TypeError(f"returned {value!r}; a reward must return a finite float")
     return float(value)
 
 
-def check_rewards(specs: list[str], sample: dict) -> None:
-    """Start-up validation, in this process: import every reward and call it once on `sample`
-    (completion = its answer, or "0"); a failure raises RewardError naming the reward."""
+def check_rewards(specs: list[str], sample: dict, **limits) -> None:
+    """Start-up validation, in a worker process: import every reward and call it once on `sample`
+    (completion = its answer, or "0"); a failure raises RewardError naming the reward.
+    `limits`: RewardPool's timeout_s / memory_mb / cpu_s."""
     completion = str(sample.get("answer") or "0")
-    for spec in specs:
-        fn = load_reward(spec)
-        try:
-            _call(fn, sample["prompt"], completion, sample)
-        except Exception as e:
-            raise RewardError(
-                f"reward {spec!r} failed its start-up call on prompt {sample['prompt']!r}: {type(e).__name__}: {e}"
-            ) from e
+    pool = RewardPool(specs, [1.0] * len(specs), workers=1, max_error_fraction=1.0, **limits)
+    try:
+        scores = pool.score([(sample["prompt"], completion, sample)])
+    finally:
+        pool.close()
+    if scores.errors:
+        raise RewardError(f"start-up call on prompt {sample['prompt']!r} failed: {scores.messages[0]}")
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def _vm_bytes() -> int:
+    """This process's virtual size (what RLIMIT_AS counts)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _limit_memory(memory_mb: int) -> None:
+    if memory_mb > 0:
+        cap = _vm_bytes() + (memory_mb << 20)
+        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+
+def _limit_cpu(cpu_s: float) -> None:
+    """Soft CPU limit `cpu_s` seconds past what this process used so far (the kernel sends SIGXCPU past it)."""
+    if cpu_s > 0:
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        hard = resource.getrlimit(resource.RLIMIT_CPU)[1]
+        soft = int(used.ru_utime + used.ru_stime + math.ceil(cpu_s)) + 1
+        resource.setrlimit(resource.RLIMIT_CPU, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
 # --------------------------------------------------------------------------- worker processes
 
 
-def _worker_main(specs: list[str]) -> None:
-    """`python -m rl4bit.rewards SPEC...`: JSON lines in on stdin, JSON lines out (nothing pickled)."""
+def _worker_main(argv: list[str]) -> None:
+    """`python -m rl4bit.rewards [--memory-mb M] [--cpu-s C] SPEC...`: JSON lines in on stdin, out on stdout (nothing pickled)."""
+    memory_mb, cpu_s = 0, 0.0
+    while argv and argv[0] in ("--memory-mb", "--cpu-s"):
+        flag, value, argv = argv[0], argv[1], argv[2:]
+        memory_mb, cpu_s = (int(value), cpu_s) if flag == "--memory-mb" else (memory_mb, float(value))
+    specs = argv
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # a reward's print() goes to stderr, never into the protocol
     sys.stdout = sys.stderr
+    _limit_memory(memory_mb)  # before any reward module is imported
     try:
         fns = [load_reward(s) for s in specs]
-    except Exception as e:
-        proto.write(json.dumps({"load_error": str(e)}) + "\n")
+    except BaseException as e:  # SystemExit / KeyboardInterrupt at import time too
+        msg = str(e) if isinstance(e, RewardError) else f"rewards {specs}: loading raised {type(e).__name__}: {e}"
+        proto.write(json.dumps({"load_error": msg}) + "\n")
         proto.flush()
         return
     proto.write(json.dumps({"ready": True}) + "\n")
     proto.flush()
     for line in sys.stdin:
         msg = json.loads(line)
+        _limit_cpu(cpu_s)
         reply = {"i": msg["i"], "values": []}
         for spec, fn in zip(specs, fns):
             try:
@@ -194,24 +237,39 @@ class RewardPool:
     """Reward worker processes with a per-call timeout (a plain class; Ray wraps it in rl4bit.actors)."""
 
     def __init__(self, specs: list[str], weights: list[float], *, timeout_s: float = 10.0, workers: int = 1,
-                 max_error_fraction: float = 0.1):
-        for s in specs:
-            load_reward(s)  # fail fast, in this process, with the reward's name
+                 max_error_fraction: float = 0.1, memory_mb: int = 2048, cpu_s: float | None = None):
         self.specs, self.weights = list(specs), list(weights)
         self.timeout_s, self.max_error_fraction = timeout_s, max_error_fraction
-        self._workers = [self._start() for _ in range(workers)]
+        self.memory_mb = int(memory_mb)
+        self.cpu_s = float(cpu_s) if cpu_s is not None else 2.0 * timeout_s  # 2x: a reward may use two threads
+        self._workers: list[subprocess.Popen] = []
+        try:
+            for _ in range(workers):
+                self._workers.append(self._start())  # a load error raises RewardError naming the reward
+        except BaseException:
+            self.close()
+            raise
+
+    def pids(self) -> list[int]:
+        """Process ids of the live workers."""
+        return [p.pid for p in self._workers]
 
     def _start(self) -> subprocess.Popen:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rl4bit.rewards", *self.specs],
+            [sys.executable, "-P", "-m", "rl4bit.rewards", "--memory-mb", str(self.memory_mb), "--cpu-s", str(self.cpu_s),
+             *self.specs],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
         )
         if not wait([proc.stdout], timeout=60):
             proc.kill()
             raise RewardError(f"reward worker for {self.specs} did not start within 60 s")
-        reply = json.loads(proc.stdout.readline() or '{"load_error": "the reward worker exited at start-up (see stderr)"}')
+        line = proc.stdout.readline()
+        reply = json.loads(line) if line else {
+            "load_error": f"the reward worker for {self.specs} exited at start-up (exit code {proc.wait()}; its stderr says why)"}
         if "load_error" in reply:
             proc.wait()
+            proc.stdout.close()
+            proc.stdin.close()
             raise RewardError(reply["load_error"])
         return proc
 
@@ -227,8 +285,16 @@ class RewardPool:
                     i = todo.pop()
                     prompt, completion, sample = items[i]
                     msg = {"i": i, "prompt": prompt, "completion": completion, "sample": sample}
-                    self._workers[slot].stdin.write(json.dumps(msg, default=str) + "\n")
-                    self._workers[slot].stdin.flush()
+                    line = json.dumps(msg, default=str) + "\n"
+                    try:
+                        self._workers[slot].stdin.write(line)
+                        self._workers[slot].stdin.flush()
+                    except (BrokenPipeError, ValueError):  # the worker died while idle: replace it, send again
+                        self._workers[slot].kill()
+                        self._workers[slot].wait()
+                        self._workers[slot] = self._start()
+                        self._workers[slot].stdin.write(line)
+                        self._workers[slot].stdin.flush()
                     busy[slot] = (i, time.monotonic() + self.timeout_s)
             timeout = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
             ready = wait([self._workers[s].stdout for s in busy], timeout=timeout)
@@ -237,17 +303,22 @@ class RewardPool:
                 i, deadline = busy[slot]
                 if proc.stdout in ready:
                     line = proc.stdout.readline()
-                    reply = json.loads(line) if line else {"error": f"reward worker died (exit code {proc.wait()})"}
+                    reply = json.loads(line) if line else {
+                        "error": f"rewards {self.specs}: worker died (exit code {proc.wait()}; -24 = CPU limit "
+                                 f"rewards.cpu_s) on prompt {items[i][0]!r}"}
                     results[i] = reply.get("values")
                     if "error" in reply:
                         messages.append(reply["error"])
                     if not line:
+                        proc.stdout.close()
+                        proc.stdin.close()
                         self._workers[slot] = self._start()
                     del busy[slot]
                 elif time.monotonic() >= deadline:
                     proc.kill()
                     proc.wait()
                     proc.stdout.close()
+                    proc.stdin.close()
                     messages.append(f"rewards {self.specs}: timed out after {self.timeout_s} s on prompt {items[i][0]!r}")
                     self._workers[slot] = self._start()
                     del busy[slot]
@@ -265,7 +336,7 @@ class RewardPool:
             try:
                 proc.stdin.close()
                 proc.wait(timeout=5)
-            except (OSError, subprocess.TimeoutExpired):
+            except (OSError, ValueError, subprocess.TimeoutExpired):
                 proc.kill()
                 proc.wait()
             proc.stdout.close()

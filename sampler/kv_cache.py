@@ -90,6 +90,32 @@ class StepLayout:
     token_pos: torch.Tensor
     """[T_real] int64 cache position of each real packed token."""
     min_rows: int = MIN_ROWS
+    _groups: dict | None = None
+    """Per group size g (query heads per kv head): the step's index tensors, built once and shared by every layer."""
+
+    def groups(self, g: int, device) -> list[tuple]:
+        """Sequences with equal token counts n: (n, tok [G, n], slots [G], blocked [G, rows, max_len]: True = masked).
+
+        Built on the first layer's call and reused by the others, so a step
+        makes its host-to-device index copies once, not once per layer.
+        """
+        if self._groups is None:
+            self._groups = {}
+        if g not in self._groups:
+            by_len: dict[int, list[int]] = {}
+            for i, (a, b) in enumerate(self.spans):
+                by_len.setdefault(b - a, []).append(i)
+            keys_pos = torch.arange(self.cache.max_len, device=device)
+            built = []
+            for n, members in by_len.items():
+                tok = torch.tensor([[self.spans[i][0] + j for j in range(n)] for i in members], device=device)
+                slots = torch.tensor([self.slots[i] for i in members], device=device)
+                starts = torch.tensor([self.starts[i] for i in members], device=device)
+                q_pos = (starts[:, None] + torch.arange(n, device=device)).repeat(1, g)  # [G, g*n]
+                allowed = _pad_rows(keys_pos[None, None, :] <= q_pos[:, :, None], max(g * n, self.min_rows))
+                built.append((n, tok, slots, ~allowed))
+            self._groups[g] = built
+        return self._groups[g]
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -123,22 +149,13 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
     g = hq // hkv
     dev = query.device
     out = query.new_zeros(1, t, hq, d)
-    keys_pos = torch.arange(step.cache.max_len, device=dev)
-    groups: dict[int, list[int]] = {}
-    for i, (a, b) in enumerate(step.spans):
-        groups.setdefault(b - a, []).append(i)
-    for n, members in groups.items():
-        tok = torch.tensor([[step.spans[i][0] + j for j in range(n)] for i in members], device=dev)  # [G, n]
-        slots = torch.tensor([step.slots[i] for i in members], device=dev)
-        starts = torch.tensor([step.starts[i] for i in members], device=dev)
-        G = len(members)
+    for n, tok, slots, blocked in step.groups(g, dev):
+        G = tok.shape[0]
         # query head h reads kv head h // g: [G, Hq, n, D] -> [G, Hkv, g*n, D]
         q = query[0][:, tok].permute(1, 0, 2, 3).reshape(G, hkv, g * n, d)
         q = _pad_rows(q, step.min_rows)
         scores = torch.matmul(q, kc[slots].transpose(-1, -2)) * scaling  # [G, Hkv, rows, max_len]
-        q_pos = (starts[:, None] + torch.arange(n, device=dev)).repeat(1, g)  # [G, g*n]
-        allowed = _pad_rows(keys_pos[None, None, :] <= q_pos[:, :, None], scores.shape[2])  # causal in the slot
-        scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+        scores = scores.masked_fill(blocked[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         probs = probs.nan_to_num(0.0)  # padded query rows are all -inf
         o = torch.matmul(probs, vc[slots])[:, :, : g * n]  # [G, Hkv, g*n, D]

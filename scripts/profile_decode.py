@@ -1,0 +1,47 @@
+"""Profile the embedded engine's generate on the bench's 1B Qwen3-MoE (BF16 and NVFP4 weights): top ops by time.
+
+    python -P scripts/profile_decode.py --device cuda --batch 64 --new 16
+"""
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from rl4bit.bench_rollout import _NullTokenizer, build_model, nvfp4_model
+from rl4bit.sampler.engine import EmbeddedEngine
+from rl4bit.sampler.types import Request, SamplingParams
+
+
+def main() -> None:
+    a = argparse.ArgumentParser()
+    a.add_argument("--device", default="cuda")
+    a.add_argument("--model", default="1b")
+    a.add_argument("--batch", type=int, default=64)
+    a.add_argument("--prompt", type=int, default=128)
+    a.add_argument("--new", type=int, default=16)
+    a.add_argument("--rows", type=int, default=25)
+    args = a.parse_args()
+    model = build_model(args.model, args.prompt + args.new + 1, torch.bfloat16, args.device)
+    prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
+    reqs = [Request(str(i), r.tolist(), SamplingParams(temperature=0.0, max_new_tokens=args.new)) for i, r in enumerate(prompts)]
+    for name, m in (("bf16", model), ("nvfp4", nvfp4_model(model))):
+        eng = EmbeddedEngine(m, _NullTokenizer(), max_batch_size=args.batch, device=args.device,
+                             max_seq_len=args.prompt + args.new + 1, max_prefill_tokens=args.batch * args.prompt)
+        eng.generate(reqs[:2])
+        eng.prefill_s = eng.decode_s = 0.0
+        eng.decode_steps = 0
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])
+        with profile(activities=acts) as prof:
+            eng.generate(reqs)
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+        print(f"\n### {name}: prefill {eng.prefill_s:.3f} s, decode {eng.decode_s:.3f} s over {eng.decode_steps} steps "
+              f"= {1e3 * eng.decode_s / max(eng.decode_steps, 1):.1f} ms/step")
+        key = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
