@@ -137,6 +137,9 @@ class TrainerConfig:
     """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available)."""
     max_nonfinite_steps: int = 3
     """Stop the job after this many consecutive steps with a NaN/Inf loss or gradient."""
+    world_size: int = 1
+    """Trainer ranks (processes; one GPU each on CUDA) sharding params, grads and AdamW state with FSDP2
+    (`rl4bit.trainer_group`); 1 = the one-process Trainer."""
     expert_parallel: int = 1
     """Ranks the experts are sharded over (1 = no expert parallelism)."""
     combine: Literal["rht_s2f6", "mxfp8", "bf16"] = "rht_s2f6"
@@ -149,7 +152,7 @@ class TrainerConfig:
             raise ConfigError(f"{path}.betas: {self.betas} must be two numbers in [0, 1)")
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError(f"{path}: grad_clip and weight_decay must be >= 0")
-        _positive(self, path, "tokens_per_microbatch", "max_nonfinite_steps", "expert_parallel")
+        _positive(self, path, "tokens_per_microbatch", "max_nonfinite_steps", "expert_parallel", "world_size")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"{path}.device: {self.device!r}; valid: auto, cpu, cuda, cuda:N")
 

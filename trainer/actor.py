@@ -29,6 +29,21 @@ forward also yields the "old" logprobs of the PPO ratio (same weights, same
 bits). A step whose loss or gradient norm is not finite is skipped; the job
 stops after `trainer.max_nonfinite_steps` in a row.
 
+Sharded (`Trainer(cfg, rank, world)` inside a torch.distributed group of
+`world` processes, built by `rl4bit.trainer_group`): the model is sharded
+with FSDP2 (`rl4bit.trainer.sharding`) after the recipe conversion; each
+micro-batch is split across ranks (rank r takes its sequences r, r+world,
+...; a rank left without one runs a zero-weight dummy so every rank makes the
+same FSDP collectives); the loss keeps the global token/sequence
+normalisation and gradients are summed, so the step equals the one-process
+step up to reduction order and the stochastic rounding of the backward
+(keyed by call, so a different split draws different bits); loss, statistics
+and the grad norm are reduced over the group, so every rank takes the same
+skip decision; `state()` holds this rank's pieces (see sharding.save_shard);
+`weight_bucket` all-gathers the bucket's layers on every rank and returns the
+bucket on rank 0 (None elsewhere). The warm start runs replicated on every
+rank before sharding. world == 1 runs exactly the one-process code.
+
 Leaves out: minibatches within an epoch, learning-rate schedules, expert parallelism.
 """
 
@@ -165,7 +180,8 @@ def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
 class Trainer:
     """Policy + AdamW; one `train_step` per RL step (see module docstring)."""
 
-    def __init__(self, cfg: JobConfig):
+    def __init__(self, cfg: JobConfig, rank: int = 0, world: int = 1):
+        self.rank, self.world = int(rank), int(world)
         if cfg.run.cpu_threads:
             torch.set_num_threads(cfg.run.cpu_threads)
         self.cfg = cfg
@@ -197,10 +213,16 @@ class Trainer:
         self.plan = convert_model(self.model, self.cfg.recipe)
         self.model.to(self.device).eval()  # eval: no dropout; training-mode switches do not apply here
         t = self.cfg.trainer
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         if self.cfg.rl.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
+        if self.world > 1:
+            from rl4bit.trainer.sharding import shard_model
+
+            for m in (self.model, self.ref_model):
+                if m is not None:
+                    shard_model(m, self.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
         self.version = 1  # the first policy the samplers serve (their built-in weights are version 0)
 
     # ------------------------------------------------------------------ the step
@@ -233,7 +255,10 @@ class Trainer:
             set_step(self.model, self.opt_steps)
             self.optimizer.zero_grad(set_to_none=True)
             loss_total = 0.0
-            for mb in mbs:
+            for mb in (mbs if self.world == 1 else [mb[self.rank:: self.world] for mb in mbs]):
+                if not mb:
+                    self._dummy_microbatch(epoch)
+                    continue
                 logp_list, entropy = self._logprobs(self.model, batch, mb)
                 if epoch == 0:
                     for i, lp in zip(mb, logp_list):
@@ -258,8 +283,16 @@ class Trainer:
                 for k in ("clipped", "ratio_sum", "tokens", "tis_truncated", "kl_ref_sum"):
                     sums[k] += st.get(k, 0.0)
                 rmin, rmax = min(rmin, st["ratio_min"]), max(rmax, st["ratio_max"])
+            if self.world > 1:
+                from rl4bit.trainer.sharding import all_reduce
+
+                loss_total = all_reduce([loss_total])[0]
             sums["loss"] += loss_total
             norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+            if self.world > 1:
+                from rl4bit.trainer.sharding import full_value
+
+                norm = full_value(norm)  # the group's norm: every rank clips by it and takes the same skip decision
             norm = float(norm)
             norms.append(norm)
             if math.isfinite(loss_total) and math.isfinite(norm):
@@ -274,6 +307,13 @@ class Trainer:
                         f"(loss {loss_total}, grad norm {norm}); lower trainer.lr or try recipe.name=mxfp8")
             self.opt_steps += 1
         self.version += 1
+        if self.world > 1:
+            from rl4bit.trainer.sharding import all_reduce
+
+            keys = [k for k in sums if k != "loss"]  # the loss is already the group's
+            sums.update(zip(keys, all_reduce([sums[k] for k in keys])))
+            rmin = all_reduce([rmin], torch.distributed.ReduceOp.MIN)[0]
+            rmax = all_reduce([rmax], torch.distributed.ReduceOp.MAX)[0]
         ntok = max(total_tokens, 1.0)
         nrat = max(sums["tokens"], 1.0)
         return {
@@ -292,6 +332,15 @@ class Trainer:
             "train/lr": self.optimizer.param_groups[0]["lr"],
             "policy/version": float(self.version),
         }
+
+    def _dummy_microbatch(self, epoch: int) -> None:
+        """A one-token forward/backward with zero loss weight: this rank joins the micro-batch's FSDP collectives."""
+        dummy = TrainBatch([[0]], [[0]], [[0.0]], [0.0])
+        logp_list, _ = self._logprobs(self.model, dummy, [0])
+        if epoch == 0 and self.ref_model is not None:
+            with torch.no_grad():
+                self._logprobs(self.ref_model, dummy, [0])
+        (logp_list[0].sum() * 0.0).backward()
 
     # ------------------------------------------------------------------ sync and state
     def weight_header(self) -> tuple[int, int, dict]:
@@ -319,15 +368,36 @@ class Trainer:
         """
         if self._sender is None:
             self.weight_header()
-        return self._sender.bucket(self.version, index)
+        if self.world == 1:
+            return self._sender.bucket(self.version, index)
+        from rl4bit.trainer.sharding import gathered
+
+        with gathered(self.model, [e.module for e in self._sender.groups[index]]):  # every rank: all-gather
+            bucket = self._sender.bucket(self.version, index)
+        return bucket if self.rank == 0 else None
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Everything to resume: tensors (model, AdamW moments, torch RNG) and JSON-able metadata."""
-        tensors = {f"model.{k}": v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        """Everything to resume: tensors (model, AdamW moments, torch RNG) and JSON-able metadata.
+
+        Sharded (world > 1): this rank's pieces, and meta["global_shapes"] of the sharded ones.
+        """
+        from_local = {}
+        if self.world > 1:
+            from rl4bit.trainer.sharding import is_sharded, local
+
+            def cpu(name, v):
+                if is_sharded(v):
+                    from_local[name] = list(v.shape)
+                return local(v).detach().to("cpu", copy=True)
+        else:
+            def cpu(name, v):
+                return v.detach().to("cpu", copy=True)
+        tensors = {f"model.{k}": cpu(f"model.{k}", v) for k, v in self.model.state_dict().items()}
         names = {id(p): n for n, p in self.model.named_parameters()}
         for p, st in self.optimizer.state.items():
             for k, v in st.items():
-                tensors[f"optim.{names[id(p)]}.{k}"] = torch.as_tensor(v).detach().to("cpu", copy=True)
+                key = f"optim.{names[id(p)]}.{k}"
+                tensors[key] = cpu(key, torch.as_tensor(v))
         tensors["rng.torch_cpu"] = torch.get_rng_state()
         if self.device.type == "cuda":
             tensors["rng.torch_cuda"] = torch.cuda.get_rng_state(self.device)
@@ -337,6 +407,8 @@ class Trainer:
             "nonfinite_in_a_row": self.nonfinite_in_a_row,
             "python_rng": _py_rng_state(),
         }
+        if self.world > 1:
+            meta["global_shapes"] = from_local
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
@@ -345,17 +417,42 @@ class Trainer:
         missing = set(self.model.state_dict()) - set(model_sd)
         if missing:
             raise ValueError(f"checkpoint lacks model tensors {sorted(missing)[:3]}; it was written for another model config")
-        self.model.load_state_dict(model_sd, strict=True)
+        if self.world == 1:
+            self.model.load_state_dict(model_sd, strict=True)
+        else:
+            self._load_local_pieces(model_sd)
         for name, p in self.model.named_parameters():
             st = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
             if st:
-                self.optimizer.state[p] = {k: v.to(self.device, copy=True) if k != "step" else v.clone() for k, v in st.items()}
+                self.optimizer.state[p] = {k: self._like(p, v) if k != "step" else v.clone() for k, v in st.items()}
         torch.set_rng_state(tensors["rng.torch_cpu"])
         if "rng.torch_cuda" in tensors and self.device.type == "cuda":
             torch.cuda.set_rng_state(tensors["rng.torch_cuda"], self.device)
         self.opt_steps, self.version = int(meta["opt_steps"]), int(meta["version"])
         self.nonfinite_in_a_row = int(meta["nonfinite_in_a_row"])
         random.setstate(_to_py_rng(meta["python_rng"]))
+
+
+    def _like(self, p, v: torch.Tensor) -> torch.Tensor:
+        """An optimizer moment for parameter p from its stored piece (a DTensor shaped like p when sharded)."""
+        v = v.to(self.device, copy=True)
+        if self.world == 1:
+            return v
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+
+    def _load_local_pieces(self, model_sd: dict[str, torch.Tensor]) -> None:
+        from rl4bit.trainer.sharding import local
+
+        targets = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        with torch.no_grad():
+            for k, v in model_sd.items():
+                dst = local(targets[k])
+                if dst.shape != v.shape:
+                    raise ValueError(f"checkpoint piece {k} is {tuple(v.shape)}, this rank holds {tuple(dst.shape)}; "
+                                     "resume with the trainer.world_size the checkpoint was written with")
+                dst.copy_(v)
 
 
 def _py_rng_state() -> list:
