@@ -90,25 +90,33 @@ def train_attention(module, query, key, value, attention_mask, scaling, dropout=
     Each sequence's keys/values are zero-padded to `max_len` positions, exactly
     what its cache slot holds after a prefill, so every matmul, mask and softmax
     has the engine's shapes and values and the outputs match it bit for bit.
+    Sequences of equal length are stacked into one batched matmul, as the
+    engine stacks them (each (sequence, kv head) stays its own matrix).
     """
     spans, max_len, min_rows = rl4bit_train
     _, hq, t, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
+    dev = query.device
     out = query.new_zeros(1, t, hq, d)
-    keys_pos = torch.arange(max_len, device=query.device)
+    keys_pos = torch.arange(max_len, device=dev)
+    by_len: dict[int, list[int]] = {}
     for a, b in spans:
-        n = b - a
-        k_slot = torch.nn.functional.pad(key[0, :, a:b], (0, 0, 0, max_len - n))  # [Hkv, max_len, D]
-        v_slot = torch.nn.functional.pad(value[0, :, a:b], (0, 0, 0, max_len - n))
-        q = _pad_rows(query[0, :, a:b].reshape(hkv, g * n, d), min_rows)
-        scores = torch.matmul(q, k_slot.transpose(1, 2)) * scaling
-        q_pos = torch.arange(0, n, device=query.device).repeat(g)
-        allowed = _pad_rows(keys_pos[None, :] <= q_pos[:, None], scores.shape[1])
+        by_len.setdefault(b - a, []).append(a)
+    for n, firsts in by_len.items():  # sequences of equal length stacked, like the engine's groups
+        tok = torch.tensor([[a + j for j in range(n)] for a in firsts], device=dev)  # [G, n]
+        G = len(firsts)
+        pad = (0, 0, 0, max_len - n)
+        k_slot = torch.nn.functional.pad(key[0][:, tok].permute(1, 0, 2, 3), pad)  # [G, Hkv, max_len, D]
+        v_slot = torch.nn.functional.pad(value[0][:, tok].permute(1, 0, 2, 3), pad)
+        q = _pad_rows(query[0][:, tok].permute(1, 0, 2, 3).reshape(G, hkv, g * n, d), min_rows)
+        scores = torch.matmul(q, k_slot.transpose(-1, -2)) * scaling  # [G, Hkv, rows, max_len]
+        q_pos = torch.arange(0, n, device=dev).repeat(g)
+        allowed = _pad_rows(keys_pos[None, :] <= q_pos[:, None], scores.shape[-2])
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).nan_to_num(0.0)
-        o = torch.matmul(probs, v_slot)[:, : g * n]
-        out[0, a:b] = o.reshape(hq, n, d).transpose(0, 1)
+        o = torch.matmul(probs, v_slot)[:, :, : g * n]  # [G, Hkv, g*n, D]
+        out[0, tok] = o.reshape(G, hq, n, d).transpose(1, 2)
     return out, None
 
 

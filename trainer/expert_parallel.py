@@ -1,0 +1,342 @@
+"""Expert parallelism: a converted MoE experts module sharded over a torch.distributed group, tokens moved by all-to-all.
+
+    group = dist.new_group(...)                    # the EP ranks (size cfg.trainer.expert_parallel); None = default group
+    shard_experts(model, group, combine=cfg.trainer.combine)   # after surgery.convert_model, before the optimizer
+    loss.backward(); metrics.update(comm_metrics(model))        # {"comm/dispatch_bytes": ..., ...}
+
+Every rank holds its own tokens and experts [r*E/N, (r+1)*E/N) of each MoE
+layer (parameters `gate_up_proj` / `down_proj` become those local slices,
+names kept). One forward of `ExpertParallelExperts` (same signature as
+`QuantExperts`: hidden [T, H], top_k_index [T, k], top_k_weights [T, k]):
+
+1. route: the (token, k) pairs are sorted by expert exactly as in
+   QuantExperts (stable argsort), which also groups them by owner rank; the
+   per-expert counts go out in a small int64 all-to-all.
+2. dispatch (source -> owner): NVFP4 layers send the tokens' NVFP4 QTensor
+   (packed codes, E4M3 scales, per-token fp32 outer; 4/6 as in the recipe),
+   quantized once per token; the owner's gate_up GEMM consumes exactly that
+   QTensor and saves it for the backward, so nothing is quantized twice.
+   MXFP8 / BF16 layers (the tail, or recipe bf16) send the compute-dtype rows,
+   because their backward needs a columnwise MXFP8 x quantized from high precision.
+3. the owner reorders received rows expert-major (source rank order inside
+   an expert, i.e. the order of one process running the concatenated batch)
+   and runs the grouped GEMMs of rl4bit.trainer.qgemm.
+4. combine (owner -> source): `bf16`, `mxfp8` or `rht_s2f6` (ep_codec). The
+   source decodes, multiplies by the routing weights, sums per token and,
+   for rht_s2f6, applies the inverse RHT once after the sum.
+
+Backward all-to-alls (`backward=`, default "bf16"): the combine's gradient
+(source -> owner) feeds the down GEMM, whose wgrad needs dY quantized to
+MXFP8 columnwise FROM HIGH PRECISION (TE mxfp8.rst), so it travels as BF16
+(lossless under bf16 autocast); the dispatch's gradient (owner -> source,
+the gradient into the residual stream) travels as BF16 too, so that EP is
+bitwise equal to one process with a bf16 combine. "mxfp8" sends both as
+MXFP8 rows (8.25 bits, half the bytes; an ablation). Measured (tests): the
+mxfp8 combine gradient left the down GEMM's grads bitwise unchanged (E4M3
+rounding commutes with the power-of-two block scales, so re-quantizing
+columnwise only differs where a value is E4M3-subnormal in its row block),
+while the mxfp8 dispatch gradient costs ~31 dB SQNR on d hidden.
+The rht_s2f6 combine's gradient is straight-through (ep_codec): autograd
+through the one inverse RHT gives dout @ R per token, the source multiplies
+by w_k and maps it back with Rᵀ before sending (= w_k dout up to fp32
+rounding); d w_k = <dout, Rᵀ z_k>, the decoded (quantized) expert output.
+
+Equality with one process (tests/distributed): forward bitwise with any
+dispatch (row-local quantization) and a bf16 combine; backward bitwise when
+no stochastic rounding is used. Stochastic re-quantization draws its bits by
+flat position in the local tensors (kernels/stochastic.py), so under EP the
+bits differ from one process: same distribution, other draws. The call key
+becomes calls * world + rank so that ranks do not share random streams.
+
+Leaves out: capacity limits / token dropping, overlapping communication
+with compute, de-duplicating a token sent twice to one rank, serving mode
+(load_quantized) and the Trainer wiring (FSDP2 must leave these local expert
+parameters out of its sharding: they are already sharded here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rl4bit.kernels import requantize
+from rl4bit.kernels.philox import derive_seed
+from rl4bit.trainer import ep_codec
+from rl4bit.trainer.modules import QuantExperts
+from rl4bit.trainer.qgemm import (
+    TENSOR_IDS, _check_finite, _count, _layout, _mxfp8_backward, _pad_qtensor_rows,
+    compute_dtype, grouped_forward, grouped_gemm, quantize_activation, quantize_weight,
+)
+
+COMBINE_TENSOR_ID = 4
+"""tensor_id of the combine's RHT seed in derive_seed (qgemm uses 0..3)."""
+
+PHASES = ("dispatch", "combine", "combine_grad", "dispatch_grad")
+"""Metric names: forward dispatch (source->owner), forward combine (owner->source), then the backward's."""
+
+
+class CommMeter:
+    """Bytes each all-to-all of this rank sends, by phase: all of it, and the part that leaves the rank."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.sent = {p: 0 for p in PHASES}
+        self.remote = {p: 0 for p in PHASES}
+        self.values = {p: 0 for p in PHASES}
+        self.routing = 0
+
+    def add(self, phase: str, row_bytes: int, splits: list[int], rank: int, hidden: int) -> None:
+        rows = sum(splits)
+        self.sent[phase] += rows * row_bytes
+        self.remote[phase] += (rows - splits[rank]) * row_bytes
+        self.values[phase] += rows * hidden
+
+    def metrics(self) -> dict:
+        """{"comm/<phase>_bytes": payload bytes sent to other ranks, "..._bits_per_value", "..._bf16_bytes": BF16 baseline}."""
+        out = {}
+        for p in PHASES:
+            out[f"comm/{p}_bytes"] = self.remote[p]
+            out[f"comm/{p}_bf16_bytes"] = 2 * self.values[p] * (self.remote[p] / self.sent[p] if self.sent[p] else 0)
+            out[f"comm/{p}_bits_per_value"] = 8.0 * self.sent[p] / self.values[p] if self.values[p] else 0.0
+        out["comm/routing_bytes"] = self.routing
+        return out
+
+
+@dataclass
+class _Route:
+    """Who sends what where, for one forward of one layer (identical use in its backward)."""
+
+    order: torch.Tensor  # [R_send] flat (token, k) indices sorted by expert
+    tok: torch.Tensor  # [R_send] token of each sorted row
+    send_splits: list[int]  # rows to each rank
+    recv_splits: list[int]  # rows from each rank
+    perm: torch.Tensor  # [R_recv] expert-major row i = received row perm[i]
+    local_counts: list[int]  # rows per local expert, expert-major
+
+
+def _exclusive_cumsum(c: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(c, 0) - c
+
+
+def _a2a(buf: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = buf.new_empty(sum(recv), *buf.shape[1:])
+    dist.all_to_all_single(out, buf.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group)
+    return out
+
+
+class _Dispatch(torch.autograd.Function):
+    """x rows (source order) -> the owner's rows (expert-major). NVFP4: returns a placeholder and puts the QTensor in `box`."""
+
+    @staticmethod
+    def forward(ctx, x, q_rows, layer, route, box):
+        ctx.layer, ctx.route, ctx.x_dtype = layer, route, x.dtype
+        hidden = x.shape[1]
+        nvfp4 = layer.spec.fmt == "nvfp4"
+        if not nvfp4:
+            buf = ep_codec.pack_dense(x.detach())
+        elif q_rows is not None:
+            buf = ep_codec.pack_nvfp4(q_rows)
+        else:  # no rows to send; every rank must still agree on the row width
+            buf = x.new_empty(0, ep_codec.dispatch_row_bytes(hidden), dtype=torch.uint8)
+        layer.meter.add("dispatch", buf.shape[1], route.send_splits, layer.rank, hidden)
+        got = _a2a(buf, route.send_splits, route.recv_splits, layer.group)[route.perm]
+        if nvfp4:
+            box["q"] = ep_codec.unpack_nvfp4(got, hidden)
+            return x.new_zeros(()).expand(got.shape[0], hidden)
+        return ep_codec.unpack_dense(got, x.dtype, hidden)
+
+    @staticmethod
+    def backward(ctx, dx_local):
+        layer, route = ctx.layer, ctx.route
+        hidden = dx_local.shape[1]
+        back = torch.empty_like(dx_local)
+        back[route.perm] = dx_local  # expert-major -> received order
+        buf = ep_codec.encode_grad(back, layer.backward_format)
+        layer.meter.add("dispatch_grad", buf.shape[1], route.recv_splits, layer.rank, hidden)
+        got = _a2a(buf, route.recv_splits, route.send_splits, layer.group)
+        return ep_codec.decode_grad(got, layer.backward_format, hidden, ctx.x_dtype), None, None, None, None
+
+
+class _GateUpFromQ(torch.autograd.Function):
+    """qgemm.GroupedQGemm's nvfp4 path with the activation QTensor given (the dispatched one), not quantized here."""
+
+    @staticmethod
+    def forward(ctx, x_placeholder, w, qx, counts, spec, keys):
+        ctx.counts, ctx.spec, ctx.keys = counts, spec, keys
+        ctx.x_dtype, ctx.w_dtype = x_placeholder.dtype, w.dtype
+        qw = quantize_weight(w, spec)
+        ctx.qx, ctx.qw = qx, qw
+        _count(qx.nbytes, qx.shape[0])
+        return grouped_forward(qx, qw, counts, x_placeholder.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        spec = ctx.spec
+        _check_finite(dy, "an output gradient of a quantized GEMM")
+        seed, step, layer, call = ctx.keys
+        seeds = [derive_seed(seed, step, layer, t, call) for t in range(4)]
+        lay = _layout(ctx.counts, dy.device)
+        rounding = "stochastic" if spec.stochastic_requant else "nearest"
+        xt = requantize(_pad_qtensor_rows(ctx.qx, lay), seed=seeds[TENSOR_IDS["x"]], rounding=rounding)
+        wt = requantize(ctx.qw, seed=seeds[TENSOR_IDS["w"]], rounding=rounding)
+        del ctx.qx, ctx.qw
+        dx, dw = _mxfp8_backward(dy, xt, wt, lay, spec, seeds)
+        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None
+
+
+class _Combine(torch.autograd.Function):
+    """Owner's expert outputs (expert-major) -> decoded rows on the source (its sorted order; RHT domain for rht_s2f6)."""
+
+    @staticmethod
+    def forward(ctx, o, layer, route, seed, out_dtype):
+        ctx.layer, ctx.route, ctx.seed, ctx.o_dtype = layer, route, seed, o.dtype
+        hidden = o.shape[1]
+        back = torch.empty_like(o)
+        back[route.perm] = o.detach()
+        buf = ep_codec.encode_combine(back, layer.combine, seed)
+        layer.meter.add("combine", buf.shape[1], route.recv_splits, layer.rank, hidden)
+        got = _a2a(buf, route.recv_splits, route.send_splits, layer.group)
+        return ep_codec.decode_combine(got, layer.combine, hidden, out_dtype)
+
+    @staticmethod
+    def backward(ctx, dz):
+        layer, route = ctx.layer, ctx.route
+        hidden = dz.shape[1]
+        g = ep_codec.combine_grad_to_expert(dz, layer.combine, ctx.seed)
+        buf = ep_codec.encode_grad(g, layer.backward_format)
+        layer.meter.add("combine_grad", buf.shape[1], route.send_splits, layer.rank, hidden)
+        got = _a2a(buf, route.send_splits, route.recv_splits, layer.group)[route.perm]
+        return ep_codec.decode_grad(got, layer.backward_format, hidden, ctx.o_dtype), None, None, None, None
+
+
+class ExpertParallelExperts(QuantExperts):
+    """A QuantExperts whose experts live on the ranks of `group`; forward moves tokens with all-to-all."""
+
+    def __init__(self, src: QuantExperts, group=None, combine: str = "rht_s2f6", backward: str = "bf16"):
+        nn.Module.__init__(self)
+        if src.served is not None:
+            raise ValueError("shard_experts: this experts module is in serving mode; shard the training model instead")
+        ep_codec.check_format("combine", combine, ep_codec.COMBINES)
+        ep_codec.check_format("backward format", backward, ep_codec.GRAD_FORMATS)
+        self.group = group
+        self.rank, self.world = dist.get_rank(group), dist.get_world_size(group)
+        e = src.num_experts
+        if e % self.world:
+            raise ValueError(
+                f"shard_experts: {e} experts do not split over {self.world} ranks; "
+                f"set trainer.expert_parallel to a divisor of {e}"
+            )
+        n_local = e // self.world
+        self.first_expert, self.global_num_experts = self.rank * n_local, e
+        sl = slice(self.first_expert, self.first_expert + n_local)
+        self.gate_up_proj = nn.Parameter(src.gate_up_proj.detach()[sl].clone(), requires_grad=src.gate_up_proj.requires_grad)
+        self.down_proj = nn.Parameter(src.down_proj.detach()[sl].clone(), requires_grad=src.down_proj.requires_grad)
+        self.act_fn = src.act_fn
+        self.num_experts = n_local
+        self.expert_weight_shapes = {"gate_up_proj": tuple(self.gate_up_proj.shape), "down_proj": tuple(self.down_proj.shape)}
+        self._init_quant(src.spec, src.seed, src.layer_id)
+        self.combine, self.backward_format = combine, backward
+        self.meter = CommMeter()
+
+    def _keys(self, gemm: int) -> tuple[int, int, int, int]:
+        # world 1 gives QuantExperts' own keys; the RHT seed below is NOT keyed by rank (both ends must agree)
+        return (self.seed, self.step, 2 * self.layer_id + gemm, self.calls * self.world + self.rank)
+
+    def _route(self, top_k_index: torch.Tensor) -> _Route:
+        n_tok, k = top_k_index.shape
+        e, n_local = self.global_num_experts, self.num_experts
+        with torch.no_grad():
+            flat = top_k_index.reshape(-1)
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=e + 1)[:e]
+            order = order[: int(counts.sum())]  # drops the HF "not local" sentinel index == num_experts
+            send = counts.reshape(self.world, n_local).to(torch.int64)
+            recv = _a2a(send, [1] * self.world, [1] * self.world, self.group)  # [source, local expert]
+            self.meter.routing += 8 * n_local * (self.world - 1)
+            recv_flat = recv.reshape(-1).cpu()
+            start_recv = _exclusive_cumsum(recv_flat).reshape(self.world, n_local).t().reshape(-1)
+            by_expert = recv.t().reshape(-1).cpu()  # counts in expert-major order
+            total = int(by_expert.sum())
+            offs = torch.arange(total) - torch.repeat_interleave(_exclusive_cumsum(by_expert), by_expert)
+            perm = (torch.repeat_interleave(start_recv, by_expert) + offs).to(top_k_index.device)
+        return _Route(order=order, tok=order // k, send_splits=send.sum(1).tolist(), recv_splits=recv.sum(1).tolist(),
+                      perm=perm, local_counts=recv.sum(0).tolist())
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        if self.served is not None:
+            raise ValueError("ExpertParallelExperts has no serving mode; serve from a gathered, unsharded model")
+        route = self._route(top_k_index)
+        dt = compute_dtype(hidden_states)
+        x = hidden_states[route.tok].to(dt)  # the same gather as QuantExperts, so the gradient sums the same way
+        nvfp4 = self.spec.fmt == "nvfp4"
+        q_rows = None
+        if nvfp4 and x.shape[0]:
+            with torch.no_grad():  # one quantization per token (row-local, so equal to quantizing x's rows)
+                q_rows = ep_codec.gather_rows(quantize_activation(hidden_states.detach().to(dt), self.spec), route.tok)
+        box: dict = {}
+        x_local = _Dispatch.apply(x, q_rows, self, route, box)
+        counts = route.local_counts
+        if sum(counts) == 0:  # no rows for my experts: keep the graph (and zero weight grads) so every rank's backward meets
+            o = x_local * 0 + (self.gate_up_proj.sum() + self.down_proj.sum()).to(x_local.dtype) * 0
+        else:
+            if nvfp4:
+                h = _GateUpFromQ.apply(x_local, self.gate_up_proj, box["q"], counts, self.spec, self._keys(0))
+            else:
+                h = grouped_gemm(x_local, self.gate_up_proj, counts, self.spec, self._keys(0))
+            gate, up = h.chunk(2, dim=-1)
+            o = grouped_gemm(self.act_fn(gate) * up, self.down_proj, counts, self.spec, self._keys(1))
+        seed = derive_seed(self.seed, self.step, 2 * self.layer_id, COMBINE_TENSOR_ID, self.calls)
+        z = _Combine.apply(o, self, route, seed, dt)
+        w = top_k_weights.reshape(-1)[route.order, None]
+        if self.combine == "rht_s2f6":  # sum in the RHT domain (fp32), one inverse RHT per token
+            acc = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
+            acc = acc.index_add(0, route.tok, z * w.float())
+            out = ep_codec.combine_output(acc, self.combine, seed).to(hidden_states.dtype)
+        else:  # the exact ops of QuantExperts.forward
+            o2 = z * w.to(z.dtype)
+            out = torch.zeros_like(hidden_states)
+            out.index_add_(0, route.tok, o2.to(out.dtype))
+        self.calls += 1
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, experts {self.first_expert}..{self.first_expert + self.num_experts - 1} "
+                f"of {self.global_num_experts} on rank {self.rank}/{self.world}, combine={self.combine}, "
+                f"backward={self.backward_format}")
+
+
+def shard_experts(model: nn.Module, group=None, *, combine: str = "rht_s2f6", backward: str = "bf16") -> nn.Module:
+    """Replace every QuantExperts of a converted model by its expert-parallel shard on this rank; returns model.
+
+    Call on every rank of `group` after `surgery.convert_model` and before building the optimizer
+    (the experts' parameters are replaced by local slices). All ranks must then run the same number of
+    forward/backward passes through each layer (the all-to-alls are collective).
+    """
+    if not dist.is_initialized():
+        raise ValueError("shard_experts needs an initialized torch.distributed process group (dist.init_process_group)")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, QuantExperts) and not isinstance(module, ExpertParallelExperts):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, ExpertParallelExperts(module, group, combine=combine, backward=backward))
+    return model
+
+
+def comm_metrics(model: nn.Module, reset: bool = True) -> dict:
+    """Wire bytes this rank sent since the last reset, summed over the model's EP layers (see CommMeter.metrics)."""
+    total = CommMeter()
+    for m in model.modules():
+        if isinstance(m, ExpertParallelExperts):
+            for p in PHASES:
+                total.sent[p] += m.meter.sent[p]
+                total.remote[p] += m.meter.remote[p]
+                total.values[p] += m.meter.values[p]
+            total.routing += m.meter.routing
+            if reset:
+                m.meter.reset()
+    return total.metrics()
