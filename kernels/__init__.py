@@ -8,13 +8,30 @@ imports Triton, so it works on machines without it. Spec:
 ``shared/docs/numerics.md``.
 """
 
+from contextlib import nullcontext
+
 from rl4bit.kernels.api import dequantize, quantize, quantize_reference, requantize
 from rl4bit.kernels.hadamard import inverse_rht, rht
 from rl4bit.kernels.philox import derive_seed, random_bits, random_bits4
 from rl4bit.kernels.qtensor import QTensor
 
+
+
+def deferred_checks():
+    """Context manager: quantize kernels inside it skip their per-call host read of the non-finite flag
+    (so a decode step can be captured in a CUDA graph); one check at exit raises ValueError if any input
+    held NaN/Inf. A no-op without Triton. After `graph.replay()` call
+    `rl4bit.kernels.triton_dispatch.check_deferred()`."""
+    try:
+        from rl4bit.kernels import triton_dispatch
+    except ImportError:
+        return nullcontext()
+    return triton_dispatch.deferred_checks()
+
+
 __all__ = [
     "QTensor",
+    "deferred_checks",
     "quantize",
     "quantize_reference",
     "dequantize",

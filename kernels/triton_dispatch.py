@@ -8,10 +8,20 @@ raises its own error message. A non-finite input is found by the kernel (a
 flag), and the reference's ``checks.check_input`` raises the same ValueError
 it would have raised; reading the flag is one device sync per call.
 
+Deferred checks (CUDA graphs, decode steps): inside ``with deferred_checks():``
+no call reads its flag; the kernels keep OR-ing into the persistent per-device
+flag (``formats_triton.nonfinite_flag``) and the block's exit reads it once
+(``check_deferred()``), raising ValueError if any quantize in the block saw
+NaN/Inf (which tensor is not known then: rerun the step without deferring to
+find it). A captured graph replays the same flag writes, so after
+``graph.replay()`` call ``check_deferred()`` (or replay inside the block).
+
 Leaves out: autotuning (tile sizes are fixed heuristics in each ``*_triton.py``).
 """
 
 from __future__ import annotations
+
+from contextlib import contextmanager
 
 import torch
 
@@ -26,7 +36,41 @@ def _plain_ok(x, block: int) -> bool:
     return layout_problem(x, "", block) is None
 
 
+_DEFERRED = [0]  # nesting depth of deferred_checks()
+
+
+@contextmanager
+def deferred_checks():
+    """Within the block, quantize calls skip their host read of the non-finite flag; one read at exit.
+
+    Makes the quantize kernels capturable in a CUDA graph (no host sync). On a
+    normal exit of the outermost block it calls ``check_deferred()``; if the
+    block raises, the flag is left for the next check.
+    """
+    _DEFERRED[0] += 1
+    try:
+        yield
+    finally:
+        _DEFERRED[0] -= 1
+    if _DEFERRED[0] == 0:
+        check_deferred()
+
+
+def check_deferred() -> None:
+    """Read every device's non-finite flag once (one sync each); raise ValueError (and reset it) if one is set."""
+    from rl4bit.kernels.formats_triton import _FLAGS
+
+    for device, flag in list(_FLAGS.items()):
+        if int(flag.item()) != 0:
+            flag.zero_()
+            raise ValueError(
+                f"a quantize on {device} inside deferred_checks() got NaN/Inf input (nvfp4 and s2f6 cannot encode "
+                f"NaN, no format encodes Inf); rerun the step outside deferred_checks() to find the tensor")
+
+
 def _raise_if_flagged(flag: torch.Tensor, x: torch.Tensor, fmt: str, allow_nan: bool) -> None:
+    if _DEFERRED[0]:
+        return
     if int(flag.item()) != 0:
         flag.zero_()
         check_input(x, fmt, BLOCK[fmt], allow_nan=allow_nan)  # raises the reference's message

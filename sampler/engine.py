@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rl4bit.kernels import deferred_checks
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, _pad_rows, model_implementations
 from rl4bit.sampler.sampling import policy_logprobs, sample_rows
@@ -121,7 +122,9 @@ class EmbeddedEngine:
                 results.append(None)
                 waiting.append(self._new_seq(len(results) - 1, req, i))
         active: list[_Seq] = []
-        with model_implementations(self.model), torch.inference_mode():
+        # deferred_checks: the quantize kernels' NaN/Inf flag is read once per generate, not once per
+        # GEMM (a host sync each); a non-finite activation still raises, at the end of the call.
+        with model_implementations(self.model), torch.inference_mode(), deferred_checks():
             while waiting or active:
                 budget = self.max_prefill_tokens
                 while waiting and len(active) < self.max_batch_size and self.cache.free:

@@ -87,8 +87,14 @@ class QuantExperts(_QuantMixin, nn.Module):
         flat = top_k_index.reshape(-1)
         with torch.no_grad():
             order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts].tolist()
-        order = order[: sum(counts)]  # drops the EP sentinel index == num_experts, sorted last
+            if self.served is not None and flat.is_cuda:
+                # Serving on CUDA: counts stay on the device (the Triton GEMM reads them there), so the
+                # step makes no host sync here; serving modules never hold the EP sentinel.
+                counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
+                counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            else:
+                counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts].tolist()
+                order = order[: sum(counts)]  # drops the EP sentinel index == num_experts, sorted last
         tok = order // k
         dt = compute_dtype(hidden_states)
         x = hidden_states[tok].to(dt)

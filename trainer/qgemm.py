@@ -33,17 +33,24 @@ one matmul over all M rows. What this relies on: the backend computes a bmm
 item of a given shape and layout with the same kernel and K-order whatever
 the batch count and the item's position (true for the CPU BLAS, checked by
 tests/trainer/test_qgemm.py::test_forward_is_batch_invariant; plain torch.mm
-is NOT row-invariant on CPU: M=1 takes a gemv path). On CUDA, cuBLAS bmm
-heuristics may depend on the batch count: a batch-invariant GPU kernel is the
-GPU part of issue 4 and must keep this contract.
+is NOT row-invariant on CPU: M=1 takes a gemv path).
 
-Leaves out: RHT on wgrad, fused kernels (this is the exact reference the GPU
-kernels must match), activation recomputation.
+On CUDA (unless env RL4BIT_KERNELS=reference) the same products run as Triton
+kernels with the same contract: `grouped_forward` -> kernels/qgemm_triton.py
+(NVFP4 tiles decoded in registers; one fixed K order, so rows are
+batch-invariant) or kernels/mxfp8_gemm_triton.py (mxfp8 recipe), and the
+backward's dgrad/wgrad -> kernels/mxfp8_gemm_triton.py. They equal the code
+below up to the order of the FP32 sum over K (tests/kernels/test_qgemm_triton.py).
+`counts` may be a device int tensor there (no host sync: CUDA-graph capturable).
+
+Leaves out: RHT on wgrad, activation recomputation. The code below is the
+exact reference the GPU kernels are tested against.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -114,8 +121,29 @@ def _group_outer(q: QTensor, groups: int) -> torch.Tensor:
     return o if o.numel() == groups else o.reshape(1).expand(groups)
 
 
-def grouped_forward(qx: QTensor, qw: QTensor, counts: list[int], out_dtype: torch.dtype) -> torch.Tensor:
-    """The quantized forward product from QTensors: training and serving both call exactly this."""
+def gemm_kernels(t: torch.Tensor):
+    """(qgemm_triton, mxfp8_gemm_triton) when t is on CUDA and the Triton GEMMs may run, else None."""
+    if not t.is_cuda or os.environ.get("RL4BIT_KERNELS", "") == "reference":
+        return None
+    try:
+        from rl4bit.kernels import mxfp8_gemm_triton, qgemm_triton
+    except ImportError:  # triton not installed
+        return None
+    return qgemm_triton, mxfp8_gemm_triton
+
+
+def grouped_forward(qx: QTensor, qw: QTensor, counts, out_dtype: torch.dtype) -> torch.Tensor:
+    """The quantized forward product from QTensors: training and serving both call exactly this.
+
+    counts: rows per expert, a list of ints or (CUDA kernels) an int tensor [E].
+    """
+    kernels = gemm_kernels(qx.data)
+    if kernels is not None and qx.fmt == qw.fmt == "nvfp4":
+        return kernels[0].grouped_nvfp4(qx, qw, counts, out_dtype)
+    if kernels is not None and qx.fmt == qw.fmt == "mxfp8":
+        return kernels[1].grouped_mxfp8(qx, qw, counts, out_dtype)
+    if isinstance(counts, torch.Tensor):
+        counts = counts.tolist()
     xd, wd = _unscaled(qx), _unscaled(qw)
     rows, groups = xd.shape[0], wd.shape[0]
     ox, ow = _row_outer(qx, rows), _group_outer(qw, groups)
@@ -200,10 +228,15 @@ def _mxfp8_backward(dy, xt: QTensor, wt: QTensor, lay: _Layout, spec: GemmSpec, 
     """dx = Q(dy) @ Q(Wᵀ)ᵀ and dW = Q(dyᵀ) @ Q(xᵀ)ᵀ per expert, FP32 accumulation."""
     sr = spec.grad_rounding == "stochastic"
     dy = dy.contiguous()
-    dyd = dequantize(quantize(dy, "mxfp8", rounding=spec.grad_rounding, seed=seeds[2] if sr else None))
-    dytd = dequantize(
-        quantize(_pad_rows(dy, lay).t().contiguous(), "mxfp8", rounding=spec.grad_rounding, seed=seeds[3] if sr else None)
-    )
+    qdy = quantize(dy, "mxfp8", rounding=spec.grad_rounding, seed=seeds[2] if sr else None)  # [R, N]
+    qdyt = quantize(_pad_rows(dy, lay).t().contiguous(), "mxfp8", rounding=spec.grad_rounding,
+                    seed=seeds[3] if sr else None)  # [N, R_pad]
+    kernels = gemm_kernels(dy)
+    if kernels is not None:
+        dx = kernels[1].grouped_mxfp8(qdy, wt, lay.counts, torch.float32)  # [R, N] x [E, K, N]ᵀ
+        dw = kernels[1].wgrad_mxfp8(qdyt, xt, lay.padded, torch.float32)  # [N, R_pad] x [K, R_pad]ᵀ per expert
+        return dx, dw
+    dyd, dytd = dequantize(qdy), dequantize(qdyt)
     wtd, xtd = dequantize(wt), dequantize(xt)  # [E, K, N], [K, R_pad]
     dx = dyd.new_zeros(dy.shape[0], wtd.shape[1])
     dw = dyd.new_zeros(wtd.shape[0], wtd.shape[2], wtd.shape[1])

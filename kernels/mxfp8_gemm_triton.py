@@ -1,0 +1,188 @@
+"""Triton MXFP8 GEMMs of the backward (and of the mxfp8 recipe's forward): two paths, one contract.
+
+    out = grouped_mxfp8(qa, qb, counts)        # out[rows of e] = A[rows] @ B[e]ᵀ   (dgrad; mxfp8 forward)
+    dw  = wgrad_mxfp8(qa, qb, padded_counts)   # dw[e] = A[:, seg e] @ B[:, seg e]ᵀ  (wgrad, per expert)
+
+Both operands are MXFP8 QTensors (E4M3 codes, one E8M0 scale per 32 values)
+with their blocks along the reduction dimension, exactly what
+``rl4bit.trainer.qgemm._mxfp8_backward`` feeds its FP32 matmuls (the CPU
+reference): dgrad A = Q(dY) [R, N], B = requantize(W) [E, K, N]; wgrad A =
+Q(dYᵀ) [N, R_pad], B = requantize(x) [K, R_pad], expert e owning the columns
+seg e = [sum(padded[:e]), sum(padded[:e+1])) (each a multiple of 32).
+
+Two ways to multiply (``fp8`` argument; ``FP8_CORES`` is the default):
+- fp8=True, FP8 tensor cores: per 32-wide K step one ``tl.dot`` of the raw
+  E4M3 operands into a fresh FP32 tile, then ``acc += (d * sa[m]) * sb[n]``
+  with the E8M0 scales as FP32 powers of two (scales applied to the partial
+  sums along K). Hopper's FP8 MMA adds the 32 products with a narrower
+  accumulator than FP32 (DeepSeek-V3 report), so this path is NOT exact per
+  block; the error is bounded by the test tolerance.
+- fp8=False, BF16 dequantize: each E4M3 value times its scale is exact in BF16
+  (3-bit mantissa, FP32 exponent range; only values below 2**-133 flush), then
+  a BF16 ``tl.dot`` with FP32 accumulation over K steps of 64.
+Against the reference both differ only in the order (and, for fp8, the
+precision) of the FP32 sum over K: tests/kernels/test_qgemm_triton.py checks
+|out - ref| <= TOL_K * K * 2**-24 * (|A| @ |B|ᵀ) (fp8 path: a looser bound).
+
+Batch invariance: a dgrad/forward program owns rows of one expert and walks K
+in one fixed order with a fixed step, as in qgemm_triton (same tile map).
+
+Leaves out: split-K for small-M wgrad, persistent scheduling, NaN blocks
+beyond propagation (the backward checks dY is finite first).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl4bit.kernels.formats_triton import pow2
+from rl4bit.kernels.qgemm_triton import Config, alloc_out, as_counts, interpret, tile_map
+
+FP8_CORES = False
+"""Default path: False = BF16 dequantize (exact products, FP32 sums); True = FP8 tensor cores. Pick by bench_gemm."""
+BF16_BLOCK_K = 64
+MX_DECODE = Config(block_m=16, block_n=64, num_warps=4, num_stages=3)
+MX_TRAIN = {False: Config(block_m=128, block_n=128, num_warps=8, num_stages=3),
+            True: Config(block_m=128, block_n=64, num_warps=4, num_stages=3)}
+"""Per path (fp8): the FP8 path keeps a second FP32 tile (the fresh partial sum) live, so a smaller N tile."""
+MX_DECODE_MAX_ROWS = 64
+TWO_CONFIGS = True
+"""False: MX_TRAIN for every M (if the two configs ever differ in bits on a GPU)."""
+WGRAD = MX_TRAIN
+
+
+@triton.jit
+def _scale_value(code):
+    """fp32 value of an E8M0 code: 2**(code - 127), NaN for 255."""
+    return tl.where(code == 255, float("nan"), pow2(code - 127))
+
+
+@triton.jit
+def _mx_step(a_ptr, sa_ptr, a_rows, amask, b_ptr, sb_ptr, b_rows, bmask, k0, kend, LD, acc,
+             BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
+    """acc += A[a_rows, k0:k0+BK] @ B[b_rows, k0:k0+BK]ᵀ with MXFP8 scales; LD = row length (elements)."""
+    kk = k0 + tl.arange(0, BK)
+    kmask = kk < kend
+    a = tl.load(a_ptr + a_rows * LD + kk[None, :], mask=amask & kmask[None, :], other=0)
+    b = tl.load(b_ptr + b_rows * LD + kk[None, :], mask=bmask & kmask[None, :], other=0)
+    kb = k0 // 32 + tl.arange(0, BK // 32)
+    kbmask = kb < (kend + 31) // 32
+    sa = _scale_value(tl.load(sa_ptr + a_rows * (LD // 32) + kb[None, :], mask=amask & kbmask[None, :], other=127).to(tl.int32))
+    sb = _scale_value(tl.load(sb_ptr + b_rows * (LD // 32) + kb[None, :], mask=bmask & kbmask[None, :], other=127).to(tl.int32))
+    if FP8:  # BK == 32: one block, scales applied to the FP8 partial sum
+        d = tl.dot(a.to(tl.float8e4nv, bitcast=True), tl.trans(b.to(tl.float8e4nv, bitcast=True)))
+        acc += (d * tl.reshape(sa, [BM])[:, None]) * tl.reshape(sb, [BN])[None, :]
+    else:
+        av = tl.reshape(a.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BM, BK // 32, 32]) * sa[:, :, None]
+        bv = tl.reshape(b.to(tl.float8e4nv, bitcast=True).to(tl.float32), [BN, BK // 32, 32]) * sb[:, :, None]
+        av = tl.reshape(av, [BM, BK])
+        bv = tl.reshape(bv, [BN, BK])
+        if not INTERPRET:  # the CPU interpreter's BF16 dot is wrong; its FP32 dot of the same exact values is not
+            av = av.to(tl.bfloat16)
+            bv = bv.to(tl.bfloat16)
+        acc = tl.dot(av, tl.trans(bv), acc)
+    return acc
+
+
+@triton.jit
+def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC, KR,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """out[rows of e, :NC] = A[rows, :KR] @ B[e, :NC, :KR]ᵀ; the row tiles come from qgemm_triton.tile_map."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(map_ptr + pid_t)
+    if e >= 0:
+        row0 = tl.load(map_ptr + n_tiles + pid_t)
+        row1 = tl.load(map_ptr + 2 * n_tiles + pid_t)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row1
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cols < NC
+        a_rows = rows.to(tl.int64)[:, None]
+        b_rows = (e.to(tl.int64) * NC + cols)[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, KR, BK):
+            acc = _mx_step(a_ptr, sa_ptr, a_rows, rmask[:, None], b_ptr, sb_ptr, b_rows, nmask[:, None], k0, KR, KR,
+                           acc, BLOCK_M, BLOCK_N, FP8, BK, INTERPRET)
+        tl.store(out_ptr + a_rows * NC + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & nmask[None, :])
+
+
+@triton.jit
+def _mx_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, seg_ptr, P, Q, RP,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr,
+                     INTERPRET: tl.constexpr):
+    """out[e] [P, Q] = A[:, seg e] @ B[:, seg e]ᵀ, A [P, RP], B [Q, RP]; seg e = [seg[e], seg[e+1])."""
+    e = tl.program_id(0)
+    pm = tl.program_id(1)
+    pn = tl.program_id(2)
+    s0 = tl.multiple_of(tl.load(seg_ptr + e), 32)  # segments are padded to 32: lets the loads vectorize
+    s1 = tl.multiple_of(tl.load(seg_ptr + e + 1), 32)
+    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < P
+    nmask = cols < Q
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(s0, s1, BK):
+        acc = _mx_step(a_ptr, sa_ptr, rows.to(tl.int64)[:, None], rmask[:, None], b_ptr, sb_ptr,
+                       cols.to(tl.int64)[:, None], nmask[:, None], k0, s1, RP, acc, BLOCK_M, BLOCK_N, FP8, BK, INTERPRET)
+    out_rows = (e.to(tl.int64) * P + rows)[:, None]
+    tl.store(out_ptr + out_rows * Q + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+def _operands(q, what: str):
+    if q.fmt != "mxfp8":
+        raise ValueError(f"{what} must be an MXFP8 QTensor, got {q.fmt!r}")
+    return q.data.contiguous().view(torch.uint8), q.scale.contiguous().view(torch.uint8)
+
+
+def pick_config(rows: int, fp8: bool) -> Config:
+    return MX_DECODE if TWO_CONFIGS and rows <= MX_DECODE_MAX_ROWS else MX_TRAIN[fp8]
+
+
+def grouped_mxfp8(qa, qb, counts, out_dtype: torch.dtype = torch.float32, *, fp8: bool | None = None,
+                  config: Config | None = None) -> torch.Tensor:
+    """out [R, NC] = grouped A [R, KR] @ B[e] [NC, KR]ᵀ (MXFP8, blocks along KR), rows of e contiguous."""
+    if len(qa.shape) != 2 or len(qb.shape) != 3 or qa.shape[1] != qb.shape[2]:
+        raise ValueError(f"grouped_mxfp8: A must be [R, K] and B [E, N, K] with equal K; got {tuple(qa.shape)}, {tuple(qb.shape)}")
+    fp8 = FP8_CORES if fp8 is None else fp8
+    (rows, kr), (groups, nc, _) = qa.shape, qb.shape
+    a, sa = _operands(qa, "A")
+    b, sb = _operands(qb, "B")
+    cfg = config or pick_config(rows, fp8)
+    cmap = tile_map(as_counts(counts, groups, a.device), rows, cfg.block_m, a.device)
+    out = alloc_out(rows, nc, out_dtype, a.device)
+    if rows:
+        _mx_rows_kernel[(cmap.shape[1], triton.cdiv(nc, cfg.block_n))](
+            a, sa, b, sb, out, cmap, cmap.shape[1], nc, kr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            FP8=fp8, BK=32 if fp8 else BF16_BLOCK_K, INTERPRET=interpret(), num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+    return out.to(out_dtype)
+
+
+def wgrad_mxfp8(qa, qb, padded_counts, out_dtype: torch.dtype = torch.float32, *, fp8: bool | None = None,
+                config: Config | None = None) -> torch.Tensor:
+    """dw [E, P, Q]: dw[e] = A[:, seg e] @ B[:, seg e]ᵀ, A [P, R_pad], B [Q, R_pad] MXFP8 (blocks along R_pad).
+
+    padded_counts: columns of each expert (multiples of 32, list or int tensor [E]); empty experts give zeros.
+    """
+    if len(qa.shape) != 2 or len(qb.shape) != 2 or qa.shape[1] != qb.shape[1]:
+        raise ValueError(f"wgrad_mxfp8: A [P, R] and B [Q, R] must share R; got {tuple(qa.shape)}, {tuple(qb.shape)}")
+    fp8 = FP8_CORES if fp8 is None else fp8
+    config = config or WGRAD[fp8]
+    (p, rp), q = qa.shape, qb.shape[0]
+    a, sa = _operands(qa, "A")
+    b, sb = _operands(qb, "B")
+    groups = len(padded_counts)
+    pc = padded_counts.to(a.device, torch.int64) if isinstance(padded_counts, torch.Tensor) else torch.tensor(
+        [int(m) for m in padded_counts], dtype=torch.int64, device=a.device)
+    seg = torch.cat([pc.new_zeros(1), torch.cumsum(pc, 0)]).to(torch.int32)
+    out = torch.empty((groups, p, q), dtype=out_dtype, device=a.device)
+    grid = (groups, triton.cdiv(p, config.block_m), triton.cdiv(q, config.block_n))
+    _mx_wgrad_kernel[grid](a, sa, b, sb, out, seg, p, q, rp, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+                           FP8=fp8, BK=32 if fp8 else BF16_BLOCK_K, INTERPRET=interpret(), num_warps=config.num_warps,
+                           num_stages=config.num_stages)
+    return out

@@ -1,0 +1,353 @@
+"""Triton NVFP4 grouped GEMM: y[rows of e] = dequant(Qx) @ dequant(Qw[e])ᵀ, tiles decoded in registers.
+
+    y = grouped_nvfp4(qx, qw, counts, torch.bfloat16)   # qx NVFP4 [R, K] per-row outer, qw NVFP4 [E, N, K]
+
+Matches ``rl4bit.trainer.qgemm.grouped_forward`` (the exact CPU reference)
+up to the order of the FP32 sum over K: operands are decoded WITHOUT their
+outer scales (E2M1 x E4M3 is exact in 16-bit floats), multiplied on the
+tensor cores with FP32 accumulation, and the epilogue is the reference's
+``(acc * outer_x[m]) * outer_w[e]`` in FP32, then the output dtype.
+
+Decode (no lookup table, no int->float conversion): an E2M1 code ``s e1 e0 m``
+placed as FP16 bits ``s 00000 e1e0 m 000000000`` is the code value times 2**-14
+for every code (exponent field 0 makes 0.5 the subnormal 2**-15, exactly
+as in the E2M1 format itself); an E4M3 scale code shifted left by 7 is its value
+times 2**-8 in FP16, times 256 exactly. The product code x scale x 2**-14 has
+at most 6 significant bits and is >= 2**-24 when non-zero, so it is an exact
+FP16 (subnormals included; PTX f16 arithmetic keeps subnormals). The dot then
+carries 2**-28, removed exactly in the epilogue. Per 32-bit word of 8 codes,
+each pair (k, k+4) takes two shifts, two logic ops and one f16x2 multiply
+(inline PTX, ``decode="asm"``; the same in Triton ops is ``"bits"``, which the
+CPU interpreter runs; ``"f32"`` is the plain E2M1 x E4M3 decode in FP32). All
+three give the same FP16 operands; tests/kernels/test_qgemm_triton.py checks
+the bits on the GPU. FP16 rather than BF16: both hold these values exactly,
+and only FP16 has the subnormals the bit trick needs.
+
+Batch invariance (the trainer forward, sampler prefill and decode call this
+same kernel): a program owns BLOCK_M rows of ONE expert (rows of other experts
+are masked to zero), K is walked from 0 up in steps of BLOCK_K = 64 (fixed,
+no split-K), and each output element is one chain of k16 MMAs into its FP32
+accumulator, so row m's bits depend on row m, the weights and the config only.
+Two configs exist (``DECODE`` for R <= DECODE_MAX_ROWS: mma.sync, one warp,
+x decoded once by a small kernel instead of by every warp; ``TRAIN`` above:
+wgmma); they differ only in tiles, warps and stages, and the GPU test
+``test_gpu_configs_and_decodes_bitwise_equal`` checks that they give the same
+bits. If it fails on some GPU, set ``TWO_CONFIGS = False`` (TRAIN for every M).
+
+CUDA graphs: with ``counts`` a device int tensor (sum(counts) == R, not
+checked: that would sync) the tile map is built by one small kernel, the grid
+is fixed at cdiv(R, BLOCK_M) + E row tiles (the tiles past the last expert
+exit at once) and nothing reads the device, so a decode step can be captured.
+
+Leaves out: split-K, autotuning (tiles are fixed so the bits are), swizzled
+scale layouts, the activation quantize (fused quantize+GEMM).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from rl4bit.kernels.formats_triton import e2m1_value, e4m3_value
+
+BLOCK_K = 64
+"""K step of every config: fixed, so the K order (and the bits) never depend on M."""
+
+
+@dataclass(frozen=True)
+class Config:
+    """Tiles of one launch. None of these fields changes the K order (BLOCK_K is global)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    predecode_x: bool = False
+    """Decode x to FP16 once (a small kernel) instead of in every program: with few rows, every warp
+    of an mma.sync program would otherwise re-decode the whole x tile."""
+
+
+DECODE = Config(block_m=16, block_n=32, num_warps=1, num_stages=4, predecode_x=True)
+TRAIN = Config(block_m=128, block_n=128, num_warps=8, num_stages=3)
+DECODE_MAX_ROWS = 64
+"""R at or below this runs DECODE (R = all rows of the call, so one call uses one config)."""
+TWO_CONFIGS = True
+"""False: TRAIN for every M (use if DECODE and TRAIN ever differ in bits on a GPU)."""
+
+
+def interpret() -> bool:
+    """True under TRITON_INTERPRET=1 (CPU), whose FP32 -> BF16 casts truncate instead of rounding to nearest."""
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def alloc_out(rows: int, cols: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """The kernel's output buffer: FP32 under the interpreter (the caller rounds on the host), else `dtype`."""
+    return torch.empty((rows, cols), dtype=torch.float32 if interpret() else dtype, device=device)
+
+
+DECODES = {"asm": 0, "bits": 1, "f32": 2}
+GPU_DECODE = "asm"
+"""The decode compiled kernels use ("bits" if the PTX ever misbehaves: same values, ~10% more instructions)."""
+
+
+def pick_config(rows: int) -> Config:
+    return DECODE if TWO_CONFIGS and rows <= DECODE_MAX_ROWS else TRAIN
+
+
+# ---------------------------------------------------------------- tile map (shared with mxfp8_gemm_triton)
+
+
+def as_counts(counts, groups: int, device):
+    """counts checked against the expert count: a list of ints stays a list, a tensor becomes int32 on `device`."""
+    if isinstance(counts, torch.Tensor):
+        c = counts.to(device=device, dtype=torch.int32).reshape(-1)
+        n = c.numel()
+    else:
+        c = [int(m) for m in counts]
+        n = len(c)
+    if n != groups:
+        raise ValueError(f"counts has {n} entries but the weight has {groups} experts; pass one count per expert")
+    return c
+
+
+@triton.jit
+def _tile_map_kernel(counts_ptr, map_ptr, E, T, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, T_BLOCK: tl.constexpr):
+    """map[:, t] = (expert, first row, end row) of row tile t, or (-1, 0, 0) past the last tile."""
+    ei = tl.arange(0, E_PAD)
+    c = tl.load(counts_ptr + ei, mask=ei < E, other=0).to(tl.int32)
+    tiles = (c + (BLOCK_M - 1)) // BLOCK_M
+    tile_end = tl.cumsum(tiles, 0)
+    row_end = tl.cumsum(c, 0)
+    t = tl.program_id(0) * T_BLOCK + tl.arange(0, T_BLOCK)
+    e = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), axis=1)  # experts whose tiles all lie before t
+    sel = ei[None, :] == e[:, None]
+    t_end = tl.sum(tl.where(sel, tile_end[None, :], 0), axis=1)
+    n_t = tl.sum(tl.where(sel, tiles[None, :], 0), axis=1)
+    r_end = tl.sum(tl.where(sel, row_end[None, :], 0), axis=1)
+    n_r = tl.sum(tl.where(sel, c[None, :], 0), axis=1)
+    valid = e < E
+    row0 = (r_end - n_r) + (t - (t_end - n_t)) * BLOCK_M
+    tmask = t < T
+    tl.store(map_ptr + t, tl.where(valid, e, -1), mask=tmask)
+    tl.store(map_ptr + T + t, tl.where(valid, row0, 0), mask=tmask)
+    tl.store(map_ptr + 2 * T + t, tl.where(valid, r_end, 0), mask=tmask)
+
+
+_MAP_CACHE: dict = {}
+_MAP_CACHE_SIZE = 512
+
+
+def tile_map(counts, rows: int, block_m: int, device=None) -> torch.Tensor:
+    """int32 [3, T] (expert or -1, first row, end row of the expert) for T = cdiv(rows, block_m) + E row tiles.
+
+    Expert e gets cdiv(counts[e], block_m) consecutive tiles over its own rows;
+    the tiles past the last one get -1. counts as a device tensor: one small
+    kernel, no host sync (CUDA-graph safe). counts as a list: built on the host
+    and cached per (counts, block_m, device), so a dense layer's map is uploaded once.
+    """
+    if isinstance(counts, torch.Tensor):
+        groups = counts.numel()
+        n_tiles = triton.cdiv(rows, block_m) + groups
+        cmap = torch.empty((3, n_tiles), dtype=torch.int32, device=counts.device)
+        t_block = 64
+        _tile_map_kernel[(triton.cdiv(n_tiles, t_block),)](counts.contiguous(), cmap, groups, n_tiles, BLOCK_M=block_m,
+                                                           E_PAD=triton.next_power_of_2(max(groups, 2)), T_BLOCK=t_block)
+        return cmap
+    key = (tuple(int(n) for n in counts), int(block_m), str(device))
+    cmap = _MAP_CACHE.get(key)
+    if cmap is None:
+        groups = len(counts)
+        n_tiles = triton.cdiv(rows, block_m) + groups
+        host = [[-1] * n_tiles, [0] * n_tiles, [0] * n_tiles]
+        t = start = 0
+        for e, m in enumerate(key[0]):
+            for r0 in range(start, start + m, block_m):
+                host[0][t], host[1][t], host[2][t] = e, r0, start + m
+                t += 1
+            start += m
+        cmap = torch.tensor(host, dtype=torch.int32, device=device)
+        if len(_MAP_CACHE) >= _MAP_CACHE_SIZE:
+            _MAP_CACHE.clear()
+        _MAP_CACHE[key] = cmap
+    return cmap
+
+
+# ---------------------------------------------------------------- kernel
+
+
+# One word (8 codes) + its FP16 block scale -> 8 FP16 values: pair k = codes k (low half) and k + 4 (high half),
+# magnitude bits to 9..11 / 25..27, sign bits to 15 / 31, then one f16x2 multiply by the scale (f16 keeps subnormals).
+_PAIR = "shl.b32 a, $8, {ma};\n shl.b32 b, $8, {sg};\n and.b32 a, a, 0x0E000E00;\n and.b32 b, b, 0x80008000;\n" \
+        "or.b32 x, a, b;\n mul.rn.f16x2 x, x, s2;\n mov.b32 {{${lo}, ${hi}}}, x;\n"
+_DECODE_ASM = tl.constexpr("{\n .reg .b32 a, b, x, s2;\n mov.b32 s2, {$9, $9};\n"
+               + "".join(_PAIR.format(ma=9 - 4 * k, sg=12 - 4 * k, lo=2 * k, hi=2 * k + 1) for k in range(3))
+               + "shr.u32 a, $8, 3;\n and.b32 b, $8, 0x80008000;\n and.b32 a, a, 0x0E000E00;\n"
+               + "or.b32 x, a, b;\n mul.rn.f16x2 x, x, s2;\n mov.b32 {$6, $7}, x;\n}")
+
+
+@triton.jit
+def _decode_tile(words, scales, R: tl.constexpr, BK: tl.constexpr, DECODE: tl.constexpr):
+    """FP16 [R, BK] of an NVFP4 tile: int32 words [R, BK/8] (8 codes each), E4M3 codes uint8 [R, BK/16].
+
+    Within each word the K order is permuted to (0, 4, 1, 5, 2, 6, 3, 7): pair k of
+    the bit trick holds codes k and k + 4 (nibbles 4k and 4k + 16), which lands
+    each pair in one 32-bit register as the MMA wants it. x and w use the same
+    order and it stays inside one 16-block (one scale, one k16 MMA step, whose
+    16 products sum exactly), so the dot is unchanged.
+    DECODE 0: the bit trick in PTX (GPU); 1: the same bit trick in Triton ops
+    (interpreter); 2: plain FP32 decode (E2M1 value x E4M3 value, cast to FP16).
+    0 and 1 give code x scale x 2**-14, 2 gives code x scale (module docstring).
+    """
+    s = scales.to(tl.int32)
+    if DECODE == 2:
+        j = tl.arange(0, 8)
+        shift = (j // 2) * 4 + (j % 2) * 16
+        c = tl.reshape((words[:, :, None] >> shift[None, None, :]) & 15, [R, BK // 16, 16])
+        mag = e2m1_value(c & 7) * e4m3_value(s)[:, :, None]
+        v = tl.reshape(tl.where((c & 8) != 0, -mag, mag).to(tl.float16), [R, BK])
+    else:
+        sv = (s << 7).to(tl.int16).to(tl.float16, bitcast=True) * 256.0  # E4M3 code << 7 = value * 2**-8 in FP16
+        if DECODE == 0:
+            sw = tl.reshape(tl.broadcast_to(sv[:, :, None], [R, BK // 16, 2]), [R, BK // 8])
+            e0, e4, e1, e5, e2, e6, e3, e7 = tl.inline_asm_elementwise(
+                _DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, sw], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+            v = tl.join(tl.join(tl.join(e0, e4), tl.join(e1, e5)), tl.join(tl.join(e2, e6), tl.join(e3, e7)))
+            v = tl.reshape(v, [R, BK])
+        else:
+            p0 = ((words << 9) & 0x0E000E00) | ((words << 12) & -2147450880)  # 0x80008000 as int32
+            p1 = ((words << 5) & 0x0E000E00) | ((words << 8) & -2147450880)
+            p2 = ((words << 1) & 0x0E000E00) | ((words << 4) & -2147450880)
+            p3 = ((words >> 3) & 0x0E000E00) | (words & -2147450880)  # >> fills bits the mask drops
+            p = tl.reshape(tl.join(tl.join(p0, p1), tl.join(p2, p3)), [R, BK // 8, 4])
+            h = tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)).to(tl.float16, bitcast=True)  # [R, BK/8, 4, 2]
+            v = tl.reshape(tl.reshape(h, [R, BK // 16, 16]) * sv[:, :, None], [R, BK])
+    return v
+
+
+@triton.jit
+def _predecode_kernel(xd_ptr, xs_ptr, xh_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                      DECODE: tl.constexpr):
+    """xh [R, K] FP16 = _decode_tile of x, stored in the decode's own (permuted-within-8) K order."""
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    k0 = tl.program_id(1) * BLOCK_K
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    ks = k0 // 16 + tl.arange(0, BLOCK_K // 16)
+    kk = k0 + tl.arange(0, BLOCK_K)
+    r = rows.to(tl.int64)[:, None]
+    rm = (rows < R)[:, None]
+    xp = tl.load(xd_ptr + r * (K // 8) + kw[None, :], mask=rm & (kw < K // 8)[None, :], other=0)
+    xs = tl.load(xs_ptr + r * (K // 16) + ks[None, :], mask=rm & (ks < K // 16)[None, :], other=0)
+    tl.store(xh_ptr + r * K + kk[None, :], _decode_tile(xp, xs, BLOCK_R, BLOCK_K, DECODE), mask=rm & (kk < K)[None, :])
+
+
+@triton.jit
+def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr, y_ptr, map_ptr, n_tiles, N, K,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          DECODE: tl.constexpr, X_F16: tl.constexpr):
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(map_ptr + pid_t)
+    if e >= 0:
+        row0 = tl.load(map_ptr + n_tiles + pid_t)
+        row1 = tl.load(map_ptr + 2 * n_tiles + pid_t)
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = rows < row1
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cols < N
+        kw = tl.arange(0, BLOCK_K // 8)
+        ks = tl.arange(0, BLOCK_K // 16)
+        x_rows = rows.to(tl.int64)[:, None]
+        w_rows = (e.to(tl.int64) * N + cols)[:, None]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kwm = (k0 // 8 + kw) < K // 8
+            ksm = (k0 // 16 + ks) < K // 16
+            wp = tl.load(wd_ptr + w_rows * (K // 8) + (k0 // 8 + kw)[None, :], mask=nmask[:, None] & kwm[None, :], other=0)
+            ws = tl.load(ws_ptr + w_rows * (K // 16) + (k0 // 16 + ks)[None, :], mask=nmask[:, None] & ksm[None, :], other=0)
+            if X_F16:  # x decoded once by _predecode_kernel (the small-M config: no per-warp re-decode of x)
+                kk = k0 + tl.arange(0, BLOCK_K)
+                xv = tl.load(xh_ptr + x_rows * K + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :], other=0.0)
+            else:
+                xp = tl.load(xd_ptr + x_rows * (K // 8) + (k0 // 8 + kw)[None, :], mask=rmask[:, None] & kwm[None, :],
+                             other=0)
+                xs = tl.load(xs_ptr + x_rows * (K // 16) + (k0 // 16 + ks)[None, :], mask=rmask[:, None] & ksm[None, :],
+                             other=0)
+                xv = _decode_tile(xp, xs, BLOCK_M, BLOCK_K, DECODE)
+            wv = _decode_tile(wp, ws, BLOCK_N, BLOCK_K, DECODE)
+            acc = tl.dot(xv, tl.trans(wv), acc)
+        if DECODE != 2:
+            acc = acc * 268435456.0  # 2**28: the two operands' 2**-14, exact
+        ox = tl.load(xo_ptr + rows, mask=rmask, other=1.0)
+        ow = tl.load(wo_ptr + e)
+        y = (acc * ox[:, None]) * ow
+        tl.store(y_ptr + x_rows * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+# ---------------------------------------------------------------- wrapper
+
+
+def _check(qx, qw) -> tuple[int, int, int, int]:
+    if qx.fmt != "nvfp4" or qw.fmt != "nvfp4":
+        raise ValueError(f"grouped_nvfp4 needs NVFP4 operands, got x {qx.fmt!r} and w {qw.fmt!r}")
+    if len(qx.shape) != 2 or len(qw.shape) != 3:
+        raise ValueError(f"grouped_nvfp4: x must be [R, K] and w [E, N, K]; got {tuple(qx.shape)} and {tuple(qw.shape)}")
+    (rows, k), (groups, n, kw) = qx.shape, qw.shape
+    if k != kw:
+        raise ValueError(f"grouped_nvfp4: x has K={k} but w has K={kw}")
+    return rows, k, groups, n
+
+
+def _words(data: torch.Tensor) -> torch.Tensor:
+    """Packed NVFP4 codes as int32 words of 8 codes (little-endian: code 8j + i in bits 4i..4i+3); K % 8 == 0."""
+    return data.contiguous().view(torch.int32)
+
+
+def row_outer(outer: torch.Tensor, rows: int) -> torch.Tensor:
+    """fp32 [rows] from a per-row ([R, 1]) or per-tensor ([1, 1]) outer scale."""
+    o = outer.reshape(-1).float()
+    return (o if o.numel() == rows else o.expand(rows)).contiguous()
+
+
+def group_outer(outer: torch.Tensor, groups: int) -> torch.Tensor:
+    """fp32 [groups] from a per-expert ([E, 1, 1]) or per-tensor outer scale."""
+    o = outer.reshape(-1).float()
+    return (o if o.numel() == groups else o.expand(groups)).contiguous()
+
+
+def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, config: Config | None = None,
+                  decode: str | None = None) -> torch.Tensor:
+    """y [R, N] in out_dtype = grouped dequant(qx) @ dequant(qw[e])ᵀ; rows of expert e contiguous (counts[e]).
+
+    counts: list of ints or an int tensor [E] (a device tensor keeps the call free of host syncs).
+    config: the tile config (default: ``pick_config(R)``). decode: "asm" (GPU default), "bits" (the same
+    bit trick in Triton ops; interpreter default) or "f32" (plain decode): the same values either way.
+    """
+    rows, k, groups, n = _check(qx, qw)
+    dev = qx.data.device
+    decode = decode or ("bits" if interpret() else GPU_DECODE)
+    if decode not in DECODES:
+        raise ValueError(f"decode={decode!r} is not one of {tuple(DECODES)}")
+    if decode == "asm" and interpret():
+        raise ValueError("decode='asm' is inline PTX and cannot run under TRITON_INTERPRET=1; use 'bits' or 'f32'")
+    cfg = config or pick_config(rows)
+    cmap = tile_map(as_counts(counts, groups, dev), rows, cfg.block_m, dev)
+    n_tiles = cmap.shape[1]
+    y = alloc_out(rows, n, out_dtype, dev)
+    if not rows:
+        return y.to(out_dtype)
+    xd, xs = _words(qx.data), qx.scale.contiguous().view(torch.uint8)
+    xh = xd  # unused unless the config pre-decodes x
+    if cfg.predecode_x:
+        xh = torch.empty((rows, k), dtype=torch.float16, device=dev)
+        _predecode_kernel[(triton.cdiv(rows, 16), triton.cdiv(k, BLOCK_K))](
+            xd, xs, xh, rows, k, BLOCK_R=16, BLOCK_K=BLOCK_K, DECODE=DECODES[decode], num_warps=1)
+    _nvfp4_grouped_kernel[(n_tiles, triton.cdiv(n, cfg.block_n))](
+        xd, xs, xh, row_outer(qx.outer, rows),
+        _words(qw.data), qw.scale.contiguous().view(torch.uint8), group_outer(qw.outer, groups),
+        y, cmap, n_tiles, n, k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K,
+        DECODE=DECODES[decode], X_F16=cfg.predecode_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y.to(out_dtype)

@@ -1,0 +1,376 @@
+"""Triton quantized GEMMs (kernels/qgemm_triton.py, kernels/mxfp8_gemm_triton.py) against the exact product.
+
+What is checked:
+- NVFP4 grouped forward and MXFP8 dgrad/wgrad (both paths: FP8 cores, BF16
+  dequantize) equal the float64 product of the dequantized operands within
+  the FP32 summation bound |y - exact| <= TOL * K * 2**-24 * (|A| @ |B|ᵀ)
+  (FP8 cores: 2**-10 * (|A| @ |B|ᵀ); a wrong scale, nibble or row misses either by far);
+  also against trainer.qgemm's own CPU reference.
+- Batch invariance, bitwise: row i is identical whether the call has 1, 3,
+  17 or 64 rows (and more on the GPU, crossing the DECODE/TRAIN configs),
+  and whatever rows the other experts hold (empty experts included).
+- The tile map covers each row exactly once; counts as a tensor = as a list.
+- deferred_checks(): no flag read inside the block, one ValueError at exit.
+On CPU everything runs under TRITON_INTERPRET=1 on tiny shapes; the ``gpu``
+tests use real shapes (K=4096/N=14336 decode, Qwen3-30B-A3B experts),
+compare the configs and both decode paths bitwise, run the trainer's
+autograd against RL4BIT_KERNELS=reference, and capture a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from triton_setup import DEVICE, HAS_CUDA  # first: sets TRITON_INTERPRET on CPU
+
+import pytest
+import torch
+from bitwise import assert_bitwise_equal
+
+from rl4bit.kernels import dequantize, mxfp8_gemm_triton as mg, qgemm_triton as qg, quantize
+from rl4bit.kernels import triton_dispatch as td
+from rl4bit.trainer import qgemm
+
+TOL = {"nvfp4": 2.0, "mxfp8_bf16": 2.0, "mxfp8_fp8": 2.0**-10}
+"""Allowed |y - exact| / (|A| @ |B|ᵀ): TOL * K * 2**-24 for FP32 sums of exact products (nvfp4, mxfp8 via
+BF16); a flat 2**-10 for the FP8 cores, which add each 32-block's products in a narrower accumulator
+(about 13 bits kept on Hopper) before the FP32 sum."""
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+def _unscaled(q):
+    return dequantize(qgemm.dataclasses.replace(q, outer=torch.ones_like(q.outer)), torch.float64)
+
+
+def _exact_grouped(a, b, counts, row_scale=None, group_scale=None):
+    """float64 product and |A| @ |B|ᵀ of dequantized operands a [R, K], b [E, N, K], grouped by counts."""
+    y = a.new_zeros(a.shape[0], b.shape[1])
+    mag = torch.zeros_like(y)
+    start = 0
+    for e, m in enumerate(counts):
+        seg = slice(start, start + m)
+        y[seg] = a[seg] @ b[e].t()
+        mag[seg] = a[seg].abs() @ b[e].abs().t()
+        if group_scale is not None:
+            y[seg], mag[seg] = y[seg] * group_scale[e], mag[seg] * abs(group_scale[e])
+        start += m
+    if row_scale is not None:
+        y, mag = y * row_scale, mag * row_scale.abs()
+    return y, mag
+
+
+def _assert_close(got, exact, mag, k, tol, what):
+    err = (got.double() - exact).abs()
+    bound = (tol if tol < 1 else tol * k * 2.0**-24) * mag + 1e-300
+    bad = err > bound
+    assert not bool(bad.any()), (f"{what}: {int(bad.sum())} of {bad.numel()} outputs beyond the bound, worst "
+                                 f"err/bound {float((err / bound).max()):.3g} at {tuple(torch.nonzero(bad)[0].tolist())}")
+
+
+def _nvfp4_operands(rows, k, n, experts, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-6, 7, (rows, 1), generator=g).float())).to(DEVICE)
+    w = (torch.randn(experts, n, k, generator=g) * 0.05).to(DEVICE)
+    w[0, :, :16] = 0.0  # all-zero blocks: scale code 0
+    return quantize(x, "nvfp4", outer="row", four_over_six=True), quantize(w, "nvfp4", outer="group")
+
+
+def _check_nvfp4(qx, qw, counts, y, what):
+    exact, mag = _exact_grouped(_unscaled(qx), _unscaled(qw), counts,
+                                qx.outer.reshape(-1, 1).double(), qw.outer.reshape(-1).double())
+    _assert_close(y, exact, mag, qx.shape[1], TOL["nvfp4"], what)
+
+
+# ---------------------------------------------------------------- NVFP4 forward, CPU interpreter
+
+
+@pytest.mark.parametrize("f32_decode", [False, True])
+def test_nvfp4_grouped_matches_exact_product(f32_decode):
+    """Bit-trick and FP32 decodes, x pre-decoded (DECODE) or decoded in the GEMM, partial K and N tiles."""
+    counts = [9, 0, 21, 7]  # an empty expert; K = 80 leaves a partial K tile, N = 40 a partial N tile
+    qx, qw = _nvfp4_operands(sum(counts), 80, 40, len(counts), seed=1)
+    for cfg in (qg.DECODE, qg.Config(block_m=16, block_n=32, num_warps=1, num_stages=1),
+                qg.Config(block_m=32, block_n=16, num_warps=4, num_stages=1)):
+        y = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=cfg, decode="f32" if f32_decode else "bits")
+        _check_nvfp4(qx, qw, counts, y, f"nvfp4 {cfg} f32_decode={f32_decode}")
+
+
+def test_nvfp4_matches_trainer_reference_and_dtype(monkeypatch):
+    counts = [5, 12, 0]
+    qx, qw = _nvfp4_operands(sum(counts), 64, 48, 3, seed=2)
+    monkeypatch.setenv("RL4BIT_KERNELS", "reference")  # grouped_forward = the plain-PyTorch reference
+    ref = qgemm.grouped_forward(qx, qw, counts, torch.float32).double()
+    monkeypatch.delenv("RL4BIT_KERNELS")
+    y32 = qg.grouped_nvfp4(qx, qw, counts, torch.float32)
+    _, mag = _exact_grouped(_unscaled(qx), _unscaled(qw), counts,
+                            qx.outer.reshape(-1, 1).double(), qw.outer.reshape(-1).double())
+    _assert_close(y32, ref, 2 * mag, 64, TOL["nvfp4"], "vs trainer.qgemm reference")
+    y16 = qg.grouped_nvfp4(qx, qw, counts, torch.bfloat16)
+    assert y16.dtype == torch.bfloat16
+    assert_bitwise_equal(y16, y32.to(torch.bfloat16), "bf16 output = fp32 accumulator rounded once")
+
+
+def test_counts_tensor_equals_list():
+    counts = [3, 0, 6]
+    qx, qw = _nvfp4_operands(9, 32, 16, 3, seed=3)
+    a = qg.grouped_nvfp4(qx, qw, counts, torch.float32)
+    b = qg.grouped_nvfp4(qx, qw, torch.tensor(counts, device=DEVICE), torch.float32)
+    assert_bitwise_equal(a, b, "counts as tensor")
+
+
+@pytest.mark.parametrize("block_m", [16, 128])
+def test_tile_map_covers_each_row_once(block_m):
+    counts = [0, 5, 16, 0, 33, 1, 0, 200]
+    rows = sum(counts)
+    cmap = qg.tile_map(counts, rows, block_m, DEVICE)
+    assert cmap.shape == (3, -(-rows // block_m) + len(counts))
+    on_device = qg.tile_map(torch.tensor(counts, dtype=torch.int32, device=DEVICE), rows, block_m)
+    assert_bitwise_equal(on_device, cmap, "tile map: device kernel vs host")
+    seen = torch.zeros(rows, dtype=torch.int64)
+    start = [sum(counts[:e]) for e in range(len(counts))]
+    for e, r0, r1 in cmap.t().tolist():
+        if e < 0:
+            continue
+        assert start[e] <= r0 < r1 == start[e] + counts[e], (e, r0, r1)
+        seen[r0:min(r0 + block_m, r1)] += 1
+    assert bool((seen == 1).all()), seen
+
+
+def test_nvfp4_batch_invariance():
+    """Row i of a 1-, 3-, 17- or 64-row call is bitwise row i of the 64-row call, one expert and grouped."""
+    qx, qw = _nvfp4_operands(64, 48, 24, 2, seed=4)
+    full = qg.grouped_nvfp4(qx, qw, [64, 0], torch.bfloat16)
+    for m in (1, 3, 17):
+        part = qg.grouped_nvfp4(_rows(qx, 0, m), qw, [m, 0], torch.bfloat16)
+        assert_bitwise_equal(part, full[:m], f"M={m} vs M=64")
+    # grouped: expert 1's rows give the same bits whatever expert 0 (and the empty expert) holds
+    ref = qg.grouped_nvfp4(_rows(qx, 40, 64), qw, [0, 24], torch.bfloat16)
+    for lead in (1, 17, 40):
+        got = qg.grouped_nvfp4(_cat(_rows(qx, 40 - lead, 40), _rows(qx, 40, 64)), qw, [lead, 24], torch.bfloat16)
+        assert_bitwise_equal(got[lead:], ref, f"expert 1 rows after {lead} rows of expert 0")
+    # a different config (TRAIN shape) under the interpreter gives the same bits too
+    assert_bitwise_equal(qg.grouped_nvfp4(qx, qw, [64, 0], torch.bfloat16, config=qg.TRAIN), full, "TRAIN vs DECODE")
+
+
+def _rows(q, lo, hi):
+    outer = q.outer[lo:hi] if q.outer.shape[0] == q.shape[0] else q.outer
+    return qgemm.dataclasses.replace(q, data=q.data[lo:hi], scale=q.scale[lo:hi], outer=outer,
+                                     shape=torch.Size([hi - lo, q.shape[1]]))
+
+
+def _cat(a, b):
+    return qgemm.dataclasses.replace(a, data=torch.cat([a.data, b.data]), scale=torch.cat([a.scale, b.scale]),
+                                     outer=torch.cat([a.outer, b.outer]),
+                                     shape=torch.Size([a.shape[0] + b.shape[0], a.shape[1]]))
+
+
+# ---------------------------------------------------------------- MXFP8 backward GEMMs, CPU interpreter
+
+
+def _mx(shape, seed, spread=4):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-spread, spread + 1, (*shape[:-1], 1), generator=g).float())
+    return quantize(x.to(DEVICE), "mxfp8")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mxfp8_dgrad_matches_exact_product(fp8):
+    counts = [7, 0, 19, 4]
+    qa, qb = _mx((30, 96), 5), _mx((4, 40, 96), 6)
+    got = mg.grouped_mxfp8(qa, qb, counts, fp8=fp8)
+    exact, mag = _exact_grouped(dequantize(qa, torch.float64), dequantize(qb, torch.float64), counts)
+    _assert_close(got, exact, mag, 96, TOL["mxfp8_fp8" if fp8 else "mxfp8_bf16"], f"dgrad fp8={fp8}")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_mxfp8_wgrad_matches_exact_product(fp8):
+    padded = [32, 0, 64, 32]  # an empty expert: zeros
+    qa, qb = _mx((24, 128), 7), _mx((40, 128), 8)
+    got = mg.wgrad_mxfp8(qa, qb, padded, fp8=fp8)
+    a, b = dequantize(qa, torch.float64), dequantize(qb, torch.float64)
+    start = 0
+    for e, m in enumerate(padded):
+        seg = slice(start, start + m)
+        _assert_close(got[e], a[:, seg] @ b[:, seg].t(), a[:, seg].abs() @ b[:, seg].abs().t(), max(m, 1),
+                      TOL["mxfp8_fp8" if fp8 else "mxfp8_bf16"], f"wgrad expert {e} fp8={fp8}")
+        start += m
+    assert not bool(got[1].any()), "an expert with no tokens must get a zero weight gradient"
+
+
+def test_mxfp8_forward_batch_invariance():
+    qa, qb = _mx((64, 64), 9), _mx((2, 32, 64), 10)
+    full = mg.grouped_mxfp8(qa, qb, [64, 0], torch.bfloat16)
+    for m in (1, 3, 17):
+        part = mg.grouped_mxfp8(qgemm.dataclasses.replace(qa, data=qa.data[:m], scale=qa.scale[:m],
+                                                          shape=torch.Size([m, 64])), qb, [m, 0], torch.bfloat16)
+        assert_bitwise_equal(part, full[:m], f"mxfp8 M={m} vs M=64")
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_trainer_dispatch_forward_backward(fmt, monkeypatch):
+    """trainer.qgemm routed through these kernels (forced on CPU) vs its own reference: y, dx, dw close."""
+    g = torch.Generator().manual_seed(26)
+    counts = [5, 0, 40]
+    x0 = torch.randn(45, 64, generator=g).to(DEVICE)
+    w0 = (torch.randn(3, 32, 64, generator=g) * 0.1).to(DEVICE)
+    outs = {}
+    for mode in ("kernels", "reference"):
+        if mode == "kernels":
+            monkeypatch.setattr(qgemm, "gemm_kernels", lambda t: (qg, mg))
+        else:
+            monkeypatch.undo()
+            monkeypatch.setenv("RL4BIT_KERNELS", "reference")
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = qgemm.grouped_gemm(x, w, counts, qgemm.GemmSpec(fmt), keys=(1, 2, 3, 0))
+        y.square().sum().backward()
+        outs[mode] = (y, x.grad, w.grad)
+    for name, a, b in zip(("y", "dx", "dw"), outs["kernels"], outs["reference"]):
+        rel = float((a - b).norm() / b.norm())
+        assert rel < 1e-5, f"{fmt} {name}: relative difference {rel:.2e} between kernels and reference"
+
+
+# ---------------------------------------------------------------- deferred non-finite checks
+
+
+def test_deferred_checks_raise_once_at_exit():
+    bad = torch.ones(4, 32, device=DEVICE)
+    bad[2, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        td.quantize(bad, "nvfp4")  # the immediate check, unchanged
+    with pytest.raises(ValueError, match="deferred_checks"):
+        with td.deferred_checks():
+            q = td.quantize(bad, "nvfp4")  # no host read: returns codes
+            assert q is not None
+            td.quantize(torch.ones(4, 32, device=DEVICE), "nvfp4")
+    with td.deferred_checks():  # the flag was reset: a clean block passes
+        td.quantize(torch.ones(4, 32, device=DEVICE), "nvfp4")
+
+
+def test_bench_gemm_smoke(tmp_path):
+    """rl4bit bench gemm --quick on CPU (reference path) writes its table; the MXFP8 cases run under the interpreter."""
+    import json
+
+    from rl4bit import bench_gemm
+
+    if not HAS_CUDA:
+        rows = bench_gemm.run("cpu", quick=True, out=str(tmp_path))
+        saved = json.loads((tmp_path / "bench_gemm.json").read_text())
+        assert len(saved["rows"]) == len(rows) == 5 and all(r["us"] > 0 for r in rows)
+    rows = bench_gemm.train_cases(DEVICE, 64, 2, [("tiny", 64, 32)], reps=1, mxfp8=True)
+    assert [r["case"] for r in rows][1:] == ["mxfp8 dgrad (BF16 dequant)", "mxfp8 wgrad (BF16 dequant)",
+                                             "mxfp8 dgrad (FP8 cores)", "mxfp8 wgrad (FP8 cores)"]
+
+
+# ---------------------------------------------------------------- GPU: real shapes, configs, autograd, graphs
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("shape", [(16, 4096, 14336, 1), (256, 2048, 1536, 128), (256, 768, 2048, 128)])
+def test_gpu_nvfp4_real_shapes(shape):
+    rows, k, n, experts = shape
+    qx, qw = _nvfp4_operands(rows, k, n, experts, seed=11)
+    counts = _routing(rows, experts, seed=12)
+    for cfg in (qg.DECODE, qg.TRAIN):
+        _check_nvfp4(qx, qw, counts, qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=cfg), f"{shape} {cfg}")
+
+
+def _routing(rows, experts, seed):
+    g = torch.Generator().manual_seed(seed)
+    c = torch.bincount(torch.randint(0, max(1, experts // 2), (rows,), generator=g), minlength=experts)
+    return c.tolist()  # about half the experts empty
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_configs_and_decodes_bitwise_equal():
+    """DECODE vs TRAIN tiles (x pre-decoded or not), PTX / Triton-ops / FP32 decodes: the same bits (TWO_CONFIGS relies on it)."""
+    qx, qw = _nvfp4_operands(200, 2048, 1536, 8, seed=13)
+    counts = _routing(200, 8, seed=14)
+    ref = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=qg.TRAIN)
+    for cfg in (qg.DECODE, qg.Config(16, 32, 4, 4), qg.Config(64, 64, 4, 3), qg.TRAIN):
+        for decode in qg.DECODES:
+            got = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=cfg, decode=decode)
+            assert_bitwise_equal(got, ref, f"{cfg} decode={decode} vs TRAIN asm")
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_batch_invariance_across_configs():
+    """The public path picks DECODE for R <= 64 and TRAIN above: row i must not change with R."""
+    qx, qw = _nvfp4_operands(1024, 2048, 1536, 1, seed=15)
+    full = qgemm.grouped_forward(qx, qw, [1024], torch.bfloat16)
+    for m in (1, 3, 16, 17, 64, 65, 300):
+        assert_bitwise_equal(qgemm.grouped_forward(_rows(qx, 0, m), qw, [m], torch.bfloat16), full[:m], f"M={m}")
+    qa, qb = _mx((1024, 2048), 16), _mx((1, 1536, 2048), 17)
+    full = qgemm.grouped_forward(qa, qb, [1024], torch.bfloat16)
+    for m in (1, 17, 64, 65):
+        part = qgemm.dataclasses.replace(qa, data=qa.data[:m], scale=qa.scale[:m], shape=torch.Size([m, 2048]))
+        assert_bitwise_equal(qgemm.grouped_forward(part, qb, [m], torch.bfloat16), full[:m], f"mxfp8 M={m}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_gpu_mxfp8_backward_real_shapes(fp8):
+    counts = _routing(512, 16, seed=18)
+    qa, qb = _mx((512, 1536), 19), _mx((16, 2048, 1536), 20)
+    exact, mag = _exact_grouped(dequantize(qa, torch.float64), dequantize(qb, torch.float64), counts)
+    _assert_close(mg.grouped_mxfp8(qa, qb, counts, fp8=fp8), exact, mag, 1536,
+                  TOL["mxfp8_fp8" if fp8 else "mxfp8_bf16"], f"dgrad fp8={fp8}")
+    padded = [-(-c // 32) * 32 for c in counts]
+    qa, qb = _mx((1536, sum(padded)), 21), _mx((2048, sum(padded)), 22)
+    got = mg.wgrad_mxfp8(qa, qb, padded, fp8=fp8)
+    a, b = dequantize(qa, torch.float64), dequantize(qb, torch.float64)
+    start = 0
+    for e, m in enumerate(padded):
+        seg = slice(start, start + m)
+        _assert_close(got[e], a[:, seg] @ b[:, seg].t(), a[:, seg].abs() @ b[:, seg].abs().t(), max(m, 1),
+                      TOL["mxfp8_fp8" if fp8 else "mxfp8_bf16"], f"wgrad e={e} fp8={fp8}")
+        start += m
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+def test_gpu_autograd_matches_reference_path(fmt, monkeypatch):
+    """trainer.qgemm on CUDA (Triton GEMMs) vs RL4BIT_KERNELS=reference on CUDA: same quantized operands."""
+    g = torch.Generator().manual_seed(23)
+    counts = _routing(300, 8, seed=24)
+    x0 = torch.randn(300, 2048, generator=g).to("cuda", torch.bfloat16)
+    w0 = (torch.randn(8, 1536, 2048, generator=g) * 0.02).to("cuda")
+    spec = qgemm.GemmSpec(fmt)
+    outs = {}
+    for mode in ("triton", "reference"):
+        if mode == "reference":
+            monkeypatch.setenv("RL4BIT_KERNELS", "reference")
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        y = qgemm.grouped_gemm(x, w, counts, spec, keys=(1, 2, 3, 0))
+        y.float().square().sum().backward()
+        outs[mode] = (y.float(), x.grad.float(), w.grad.float())
+    for name, a, b in zip(("y", "dx", "dw"), outs["triton"], outs["reference"]):
+        rel = float((a - b).norm() / b.norm())
+        assert rel < 2e-3, f"{fmt} {name}: relative error {rel:.2e} between the Triton and reference paths"
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_decode_step_captures_in_cuda_graph():
+    """quantize (deferred check) + grouped NVFP4 GEMM with device counts: captured once, replayed on new inputs."""
+    _, qw = _nvfp4_operands(8, 2048, 1536, 16, seed=25)
+    spec = qgemm.GemmSpec("nvfp4")
+    x = torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16)
+    counts = torch.tensor([2, 0, 6] + [0] * 13, device="cuda")
+
+    def step():
+        return qgemm.grouped_forward(qgemm.quantize_activation(x, spec), qw, counts, torch.bfloat16)
+
+    with td.deferred_checks():
+        step()  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = step()
+    x.copy_(torch.randn(8, 2048, device="cuda", dtype=torch.bfloat16))
+    counts.copy_(torch.tensor([0, 5, 3] + [0] * 13, device="cuda"))
+    graph.replay()
+    td.check_deferred()
+    assert_bitwise_equal(y, step(), "graph replay vs eager on new inputs and routing")
