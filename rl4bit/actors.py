@@ -15,8 +15,15 @@ Actors ask for 0 CPUs (they take turns: sample, then train), and each process
 gets `run.cpu_threads` torch threads. `local` mode builds the same classes
 in-process; calls run when made, so pdb and pytest work.
 
+A dead actor (killed, OOM, segfault) surfaces from `get` as `ActorDiedError`
+naming its class (e.g. "the Trainer actor died"), never as a bare Ray error.
+`cluster.actor(cls, ..., restarts=N)` lets Ray restart it up to N times (it is
+rebuilt from the same constructor arguments); the caller decides what a
+restarted actor needs (the driver re-sends the samplers the current weights
+and redoes the step's rollouts). In-flight calls are never retried by Ray.
+
 Leaves out: placement groups, GPU packing of several actors per device,
-actor restarts (a dead actor fails the job).
+restarting the Trainer (its state lives in checkpoints: `--resume`).
 """
 
 from __future__ import annotations
@@ -24,9 +31,10 @@ from __future__ import annotations
 import os
 import secrets
 import tempfile
+import time
 from pathlib import Path
 
-from rl4bit.config import JobConfig
+from rl4bit.config import ConfigError, JobConfig
 
 
 def resolve_mode(cfg: JobConfig) -> str:
@@ -55,17 +63,41 @@ class _LocalProxy:
         return lambda *a, **k: _Done(fn(*[x.value if isinstance(x, _Done) else x for x in a], **k))
 
 
+class ActorDiedError(RuntimeError):
+    """An actor process died (killed, out of memory, crashed); `actor` is its class name."""
+
+    def __init__(self, actor: str, detail: str, hint: str = ""):
+        self.actor, self.detail = actor, detail
+        super().__init__(f"the {actor} actor died ({detail})" + (f"; {hint}" if hint else ""))
+
+
+class _RayFuture:
+    """A Ray ObjectRef plus the class name of the actor computing it (for ActorDiedError)."""
+
+    def __init__(self, ref, actor: str):
+        self.ref, self.actor = ref, actor
+
+
+def _ref(x):
+    return x.ref if isinstance(x, _RayFuture) else x
+
+
 class _RayProxy:
-    def __init__(self, handle):
-        self._handle = handle
+    def __init__(self, handle, actor: str):
+        self._handle, self._actor = handle, actor
 
     def __getattr__(self, name):
         method = getattr(self._handle, name)
-        return lambda *a, **k: method.remote(*a, **k)
+        return lambda *a, **k: _RayFuture(method.remote(*[_ref(x) for x in a], **{n: _ref(v) for n, v in k.items()}),
+                                          self._actor)
 
 
 def get(futures):
-    """Wait for one future or a list of them (the results, in order); an actor's exception is re-raised as itself."""
+    """Wait for one future or a list of them (the results, in order).
+
+    An actor's exception is re-raised as itself; a dead actor raises
+    ActorDiedError naming its class.
+    """
     many = isinstance(futures, list)
     items = futures if many else [futures]
     if all(isinstance(f, _Done) for f in items):
@@ -74,12 +106,47 @@ def get(futures):
         import ray
 
         try:
-            values = ray.get(items)
+            values = ray.get([_ref(f) for f in items])
         except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ray.exceptions.RayActorError):  # a future argument's actor died
+                raise _died(items, e.cause) from None
             if isinstance(e.cause, Exception):
                 raise e.cause from None
             raise
+        except ray.exceptions.RayActorError as e:
+            raise _died(items, e) from None
     return values if many else values[0]
+
+
+def _died(items: list, err: Exception) -> ActorDiedError:
+    """ActorDiedError naming the first of `items` whose actor is dead."""
+    import ray
+
+    name = next((f.actor for f in items if isinstance(f, _RayFuture)), "?")
+    for f in items:
+        if not isinstance(f, _RayFuture):
+            continue
+        try:
+            ray.get(f.ref, timeout=0)
+        except ray.exceptions.RayActorError:
+            name = f.actor
+            break
+        except Exception:  # not ready, or failed for another reason
+            continue
+    detail = str(err).strip().splitlines()
+    return ActorDiedError(name, detail[0] if detail else type(err).__name__)
+
+
+def wait_alive(proxy, timeout_s: float = 300.0) -> dict:
+    """Call `proxy.health()` until the (restarting) actor answers; its answer. ActorDiedError past `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return get(proxy.health())
+        except ActorDiedError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
 
 
 class Cluster:
@@ -103,7 +170,9 @@ class Cluster:
         if self.cfg.ray.address is not None:
             ray.init(address=self.cfg.ray.address, runtime_env={"env_vars": env}, log_to_driver=True)
             return
-        temp = Path(self.cfg.ray.temp_dir or run_dir / "ray").resolve()
+        temp = Path(self.cfg.ray.temp_dir or run_dir / "ray").expanduser().resolve()
+        if temp.exists() and not temp.is_dir():
+            raise ConfigError(f"ray.temp_dir: {temp} exists and is not a directory; point it at a directory")
         temp.mkdir(parents=True, exist_ok=True)
         token = temp / "auth_token"  # Ray's token auth: this cluster's token lives here, not in ~/.ray
         if not token.exists():
@@ -124,15 +193,19 @@ class Cluster:
             configure_logging=False,
         )
 
-    def actor(self, cls, *args, num_gpus: float = 0, **kwargs):
-        """An instance of the plain class `cls` here (local) or as a Ray actor (ray); calls return futures."""
+    def actor(self, cls, *args, num_gpus: float = 0, restarts: int = 0, **kwargs):
+        """An instance of the plain class `cls` here (local) or as a Ray actor (ray); calls return futures.
+
+        `restarts`: how often Ray may rebuild a dead actor from these arguments (ray mode only).
+        """
         if self.mode == "local":
             return _LocalProxy(cls(*args, **kwargs))
         import ray
 
-        handle = ray.remote(cls).options(num_cpus=0, num_gpus=num_gpus).remote(*args, **kwargs)
+        handle = ray.remote(cls).options(num_cpus=0, num_gpus=num_gpus, max_restarts=restarts,
+                                         max_task_retries=0).remote(*args, **kwargs)
         self._handles.append(handle)
-        return _RayProxy(handle)
+        return _RayProxy(handle, cls.__name__)
 
     def shutdown(self) -> None:
         if self.mode != "ray":

@@ -8,7 +8,8 @@ is made decode-heavy, as RL steps are in practice: `sampler.ignore_eos`, so
 every rollout runs to `sampler.max_new_tokens` (default here 256). No warm
 start and no evaluation: only the timed RL steps.
 
-For each recipe it reports the mean step time after the first (warm-up) step,
+For each recipe it reports the mean step time over the steps between the first
+(warm-up: kernel compilation, caches) and the last (it also runs the final evaluation),
 split into sample / score / train / sync (the driver's `time/*` metrics), the
 rollout tokens/s and peak GPU memory; the ratio column is bf16 / nvfp4 (> 1:
 nvfp4 faster or smaller). Targets from issue 11: step >= 1.3x faster, peak
@@ -62,7 +63,8 @@ def run_job(config: Path, recipe: str, overrides: list[str]) -> dict:
     with tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-") as d:
         records = [r for r in run(cfg, create_run_dir(cfg, Path(d) / "run")) if r.get("step", 0) >= 1]
     peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    timed = records[1:] or records  # the first step compiles kernels and fills caches
+    # The first step compiles kernels and fills caches; the last one also runs the final evaluation.
+    timed = records[1:-1] if len(records) >= 3 else (records[1:] or records)
     mean = {p: statistics.fmean(r[f"time/{p}_s"] for r in timed) for p in PHASES}
     mean["step"] = statistics.fmean(r["time/step_s"] for r in timed)
     tokens = statistics.fmean(r.get("rollout/tokens_per_s", 0.0) for r in timed)
@@ -79,7 +81,7 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, confi
     overrides = _overrides(quick, device, steps, 8 if quick else new_tokens)
     rows = [run_job(config, r, overrides) for r in ("nvfp4", "bf16")]
     q, b = rows
-    print(f"\nRL step, {config.name}, {device}: nvfp4 vs bf16 (mean of {q['steps_timed']} steps after the first)")
+    print(f"\nRL step, {config.name}, {device}: nvfp4 vs bf16 (mean of {q['steps_timed']} steps, first and last excluded)")
     print(f"{'figure':<22}{'nvfp4':>12}{'bf16':>12}{'bf16/nvfp4':>12}")
     for p in (*PHASES, "step"):
         qs, bs = q["seconds"][p], b["seconds"][p]

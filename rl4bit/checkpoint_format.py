@@ -277,6 +277,8 @@ def write_checkpoint(out: str | Path, model, plan: dict[str, str], *, tokenizer=
         _write_file(tmp / INDEX, _json(index))
         _write_file(tmp / LAYOUT, _json(layout_json(entries, plan, **(extra or {}))))
         cfg = model.config.to_dict()
+        if not cfg.get("architectures"):  # built from a config: loaders (vLLM, AutoModel) need the class name
+            cfg["architectures"] = [type(model).__name__]
         experts = {e.module for e in entries if e.fused}
         qc = ct_layout.quantization_config(plan, experts)
         cfg.pop("quantization_config", None)

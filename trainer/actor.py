@@ -43,8 +43,24 @@ skip decision; `state()` holds this rank's pieces (see sharding.save_shard);
 `weight_bucket` all-gathers the bucket's layers on every rank and returns the
 bucket on rank 0 (None elsewhere). The warm start runs replicated on every
 rank before sharding. world == 1 runs exactly the one-process code.
+Stochastic rounding keys fold in the rank (`sharding.sr_step`: step * world +
+rank), so data-parallel ranks do not share random streams; one process keeps
+its keys.
 
-Leaves out: minibatches within an epoch, learning-rate schedules, expert parallelism.
+Expert parallelism (`trainer.expert_parallel` = `trainer.world_size`: the EP
+group is the whole group; other values are refused): after the recipe
+conversion `shard_experts` leaves each rank experts [r*E/N, (r+1)*E/N) of
+every MoE layer (rl4bit.trainer.expert_parallel); FSDP2 shards the rest and
+ignores those slices, whose gradients are already complete (the all-to-alls
+brought every rank's tokens to them) and are not reduced again. The grad
+norm and clip span both kinds (`sharding.clip_grad_norm_`). Each step
+returns the group's wire bytes (`comm/*`, summed over ranks). Weight sync
+all-gathers the experts' QTensors along dim 0 in rank order (bitwise the
+one-process QTensors for the same masters); checkpoints store each slice as
+its rank's Shard(0) piece of the global [E, ...] tensor.
+
+Leaves out: minibatches within an epoch, learning-rate schedules, EP groups
+smaller than the trainer group.
 """
 
 from __future__ import annotations
@@ -116,7 +132,7 @@ def train_attention(module, query, key, value, attention_mask, scaling, dropout=
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).nan_to_num(0.0)
         o = torch.matmul(probs, v_slot)[:, :, : g * n]  # [G, Hkv, g*n, D]
-        out[0, tok] = o.reshape(G, hq, n, d).transpose(1, 2)
+        out[0, tok] = o.reshape(G, hq, n, d).transpose(1, 2).to(out.dtype)  # bf16 autocast: o is bf16, q FP32 (qk-norm)
     return out, None
 
 
@@ -203,6 +219,7 @@ class Trainer:
         self.version = 0
         self.nonfinite_in_a_row = 0
         self.plan: dict[str, str] = {}
+        self.ep = 1
         self._sender = None
 
     # ------------------------------------------------------------------ phases
@@ -221,17 +238,57 @@ class Trainer:
         self.plan = convert_model(self.model, self.cfg.recipe)
         self.model.to(self.device).eval()  # eval: no dropout; training-mode switches do not apply here
         t = self.cfg.trainer
+        self.ep = ep = self._expert_parallel()
+        if ep > 1:
+            from rl4bit.trainer.expert_parallel import shard_experts
+
+            shard_experts(self.model, None, combine=t.combine)  # the EP group is the whole (default) group
         if self.cfg.rl.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        groups = [self.params]
         if self.world > 1:
+            from rl4bit.trainer.expert_parallel import expert_params
             from rl4bit.trainer.sharding import shard_model
 
             for m in (self.model, self.ref_model):
                 if m is not None:
-                    shard_model(m, self.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=t.lr, betas=tuple(t.betas), weight_decay=t.weight_decay)
+                    shard_model(m, self.device, ignored_params={p for p, _ in expert_params(m).values()})
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            mine = {id(p) for p, _ in expert_params(self.model).values()}
+            # two param groups: foreach AdamW cannot mix FSDP's DTensors with the plain expert slices in one list
+            groups = [g for g in ([p for p in self.params if id(p) not in mine],
+                                  [p for p in self.params if id(p) in mine]) if g]
+        self.optimizer = torch.optim.AdamW([{"params": g} for g in groups], lr=t.lr, betas=tuple(t.betas),
+                                           weight_decay=t.weight_decay)
         self.version = 1  # the first policy the samplers serve (their built-in weights are version 0)
+
+    def _expert_parallel(self) -> int:
+        """trainer.expert_parallel, checked: 1, or the whole group (= trainer.world_size)."""
+        ep = int(getattr(self.cfg.trainer, "expert_parallel", 1))
+        if ep == 1:
+            return 1
+        if ep != self.world:
+            raise ValueError(
+                f"trainer.expert_parallel={ep} with trainer.world_size={self.world}: expert parallelism shards the "
+                f"experts over the whole trainer group; set trainer.world_size={ep} or trainer.expert_parallel="
+                f"{self.world if self.world > 1 else 1} (EP groups smaller than the group, 2D meshes, are not supported)")
+        from rl4bit.trainer.modules import QuantExperts
+
+        if not any(isinstance(m, QuantExperts) for m in self.model.modules()):
+            raise ValueError(f"trainer.expert_parallel={ep} but the model has no MoE experts module "
+                             "(a dense model); set trainer.expert_parallel=1")
+        return ep
+
+    def _set_step(self, step: int) -> None:
+        """Key the next forward/backward's stochastic rounding on `step` (and on the rank: sharding.sr_step)."""
+        from rl4bit.trainer.expert_parallel import ExpertParallelExperts
+        from rl4bit.trainer.sharding import sr_step
+        from rl4bit.trainer.surgery import quant_modules
+
+        for m in quant_modules(self.model).values():
+            # EP modules key their SR calls by rank themselves; their combine's RHT seed needs the plain step
+            m.set_step(step if isinstance(m, ExpertParallelExperts) else sr_step(step, self.rank, self.world))
 
     # ------------------------------------------------------------------ the step
     def _autocast(self):
@@ -245,8 +302,6 @@ class Trainer:
 
     def train_step(self, batch: TrainBatch) -> dict:
         """`ppo_epochs` optimizer steps on one RL step's rollouts; returns the step's metrics."""
-        from rl4bit.trainer.surgery import set_step
-
         rl, t = self.cfg.rl, self.cfg.trainer
         keep = [i for i, c in enumerate(batch.completion_ids) if c]
         lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.prompt_ids))]
@@ -260,7 +315,7 @@ class Trainer:
                     entropy=0.0, k3=0.0)
         rmin, rmax, norms, skipped = math.inf, -math.inf, [], 0
         for epoch in range(rl.ppo_epochs):
-            set_step(self.model, self.opt_steps)
+            self._set_step(self.opt_steps)
             self.optimizer.zero_grad(set_to_none=True)
             loss_total = 0.0
             for mb in (mbs if self.world == 1 else [mb[self.rank:: self.world] for mb in mbs]):
@@ -286,7 +341,11 @@ class Trainer:
                     logp, old_lp, adv, mask, clip_eps=rl.clip_eps, agg=rl.loss_agg, sampler_logp=samp, tis_cap=tis_cap,
                     ref_logp=_stack([ref[i] for i in mb]) if ref else None, kl_coef=rl.kl_coef,
                     total_tokens=total_tokens, total_seqs=total_seqs)
-                loss.backward()
+                try:
+                    loss.backward()
+                except FloatingPointError:  # a quantized GEMM refuses a non-finite gradient: a non-finite step
+                    loss_total = math.nan
+                    break
                 loss_total += loss.item()
                 for k in ("clipped", "ratio_sum", "tokens", "tis_truncated", "kl_ref_sum"):
                     sums[k] += st.get(k, 0.0)
@@ -296,12 +355,13 @@ class Trainer:
 
                 loss_total = all_reduce([loss_total])[0]
             sums["loss"] += loss_total
-            norm = torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip if t.grad_clip > 0 else float("inf"))
+            max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
             if self.world > 1:
-                from rl4bit.trainer.sharding import full_value
+                from rl4bit.trainer.sharding import clip_grad_norm_
 
-                norm = full_value(norm)  # the group's norm: every rank clips by it and takes the same skip decision
-            norm = float(norm)
+                norm = clip_grad_norm_(self.params, max_norm)  # the group's norm: every rank takes the same skip decision
+            else:
+                norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             norms.append(norm)
             if math.isfinite(loss_total) and math.isfinite(norm):
                 self.optimizer.step()
@@ -324,7 +384,12 @@ class Trainer:
             rmax = all_reduce([rmax], torch.distributed.ReduceOp.MAX)[0]
         ntok = max(total_tokens, 1.0)
         nrat = max(sums["tokens"], 1.0)
-        return {
+        comm = {}
+        if self.ep > 1:
+            from rl4bit.trainer.expert_parallel import comm_metrics
+
+            comm = comm_metrics([m for m in (self.model, self.ref_model) if m is not None], reduce=True)  # all ranks
+        return comm | {
             "loss": sums["loss"] / rl.ppo_epochs,
             "grad_norm": sum(norms) / len(norms),
             "ppo/clip_frac": sums["clipped"] / nrat,
@@ -378,11 +443,25 @@ class Trainer:
             self.weight_header()
         if self.world == 1:
             return self._sender.bucket(self.version, index)
+        from rl4bit.trainer.expert_parallel import full_experts
         from rl4bit.trainer.sharding import gathered
 
-        with gathered(self.model, [e.module for e in self._sender.groups[index]]):  # every rank: all-gather
+        names = [e.module for e in self._sender.groups[index]]
+        with gathered(self.model, names), full_experts(self.model, names):  # every rank: all-gathers
             bucket = self._sender.bucket(self.version, index)
         return bucket if self.rank == 0 else None
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """The model's full tensors on rank 0, None elsewhere (collectives: every rank calls it; tests and exports)."""
+        if self.world == 1:
+            return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
+        from rl4bit.trainer.expert_parallel import full_expert_state
+        from rl4bit.trainer.sharding import full_value
+
+        experts = full_expert_state(self.model)
+        out = {k: experts[k].cpu() if k in experts else full_value(v).detach().cpu().clone()
+               for k, v in self.model.state_dict().items()}
+        return out if self.rank == 0 else None
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """Everything to resume: tensors (model, AdamW moments, torch RNG) and JSON-able metadata.
@@ -391,11 +470,18 @@ class Trainer:
         """
         from_local = {}
         if self.world > 1:
+            from rl4bit.trainer.expert_parallel import expert_params
             from rl4bit.trainer.sharding import is_sharded, local
+
+            ep_shapes = {}  # the expert slices and their AdamW moments are Shard(0) pieces of the global [E, ...]
+            for n, (p, shape) in expert_params(self.model).items():
+                ep_shapes[f"model.{n}"] = ep_shapes[f"optim.{n}.exp_avg"] = ep_shapes[f"optim.{n}.exp_avg_sq"] = list(shape)
 
             def cpu(name, v):
                 if is_sharded(v):
                     from_local[name] = list(v.shape)
+                elif name in ep_shapes:
+                    from_local[name] = ep_shapes[name]
                 return local(v).detach().to("cpu", copy=True)
         else:
             def cpu(name, v):
@@ -444,7 +530,7 @@ class Trainer:
     def _like(self, p, v: torch.Tensor) -> torch.Tensor:
         """An optimizer moment for parameter p from its stored piece (a DTensor shaped like p when sharded)."""
         v = v.to(self.device, copy=True)
-        if self.world == 1:
+        if self.world == 1 or not hasattr(p, "device_mesh"):  # one process, or a plain (expert-parallel) slice
             return v
         from torch.distributed.tensor import DTensor
 

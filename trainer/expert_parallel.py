@@ -48,21 +48,31 @@ flat position in the local tensors (kernels/stochastic.py), so under EP the
 bits differ from one process: same distribution, other draws. The call key
 becomes calls * world + rank so that ranks do not share random streams.
 
+In the Trainer (`trainer.expert_parallel` = `trainer.world_size`, rl4bit.trainer.actor):
+the EP group is the whole FSDP group; the local expert slices are FSDP2's
+`ignored_params` (already sharded here) and their gradients are complete as
+autograd leaves them (every rank's tokens reached them through the
+all-to-alls), so nothing reduces them again. Readers of the full model use
+`full_experts` (weight sync: the local QTensors all-gathered along dim 0 in
+rank order, bitwise one process's QTensors) and `full_expert_state`;
+sharded checkpoints store each rank's slice as its Shard(0) piece
+(`expert_params` gives the global shapes).
+
 Leaves out: capacity limits / token dropping, overlapping communication
 with compute, de-duplicating a token sent twice to one rank, serving mode
-(load_quantized) and the Trainer wiring (FSDP2 must leave these local expert
-parameters out of its sharding: they are already sharded here).
+(load_quantized), EP groups smaller than the data-parallel group (2D meshes).
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from rl4bit.kernels import requantize
+from rl4bit.kernels import QTensor, requantize
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.trainer import ep_codec
 from rl4bit.trainer.modules import QuantExperts
@@ -238,10 +248,23 @@ class ExpertParallelExperts(QuantExperts):
         self.down_proj = nn.Parameter(src.down_proj.detach()[sl].clone(), requires_grad=src.down_proj.requires_grad)
         self.act_fn = src.act_fn
         self.num_experts = n_local
-        self.expert_weight_shapes = {"gate_up_proj": tuple(self.gate_up_proj.shape), "down_proj": tuple(self.down_proj.shape)}
+        # the GLOBAL shapes [E, ...]: what the weight sync / export layout describes (the parameters are the slices)
+        self.expert_weight_shapes = dict(src.expert_weight_shapes)
         self._init_quant(src.spec, src.seed, src.layer_id)
         self.combine, self.backward_format = combine, backward
         self.meter = CommMeter()
+        self._full: dict | None = None  # set inside full_experts(): the gathered weights
+
+    def quantized_weights(self) -> dict:
+        """{param name: QTensor} of ALL experts (all ranks must call it: an all-gather of the local QTensors).
+
+        Quantization is per expert (NVFP4 outer="group", MXFP8 blocks along K), so
+        this rank's slice quantizes to exactly the rows of the full tensor's QTensor:
+        the gathered QTensors equal one process's bitwise for the same masters.
+        """
+        if self._full is not None and self.spec.fmt != "bf16":
+            return {k: v for k, v in self._full.items() if isinstance(v, QTensor)}
+        return {k: gather_qtensor(q, self.group) for k, q in super().quantized_weights().items()}
 
     def _keys(self, gemm: int) -> tuple[int, int, int, int]:
         # world 1 gives QuantExperts' own keys; the RHT seed below is NOT keyed by rank (both ends must agree)
@@ -310,6 +333,70 @@ class ExpertParallelExperts(QuantExperts):
                 f"backward={self.backward_format}")
 
 
+def gather_experts(t: torch.Tensor, group=None) -> torch.Tensor:
+    """All-gather the ranks' expert slices along dim 0 in rank order (bytes: any dtype, float8 included)."""
+    world = dist.get_world_size(group)
+    raw = t.detach().contiguous()
+    raw = raw.view(torch.uint8) if raw.dim() else raw.reshape(1).view(torch.uint8)
+    parts = [torch.empty_like(raw) for _ in range(world)]
+    dist.all_gather(parts, raw, group=group)
+    return torch.cat(parts).view(t.dtype)
+
+
+def gather_qtensor(q: QTensor, group=None) -> QTensor:
+    """A [E/N, N, K] QTensor slice per rank -> the [E, N, K] QTensor (per-expert NVFP4 outers gathered too)."""
+    world = dist.get_world_size(group)
+    outer = gather_experts(q.outer, group) if q.fmt == "nvfp4" else q.outer  # mxfp8/s2f6: one broadcast 1
+    return QTensor(gather_experts(q.data, group), gather_experts(q.scale, group), outer, q.fmt,
+                   (q.shape[0] * world, *q.shape[1:]))
+
+
+@contextmanager
+def full_experts(model: nn.Module, module_names=None):
+    """Inside: the EP modules named (all when None) show ALL experts to readers (weight sync, export).
+
+    `quantized_weights()` returns the gathered QTensors, and for dense (bf16 recipe)
+    experts `module.gate_up_proj` / `down_proj` read as the gathered masters. Every
+    rank must enter it with the same names (all-gathers). Training inside is an error
+    of the caller: the parameters themselves stay the local slices.
+    """
+    mods = [(n, m) for n, m in model.named_modules() if isinstance(m, ExpertParallelExperts)
+            and (module_names is None or n in set(module_names))]
+    try:
+        for _, m in mods:
+            if m.spec.fmt == "bf16":
+                m._full = {k: gather_experts(getattr(m, k), m.group) for k in m._param_names}
+                m.__dict__.update(m._full)  # shadows the Parameter of the same name for attribute reads
+            else:
+                m._full = {k: gather_qtensor(q, m.group) for k, q in QuantExperts.quantized_weights(m).items()}
+        yield
+    finally:
+        for _, m in mods:
+            for k in m._param_names:
+                m.__dict__.pop(k, None)
+            m._full = None
+
+
+def full_expert_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{state-dict name: gathered [E, ...] master} of every EP parameter (a collective; rank order)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, ExpertParallelExperts):
+            for k in m._param_names:
+                out[f"{name}.{k}" if name else k] = gather_experts(getattr(m, k), m.group)
+    return out
+
+
+def expert_params(model: nn.Module) -> dict[str, tuple[nn.Parameter, tuple[int, ...]]]:
+    """{parameter name: (local slice, global shape)} of the EP modules' expert parameters."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, ExpertParallelExperts):
+            for k in m._param_names:
+                out[f"{name}.{k}" if name else k] = (getattr(m, k), tuple(m.expert_weight_shapes[k]))
+    return out
+
+
 def shard_experts(model: nn.Module, group=None, *, combine: str = "rht_s2f6", backward: str = "bf16") -> nn.Module:
     """Replace every QuantExperts of a converted model by its expert-parallel shard on this rank; returns model.
 
@@ -327,16 +414,31 @@ def shard_experts(model: nn.Module, group=None, *, combine: str = "rht_s2f6", ba
     return model
 
 
-def comm_metrics(model: nn.Module, reset: bool = True) -> dict:
-    """Wire bytes this rank sent since the last reset, summed over the model's EP layers (see CommMeter.metrics)."""
+def comm_metrics(model: nn.Module | list, reset: bool = True, *, reduce: bool = False) -> dict:
+    """Wire bytes sent since the last reset, summed over the EP layers of `model` (a module or a list of them).
+
+    reduce=False: this rank's bytes. reduce=True (a collective on the default group):
+    the bytes of all ranks summed (bits per value from the summed counts).
+    """
     total = CommMeter()
-    for m in model.modules():
-        if isinstance(m, ExpertParallelExperts):
-            for p in PHASES:
-                total.sent[p] += m.meter.sent[p]
-                total.remote[p] += m.meter.remote[p]
-                total.values[p] += m.meter.values[p]
-            total.routing += m.meter.routing
-            if reset:
-                m.meter.reset()
+    for mod in (model if isinstance(model, (list, tuple)) else [model]):
+        for m in mod.modules():
+            if isinstance(m, ExpertParallelExperts):
+                for p in PHASES:
+                    total.sent[p] += m.meter.sent[p]
+                    total.remote[p] += m.meter.remote[p]
+                    total.values[p] += m.meter.values[p]
+                total.routing += m.meter.routing
+                if reset:
+                    m.meter.reset()
+    if reduce:
+        counts = [total.sent[p] for p in PHASES] + [total.remote[p] for p in PHASES] + [total.values[p] for p in PHASES]
+        t = torch.tensor(counts + [total.routing], dtype=torch.float64)  # exact below 2**53 bytes
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t)
+        v = [int(x) for x in t.cpu().tolist()]
+        n = len(PHASES)
+        total.sent, total.remote, total.values = (dict(zip(PHASES, v[i * n:(i + 1) * n])) for i in range(3))
+        total.routing = v[-1]
     return total.metrics()

