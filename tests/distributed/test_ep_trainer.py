@@ -117,7 +117,7 @@ def test_ep_fsdp_bf16_combine_matches_one_process_syncs_bitwise_and_resumes(one_
             assert b[k] == a[k], k
     _check_comm(m_first, 16.0)
 
-    index = json.loads((ckpt / "index.json").read_text())
+    index = json.loads((ckpt / "manifest.json").read_text())  # the per-rank tensor index lives in the manifest
     for key in (f"model.{gu}", f"optim.{gu}.exp_avg", f"optim.{gu}.exp_avg_sq"):
         e = index["tensors"][key]
         assert e["sharded"] and e["shape"][0] == 4 and e["rows"] == [[0, 2], [2, 2]], key  # the EP slices, rank order
@@ -162,9 +162,13 @@ def test_ep_fsdp_rht_s2f6_within_s2f6_bound(one_process):
 
 
 def test_expert_parallel_must_span_the_trainer_group():
-    t = Trainer(tiny_cfg(["trainer.expert_parallel=2"]))  # world_size 1
-    with pytest.raises(ValueError, match="set trainer.world_size=2 or trainer.expert_parallel=1"):
-        t.setup_rl()
+    fix = "set trainer.world_size=2 or trainer.expert_parallel=1"
+    with pytest.raises(ValueError, match=fix):  # refused when the config is loaded
+        tiny_cfg(["trainer.expert_parallel=2"])  # world_size 1
+    cfg = tiny_cfg([])
+    cfg.trainer.expert_parallel = 2  # a config built in code, past the loader: the Trainer refuses it too
+    with pytest.raises(ValueError, match=fix):
+        Trainer(cfg).setup_rl()
 
 
 def test_sr_step_keeps_one_process_keys_and_separates_ranks():
