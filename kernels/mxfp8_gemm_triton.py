@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from rl4bit.kernels.formats_triton import pow2
-from rl4bit.kernels.qgemm_triton import Config, alloc_out, as_counts, interpret, tile_map
+from rl4bit.kernels.qgemm_triton import Config, alloc_out, as_counts, grouped_shapes, interpret, tile_map
 
 FP8_CORES = False
 """Default path: False = BF16 dequantize (exact products, FP32 sums); True = FP8 tensor cores. Pick by bench_gemm."""
@@ -146,10 +146,8 @@ def pick_config(rows: int, fp8: bool) -> Config:
 def grouped_mxfp8(qa, qb, counts, out_dtype: torch.dtype = torch.float32, *, fp8: bool | None = None,
                   config: Config | None = None) -> torch.Tensor:
     """out [R, NC] = grouped A [R, KR] @ B[e] [NC, KR]ᵀ (MXFP8, blocks along KR), rows of e contiguous."""
-    if len(qa.shape) != 2 or len(qb.shape) != 3 or qa.shape[1] != qb.shape[2]:
-        raise ValueError(f"grouped_mxfp8: A must be [R, K] and B [E, N, K] with equal K; got {tuple(qa.shape)}, {tuple(qb.shape)}")
+    rows, kr, groups, nc = grouped_shapes(qa, qb, "mxfp8", "grouped_mxfp8")
     fp8 = FP8_CORES if fp8 is None else fp8
-    (rows, kr), (groups, nc, _) = qa.shape, qb.shape
     a, sa = _operands(qa, "A")
     b, sb = _operands(qb, "B")
     cfg = config or pick_config(rows, fp8)

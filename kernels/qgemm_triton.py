@@ -290,14 +290,16 @@ def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr
 # ---------------------------------------------------------------- wrapper
 
 
-def _check(qx, qw) -> tuple[int, int, int, int]:
-    if qx.fmt != "nvfp4" or qw.fmt != "nvfp4":
-        raise ValueError(f"grouped_nvfp4 needs NVFP4 operands, got x {qx.fmt!r} and w {qw.fmt!r}")
-    if len(qx.shape) != 2 or len(qw.shape) != 3:
-        raise ValueError(f"grouped_nvfp4: x must be [R, K] and w [E, N, K]; got {tuple(qx.shape)} and {tuple(qw.shape)}")
-    (rows, k), (groups, n, kw) = qx.shape, qw.shape
-    if k != kw:
-        raise ValueError(f"grouped_nvfp4: x has K={k} but w has K={kw}")
+def grouped_shapes(qa, qb, fmt: str, what: str) -> tuple[int, int, int, int]:
+    """(R, K, E, N) of a grouped GEMM's operands A [R, K] and B [E, N, K], both `fmt` QTensors (shared with
+    mxfp8_gemm_triton); `what` names the call in the errors."""
+    if qa.fmt != fmt or qb.fmt != fmt:
+        raise ValueError(f"{what} needs {fmt} operands, got A {qa.fmt!r} and B {qb.fmt!r}")
+    if len(qa.shape) != 2 or len(qb.shape) != 3:
+        raise ValueError(f"{what}: A must be [R, K] and B [E, N, K]; got {tuple(qa.shape)} and {tuple(qb.shape)}")
+    (rows, k), (groups, n, kb) = qa.shape, qb.shape
+    if k != kb:
+        raise ValueError(f"{what}: A has K={k} but B has K={kb}")
     return rows, k, groups, n
 
 
@@ -326,7 +328,7 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
     config: the tile config (default: ``pick_config(R)``). decode: "asm" (GPU default), "bits" (the same
     bit trick in Triton ops; interpreter default) or "f32" (plain decode): the same values either way.
     """
-    rows, k, groups, n = _check(qx, qw)
+    rows, k, groups, n = grouped_shapes(qx, qw, "nvfp4", "grouped_nvfp4")
     dev = qx.data.device
     decode = decode or ("bits" if interpret() else GPU_DECODE)
     if decode not in DECODES:

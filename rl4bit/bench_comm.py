@@ -155,35 +155,46 @@ def sqnr_text(row: dict) -> str:
     return "exact" if row["sqnr_db"] is None else f"{row['sqnr_db']:.1f}"
 
 
-def _launch(world: int, device: str, shape: dict, repeats: int, timeout_s: float = 600.0) -> dict:
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1 (the ranks' MASTER_PORT)."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def run_ranks(argvs: list[list[str]], env: dict, timeout_s: float, name: str) -> None:
+    """Run one process per rank (`argvs[r]`) and wait for all; kill what is left and raise RuntimeError
+    (`name`: ..., each failed rank's stderr tail) if one fails or the whole run exceeds timeout_s."""
+    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for argv in argvs]
+    deadline, errors = time.monotonic() + timeout_s, []
+    try:
+        for r, p in enumerate(procs):
+            try:
+                _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                errors.append(f"rank {r}: no result within {timeout_s:.0f} s (a collective hangs?)")
+                break
+            if p.returncode:
+                errors.append(f"rank {r} exited {p.returncode}:\n{err[-2500:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if errors:
+        raise RuntimeError(f"{name}: " + "\n".join(errors))
+
+
+def _launch(world: int, device: str, shape: dict, repeats: int, timeout_s: float = 600.0) -> dict:
+    port = free_port()
     with tempfile.TemporaryDirectory() as d:
         out_file = str(Path(d) / "rank0.json")
         args = json.dumps(dict(world=world, port=port, device=device, shape=shape, repeats=repeats, out=out_file))
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        procs = [subprocess.Popen([sys.executable, "-m", "rl4bit.bench_comm", "--worker", str(r), args], env=env,
-                                  stderr=subprocess.PIPE, text=True) for r in range(world)]
-        deadline, errors = time.monotonic() + timeout_s, []
-        try:
-            for r, p in enumerate(procs):
-                try:
-                    _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    errors.append(f"rank {r}: no result within {timeout_s:.0f} s")
-                    break
-                if p.returncode:
-                    errors.append(f"rank {r} exited {p.returncode}: {err[-2000:]}")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.wait()
-        if errors:
-            raise RuntimeError("bench comm: " + "\n".join(errors))
+        run_ranks([[sys.executable, "-m", "rl4bit.bench_comm", "--worker", str(r), args] for r in range(world)],
+                  dict(os.environ, OMP_NUM_THREADS="1"), timeout_s, "bench comm")
         return json.loads(Path(out_file).read_text())
 
 

@@ -1,65 +1,201 @@
-"""Full training-state checkpoints: safetensors + JSON, written atomically, nothing pickled.
+"""Full training-state checkpoints: safetensors + JSON, checksummed, written atomically, nothing pickled.
 
     save_checkpoint(run_dir, step, tensors, meta, keep=2)  -> RUN_DIR/checkpoints/step_000010/
-    tensors, meta = load_checkpoint(run_dir)               # the latest one
+    tensors, meta = load_checkpoint(run_dir)               # the latest one, verified
 
-A checkpoint directory holds `state.safetensors` (model weights, AdamW moments
-and step counts, torch RNG states: whatever tensors the caller gives) and
-`state.json` (step, policy version, data position, Python RNG state, ...).
-It is written under a temporary name, every file fsynced, then renamed into
-place, and `checkpoints/latest.json` is replaced atomically last, so a crash
-at any point leaves the previous checkpoint intact and pointed to. Only the
-newest `keep` checkpoints are kept.
+One process: a checkpoint directory holds `state.safetensors` (model weights,
+AdamW moments and step counts, torch RNG states: whatever tensors the caller
+gives), `state.json` (step, policy version, data position, Python RNG state,
+...) and `manifest.json` (format version, SHA-256 and byte size of both).
 
-Leaves out: sharded or asynchronous saves, remote storage, the quantized
-export (`rl4bit export`).
+Sharded trainer (`trainer.world_size` = N > 1, rl4bit.trainer_group): the same
+directory, pointer, manifest and errors; the tensors are N files
+`shard_RRRRR.safetensors` that the ranks write themselves into the temporary
+directory (`begin_checkpoint`), and `commit_checkpoint` adds `state.json` and
+a manifest that also holds `world` and the per-rank tensor index (`tensors`:
+global shape, dtype, each rank's dim-0 rows; see rl4bit.trainer.sharding).
+`open_checkpoint` verifies the manifest and state.json; each rank verifies its
+own shard with `read_verified` (in parallel: no process reads all shards).
+
+Writing: under a temporary name, every file fsynced, then renamed into place
+(`rl4bit.atomic.replace_dir`), and `checkpoints/latest.json` is replaced
+atomically last, so a crash at any point leaves the previous checkpoint intact
+and pointed to. Only the newest `keep` checkpoints are kept (pruned after the
+pointer moved).
+
+Loading verifies against the manifest: a truncated or corrupted file raises
+CheckpointError naming it and the intact previous checkpoint; deleting the bad
+directory makes `load_checkpoint` (and `--resume`) fall back to the newest
+remaining one. Files come only from safetensors and JSON parsers: no pickle.
+
+Leaves out: resuming on another world size (refused, naming the one to use),
+asynchronous saves, remote storage, the quantized export (`rl4bit export`,
+with its own per-shard checksums).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
 
 from rl4bit.atomic import atomic_write_text, fsync_tree, replace_dir
+from rl4bit.checkpoint_format import CheckpointError
 
-FORMAT = 1
+FORMAT = 2
+STATE, MANIFEST = "state.json", "manifest.json"
+
+
+def shard_file(rank: int) -> str:
+    """A sharded checkpoint's tensor file of `rank`."""
+    return f"shard_{rank:05d}.safetensors"
 
 
 def _dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def _write(path: Path, data: bytes) -> dict:
+    with open(path, "wb") as f:
+        f.write(data)
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
 def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict, keep: int = 2) -> Path:
     """Write checkpoint `step` atomically and prune to the newest `keep`; returns its directory."""
+    tmp = begin_checkpoint(run_dir, step)
+    files = {"state.safetensors": _write(tmp / "state.safetensors", st_save({k: v.contiguous() for k, v in tensors.items()}))}
+    return commit_checkpoint(tmp, step, meta, files, keep=keep)
+
+
+def begin_checkpoint(run_dir: str | Path, step: int) -> Path:
+    """A fresh, empty temporary directory for checkpoint `step` (`checkpoints/.step_NNNNNN.tmp`)."""
     root = _dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:06d}"
-    final, tmp = root / name, root / f".{name}.tmp"
+    tmp = root / f".step_{step:06d}.tmp"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "state.safetensors"))
-    (tmp / "state.json").write_text(json.dumps({"format": FORMAT, "step": step, **meta}, indent=1))
+    return tmp
+
+
+def commit_checkpoint(tmp: Path, step: int, meta: dict, files: dict[str, dict], *, keep: int = 2,
+                      index: dict | None = None) -> Path:
+    """Add state.json and manifest.json to `tmp`, fsync it, swap it in as `step_NNNNNN`, move latest.json, prune.
+
+    `files`: {name: {"sha256", "bytes"}} of the tensor files already in `tmp`;
+    `index`: extra manifest entries of a sharded checkpoint ({"world", "tensors"})."""
+    root, name = tmp.parent, f"step_{step:06d}"
+    files = {**files, STATE: _write(tmp / STATE, json.dumps({"format": FORMAT, "step": step, **meta}, indent=1).encode())}
+    (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files, **(index or {})}, indent=1))
     fsync_tree(tmp)
+    final = root / name
     replace_dir(tmp, final)
     atomic_write_text(root / "latest.json", json.dumps({"step": step, "dir": name}))
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-max(keep, 1)]:
         shutil.rmtree(old)
     return final
 
 
-def load_checkpoint(run_dir: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """(tensors, meta) of the latest checkpoint of a run dir; FileNotFoundError says what is missing."""
+def _previous(root: Path, ckpt: Path) -> str:
+    older = sorted(p.name for p in root.glob("step_*") if p.is_dir() and p.name < ckpt.name)
+    if not older:
+        return "no earlier checkpoint is on disk; start the run again"
+    return (f"the previous checkpoint {root / older[-1]} is intact: delete {ckpt} and resume "
+            f"(--resume falls back to the newest checkpoint left)")
+
+
+def _bad(ckpt: Path, what: str) -> CheckpointError:
+    return CheckpointError(f"{what}; {_previous(ckpt.parent, ckpt)}")
+
+
+def read_manifest(ckpt: str | Path) -> dict:
+    """A checkpoint directory's manifest.json (CheckpointError when missing or not rl4bit's JSON)."""
+    ckpt = Path(ckpt)
+    try:
+        manifest = json.loads((ckpt / MANIFEST).read_text())
+        if not isinstance(manifest["files"], dict):
+            raise TypeError
+    except FileNotFoundError:
+        raise _bad(ckpt, f"{ckpt / MANIFEST} is missing (an incomplete checkpoint or one from an older rl4bit)") from None
+    except (ValueError, KeyError, TypeError):
+        raise _bad(ckpt, f"{ckpt / MANIFEST} is corrupt (not the JSON rl4bit writes)") from None
+    return manifest
+
+
+def read_verified(ckpt: str | Path, name: str, manifest: dict | None = None) -> bytes:
+    """The bytes of file `name` of a checkpoint, checked against its manifest (size, then SHA-256).
+
+    CheckpointError naming the file and the intact previous checkpoint when it is missing, truncated or corrupted."""
+    ckpt = Path(ckpt)
+    files = (manifest if manifest is not None else read_manifest(ckpt))["files"]
+    path = ckpt / name
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise _bad(ckpt, f"{path} is missing") from None
+    want = files.get(name, {})
+    if len(data) != want.get("bytes"):
+        raise _bad(ckpt, f"{path}: {len(data)} bytes, the manifest says {want.get('bytes')} (truncated or overwritten)")
+    if hashlib.sha256(data).hexdigest() != want.get("sha256"):
+        raise _bad(ckpt, f"{path}: SHA-256 does not match the manifest (the file is corrupted)")
+    return data
+
+
+def latest_dir(run_dir: str | Path) -> Path:
+    """The directory latest.json names; the newest one left when it was deleted (after a corruption report).
+
+    FileNotFoundError when the run has none."""
     root = _dir(run_dir)
     pointer = root / "latest.json"
     if not pointer.is_file():
         raise FileNotFoundError(f"{run_dir} has no checkpoint ({pointer} is missing); it stopped before run.checkpoint_every steps")
-    ckpt = root / json.loads(pointer.read_text())["dir"]
-    meta = json.loads((ckpt / "state.json").read_text())
+    try:
+        ckpt = root / json.loads(pointer.read_text())["dir"]
+    except (ValueError, KeyError, TypeError):
+        ckpt = root / "?"
+    if not ckpt.is_dir():  # deleted by hand after a corruption report, or a damaged pointer: newest left
+        left = sorted(p for p in root.glob("step_*") if p.is_dir())
+        if not left:
+            raise FileNotFoundError(f"{run_dir} has no checkpoint left in {root}")
+        ckpt = left[-1]
+    return ckpt
+
+
+def open_checkpoint(run_dir: str | Path, world: int | None = 1) -> tuple[Path, dict, dict]:
+    """(directory, manifest, state.json) of the latest checkpoint, written by `world` trainer ranks (None: any); state.json verified.
+
+    The tensor files are not read here: `load_checkpoint`, or each rank (`read_verified` of its shard), checks them."""
+    ckpt = latest_dir(run_dir)
+    manifest = read_manifest(ckpt)
+    written = int(manifest.get("world", 1))
+    if world is not None and written != world:
+        raise CheckpointError(f"{ckpt} was written by {written} trainer rank(s), this job has {world}; "
+                              f"resume with -o trainer.world_size={written} (resharding is not supported)")
+    meta = json.loads(read_verified(ckpt, STATE, manifest))
     if meta.get("format") != FORMAT:
-        raise ValueError(f"{ckpt}: checkpoint format {meta.get('format')} is not {FORMAT} (written by another rl4bit version)")
-    return load_file(str(ckpt / "state.safetensors")), meta
+        raise CheckpointError(f"{ckpt}: checkpoint format {meta.get('format')} is not {FORMAT} (written by another rl4bit version)")
+    return ckpt, manifest, meta
+
+
+def load_checkpoint(run_dir: str | Path, world: int | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """(tensors, meta) of the latest checkpoint of a run dir, checksums verified.
+
+    A sharded checkpoint's tensors are joined here: dim-0 pieces concatenated
+    in rank order (the manifest's rows), replicated ones (RNG, AdamW step) as
+    rank 0 wrote them; that is the full state, e.g. for `rl4bit export`.
+    `world`: refuse a checkpoint of another number of trainer ranks (the
+    one-process resume passes 1). FileNotFoundError when the run has none;
+    CheckpointError naming a corrupt or truncated file (and the intact previous checkpoint)."""
+    ckpt, manifest, meta = open_checkpoint(run_dir, world)
+    written = int(manifest.get("world", 1))
+    if written == 1:
+        return st_load(read_verified(ckpt, "state.safetensors", manifest)), meta
+    shards = [st_load(read_verified(ckpt, shard_file(r), manifest)) for r in range(written)]
+    return {k: torch.cat([s[k] for s in shards]) if e["sharded"] else shards[0][k]
+            for k, e in manifest["tensors"].items()}, meta

@@ -13,6 +13,15 @@
 Actors are plain classes (`Trainer`, `Sampler`, `RewardPool`) built through
 `rl4bit.actors.Cluster`: Ray actors in `ray` mode, in-process objects in
 `local` mode; every call below is `get(actor.method(...))` either way.
+`trainer.world_size` = N > 1: the Trainer is a `rl4bit.trainer_group.TrainerGroup`
+of N ranks (FSDP2, and expert parallelism when `trainer.expert_parallel` = N):
+Ray actors in `ray` mode, `python -m rl4bit.trainer_group` processes in `local`
+mode, with the Trainer's methods. It checkpoints itself (every rank writes its
+shard into rl4bit.checkpoint's one format: `shard_RRRRR.safetensors` + the same
+manifest, pointer and errors), `--resume` needs the same N, and the group is
+shut down (barrier, process group destroyed) before the cluster. Its
+train_step metrics are logged as they come, including the expert-parallel
+wire bytes `comm/*`.
 Before any actor starts, every reward is imported and called once in this
 process (fail fast, naming the reward). The first `eval/accuracy` (step 0) is
 the warm-started model's, before any RL step. `--resume RUN_DIR` reloads the
@@ -28,16 +37,17 @@ job (WeightSyncError); the samplers keep serving the previous version.
 
 Sampling randomness is keyed by (run.seed, step, prompt index), so no sampler
 RNG state needs saving. Faults (tests/reliability): a Sampler actor that dies
-mid-rollout is restarted by Ray (up to `ray.sampler_restarts` times a job), the
-restarted ones get the current weights and the step's rollouts are redone
-(same seeds, so the same rollouts); a dead Trainer, K non-finite steps in a
+mid-rollout or mid-sync is restarted by Ray (up to `ray.sampler_restarts` times
+a job), the samplers get the current weights again and the step's rollouts
+are redone (same seeds, so the same rollouts); a dead Trainer, K non-finite steps in a
 row, a rejected weight update or a corrupt checkpoint stop the job with a
 clear error (`rl4bit train: error: ...`, exit status 1) that names what
 failed and, where it applies, the `--resume` command. Output paths are resolved
 and checked before anything is written.
 
 Leaves out: asynchronous (off-policy) rollouts, partial-group retries,
-multi-node placement, restarting the Trainer in place (resume instead).
+multi-node placement, restarting the Trainer in place (resume instead),
+resuming on another trainer.world_size.
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ from rl4bit.tasks import PromptStream, load_task
 from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer.actor import NonFiniteError, TrainBatch, Trainer
 from rl4bit.trainer.grpo import group_advantages
+from rl4bit.trainer_group import TrainerGroup
 from rl4bit.weight_sync import WeightSyncError
 
 
@@ -117,13 +128,14 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
     check_rewards(specs, train_set[0], **limits)
 
     cluster = Cluster(cfg, run_dir)
-    logger = pool = None
+    logger = pool = trainer = None
+    world = int(getattr(cfg.trainer, "world_size", 1))
     try:
         from rl4bit.sampler.actor import Sampler
 
         device = cfg.trainer.device if cfg.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         gpu = 1 if device.startswith("cuda") else 0
-        trainer = cluster.actor(Trainer, cfg, num_gpus=gpu)
+        trainer = TrainerGroup(cfg, world, cluster=cluster) if world > 1 else cluster.actor(Trainer, cfg, num_gpus=gpu)
         builder = functools.partial(build_policy_model, cfg)
         restarts = int(getattr(cfg.ray, "sampler_restarts", 3))
         samplers = [cluster.actor(Sampler, builder, tokenizer, cfg.sampler, device=device, max_seq_len=cfg.model.max_seq_len,
@@ -133,8 +145,13 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         recover = SamplerRecovery(trainer, samplers, restarts)
 
         start = 0
-        if resume:
-            tensors, meta = load_checkpoint(run_dir)
+        if resume and world > 1:
+            get(trainer.setup_rl())
+            meta = trainer.load_checkpoint(run_dir)  # manifest + state.json here, every rank verifies its own shard
+            stream.load_state(meta["data"])
+            start = meta["step"]
+        elif resume:
+            tensors, meta = load_checkpoint(run_dir, world=1)
             get(trainer.setup_rl())
             get(trainer.load_state(tensors, meta["trainer"]))
             stream.load_state(meta["data"])
@@ -148,7 +165,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                                progress=cfg.run.progress, start_step=start)
         if resume:
             logger.truncate(start)
-        sync_bytes, sync_s = sync_weights(trainer, samplers)
+        sync_bytes, sync_s = sync_all(trainer, samplers, recover)
         if not resume:
             logger.log(0, evaluate(cfg, tokenizer, samplers, pool, eval_set, recover))
 
@@ -184,7 +201,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 m = get(trainer.train_step(batch))
                 t_train = time.perf_counter() - t0
                 # sync
-                sync_bytes, sync_s = sync_weights(trainer, samplers)
+                sync_bytes, sync_s = sync_all(trainer, samplers, recover)
                 # log (and evaluate)
                 m.update(rollout_metrics(rollouts, totals, scores, G, t_sample))
                 m.update({"sync/bytes": sync_bytes, "sync/seconds": sync_s, "time/sample_s": t_sample, "time/score_s": t_score,
@@ -204,8 +221,12 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 # checkpoint
                 every = cfg.run.checkpoint_every
                 if (every and step % every == 0) or step == cfg.rl.steps:
-                    tensors, meta = get(trainer.state())
-                    save_checkpoint(run_dir, step, tensors, {"trainer": meta, "data": stream.state()}, keep=cfg.run.keep_checkpoints)
+                    if world > 1:  # every rank writes its own shard into the one checkpoint format
+                        trainer.save_checkpoint(run_dir, step, {"data": stream.state()}, keep=cfg.run.keep_checkpoints)
+                    else:
+                        tensors, meta = get(trainer.state())
+                        save_checkpoint(run_dir, step, tensors, {"trainer": meta, "data": stream.state()},
+                                        keep=cfg.run.keep_checkpoints)
         except ActorDiedError as e:  # a Sampler past its restarts, the Trainer, the reward pool
             raise ActorDiedError(e.actor, e.detail, f"the job stops at step {step}. {_resume_hint(run_dir)}") from None
     finally:
@@ -216,6 +237,11 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 get(pool.close())
             except Exception:  # the actor may be the thing that failed; Ray shutdown below reaps it
                 pass
+        if isinstance(trainer, TrainerGroup):  # barrier + destroy the process group while the ranks still live
+            try:
+                trainer.shutdown()
+            except Exception as e:  # a failed rank: the group ends its processes; Ray shutdown reaps its actors
+                print(f"rl4bit: trainer group shutdown: {type(e).__name__}: {e}", file=sys.stderr)
         cluster.shutdown()
 
     records = read_metrics(run_dir)
@@ -252,18 +278,18 @@ class SamplerRecovery:
 
     def __init__(self, trainer, samplers, budget: int):
         self.trainer, self.samplers, self.budget, self.used = trainer, samplers, budget, 0
+        self.last_sync = (0, 0.0)  # (bytes, seconds) of the re-send
 
     def __call__(self, err: ActorDiedError) -> bool:
         if err.actor != "Sampler" or self.used >= self.budget:
             return False
         self.used += 1
         print(f"rl4bit: {err}; Ray restarts it ({self.used}/{self.budget} restarts this job); "
-              "re-sending the current weights and redoing the rollouts", file=sys.stderr)
+              "re-sending the current weights and redoing the rollouts or the update it cut off", file=sys.stderr)
         health = [wait_alive(s) for s in self.samplers]
         version = get(self.trainer.weight_header())[0]
         stale = [s for s, h in zip(self.samplers, health) if h["version"] < version]
-        if stale:
-            sync_weights(self.trainer, stale)
+        self.last_sync = sync_weights(self.trainer, stale) if stale else (0, 0.0)
         return True
 
 
@@ -327,11 +353,24 @@ def sync_weights(trainer, samplers) -> tuple[int, float]:
                 get(s.abort_update(str(e)))
             except Exception:  # a dead sampler cannot abort; the job stops anyway
                 pass
+        if isinstance(e, ActorDiedError):  # the run loop names it and adds the resume hint
+            raise
         if isinstance(e, WeightSyncError):
             raise WeightSyncError(f"{e}; the job stops (fail-stop)") from e
         raise WeightSyncError(f"weight sync to v{version} failed ({type(e).__name__}: {e}); "
                               "samplers keep serving their previous version; the job stops") from e
     return shipped, time.perf_counter() - t0
+
+
+def sync_all(trainer, samplers, recover: Callable[[ActorDiedError], bool] | None = None) -> tuple[int, float]:
+    """`sync_weights` that survives a Sampler dying mid-update: `recover` re-sends the weights to the restarted one
+    (and to the others, whose update was aborted)."""
+    try:
+        return sync_weights(trainer, samplers)
+    except ActorDiedError as e:
+        if recover is None or not recover(e):
+            raise
+        return recover.last_sync
 
 
 def _fill_masked(totals: list, group: int) -> list[float]:

@@ -43,9 +43,9 @@ import torch
 
 from rl4bit.kernels import deferred_checks
 from rl4bit.kernels.philox import derive_seed
-from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, _pad_rows, model_implementations
+from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_implementations, pad_rows
 from rl4bit.sampler.sampling import policy_logprobs, sample_rows
-from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
+from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, request_error
 
 
 @dataclass
@@ -113,7 +113,7 @@ class EmbeddedEngine:
         results: list[Rollout | None] = []
         waiting: list[_Seq] = []
         for req in requests:
-            err = self._check(req)
+            err = request_error(req, self.vocab_size, self.max_seq_len)
             n = req.params.n if isinstance(req.params.n, int) and req.params.n >= 1 else 1
             for i in range(n):
                 if err is not None:
@@ -142,24 +142,6 @@ class EmbeddedEngine:
                     results[s.out_index] = self._rollout(s, version)
         self.busy_s += time.perf_counter() - t0
         return results  # type: ignore[return-value]
-
-    def _check(self, req: Request) -> str | None:
-        """Why this request cannot run (a message naming the fix), or None."""
-        try:
-            if not isinstance(req.params, SamplingParams):
-                raise ValueError(f"params: {type(req.params).__name__} is not a SamplingParams")
-            req.params.validate()
-        except ValueError as e:
-            return f"invalid sampling params: {e}"
-        ids = req.prompt_ids
-        if not isinstance(ids, (list, tuple)) or len(ids) == 0:
-            return "empty prompt: prompt_ids has no tokens; give at least one (e.g. the BOS token)"
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            return f"prompt_ids holds a token outside [0, {self.vocab_size}) (the model's vocabulary)"
-        if len(ids) >= self.max_seq_len:
-            return (f"prompt of {len(ids)} tokens does not fit the context of {self.max_seq_len} tokens "
-                    f"(it must leave room for one new token); shorten the prompt or raise max_seq_len")
-        return None
 
     def _new_seq(self, out_index: int, req: Request, i: int) -> _Seq:
         p = req.params
@@ -192,7 +174,7 @@ class EmbeddedEngine:
         base = getattr(self.model, self.model.base_model_prefix)
         hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                       rl4bit_step=layout).last_hidden_state[0]
-        h = _pad_rows(hidden[torch.tensor(rows, dtype=torch.long, device=dev)], self.min_rows)
+        h = pad_rows(hidden[torch.tensor(rows, dtype=torch.long, device=dev)], self.min_rows)
         return self.model.get_output_embeddings()(h)[: len(rows)].float()
 
     def _step(self, active: list[_Seq]) -> None:

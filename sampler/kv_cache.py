@@ -112,14 +112,14 @@ class StepLayout:
                 slots = torch.tensor([self.slots[i] for i in members], device=device)
                 starts = torch.tensor([self.starts[i] for i in members], device=device)
                 q_pos = (starts[:, None] + torch.arange(n, device=device)).repeat(1, g)  # [G, g*n]
-                allowed = _pad_rows(keys_pos[None, None, :] <= q_pos[:, :, None], max(g * n, self.min_rows))
+                allowed = pad_rows(keys_pos[None, None, :] <= q_pos[:, :, None], max(g * n, self.min_rows))
                 built.append((n, tok, slots, ~allowed))
             self._groups[g] = built
         return self._groups[g]
 
 
-def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
-    """Pad dim -2 with zeros up to `rows`."""
+def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Pad dim -2 with zeros up to `rows` (the engine and the trainer pad every GEMM to MIN_ROWS with it)."""
     m = x.shape[-2]
     if m >= rows:
         return x
@@ -153,7 +153,7 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
         G = tok.shape[0]
         # query head h reads kv head h // g: [G, Hq, n, D] -> [G, Hkv, g*n, D]
         q = query[0][:, tok].permute(1, 0, 2, 3).reshape(G, hkv, g * n, d)
-        q = _pad_rows(q, step.min_rows)
+        q = pad_rows(q, step.min_rows)
         scores = torch.matmul(q, kc[slots].transpose(-1, -2)) * scaling  # [G, Hkv, rows, max_len]
         scores = scores.masked_fill(blocked[:, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
@@ -177,7 +177,7 @@ def engine_experts(self, hidden_states, top_k_index, top_k_weights):
             continue
         tok, kpos = tok_all[at : at + c], kpos_all[at : at + c]
         at += c
-        x = _pad_rows(hidden_states[tok], MIN_ROWS)
+        x = pad_rows(hidden_states[tok], MIN_ROWS)
         h = self._apply_gate(F.linear(x, self.gate_up_proj[e]))
         y = F.linear(h, self.down_proj[e])[:c]
         y = y * top_k_weights[tok, kpos, None]

@@ -123,6 +123,26 @@ class Rollout:
     """Per token log-prob under the truncated distribution sampled from; only when params.processed_logprobs."""
 
 
+def request_error(req: Request, vocab_size: int, max_seq_len: int) -> str | None:
+    """Why `req` cannot run on a model of `vocab_size` tokens and `max_seq_len` context (a message
+    naming the fix), or None. Every backend checks these; a backend's own limits come on top."""
+    try:
+        if not isinstance(req.params, SamplingParams):
+            raise ValueError(f"params: {type(req.params).__name__} is not a SamplingParams")
+        req.params.validate()
+    except ValueError as e:
+        return f"invalid sampling params: {e}"
+    ids = req.prompt_ids
+    if not isinstance(ids, (list, tuple)) or len(ids) == 0:
+        return "empty prompt: prompt_ids has no tokens; give at least one (e.g. the BOS token)"
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        return f"prompt_ids holds a token outside [0, {vocab_size}) (the model's vocabulary)"
+    if len(ids) >= max_seq_len:
+        return (f"prompt of {len(ids)} tokens does not fit the context of {max_seq_len} tokens "
+                f"(it must leave room for one new token); shorten the prompt or raise max_seq_len")
+    return None
+
+
 @dataclass
 class WeightUpdate:
     """New policy weights for the sampler."""

@@ -71,7 +71,7 @@ from rl4bit import ct_layout
 from rl4bit.atomic import fsync_tree, replace_dir
 from rl4bit.kernels import QTensor, dequantize
 from rl4bit.kernels.philox import derive_seed
-from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
+from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, request_error
 
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Linears vLLM fuses into one layer (qkv_proj, gate_up_proj): one NVFP4 global scale per fused layer."""
@@ -196,21 +196,11 @@ def _write_dir(dst: Path, form: ServingForm, tensors: dict[str, torch.Tensor], s
 
 
 def _request_error(req: Request, vocab_size: int, max_seq_len: int) -> str | None:
-    """Why this request cannot run (a message naming the fix), or None (the embedded engine's rules)."""
-    try:
-        if not isinstance(req.params, SamplingParams):
-            raise ValueError(f"params: {type(req.params).__name__} is not a SamplingParams")
-        req.params.validate()
-    except ValueError as e:
-        return f"invalid sampling params: {e}"
-    ids = req.prompt_ids
-    if not isinstance(ids, (list, tuple)) or len(ids) == 0:
-        return "empty prompt: prompt_ids has no tokens; give at least one (e.g. the BOS token)"
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
-        return f"prompt_ids holds a token outside [0, {vocab_size}) (the model's vocabulary)"
-    if len(ids) >= max_seq_len:
-        return (f"prompt of {len(ids)} tokens does not fit the context of {max_seq_len} tokens "
-                f"(it must leave room for one new token); shorten the prompt or raise max_seq_len")
+    """Why this request cannot run (a message naming the fix), or None: the embedded engine's rules
+    (`request_error`) plus vLLM's own limit on truncated logprobs."""
+    err = request_error(req, vocab_size, max_seq_len)
+    if err is not None:
+        return err
     p = req.params
     if _truncates(p) and p.temperature not in (0, 1):
         return (f"the vLLM backend reports pre-truncation logprobs with top_p/top_k/min_p only at temperature 1 "

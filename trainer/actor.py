@@ -75,7 +75,7 @@ from transformers import AttentionInterface
 
 from rl4bit.config import JobConfig
 from rl4bit.models import build_model
-from rl4bit.sampler.kv_cache import MIN_ROWS, _pad_rows, model_implementations
+from rl4bit.sampler.kv_cache import MIN_ROWS, model_implementations, pad_rows
 from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer import grpo
 
@@ -125,10 +125,10 @@ def train_attention(module, query, key, value, attention_mask, scaling, dropout=
         pad = (0, 0, 0, max_len - n)
         k_slot = torch.nn.functional.pad(key[0][:, tok].permute(1, 0, 2, 3), pad)  # [G, Hkv, max_len, D]
         v_slot = torch.nn.functional.pad(value[0][:, tok].permute(1, 0, 2, 3), pad)
-        q = _pad_rows(query[0][:, tok].permute(1, 0, 2, 3).reshape(G, hkv, g * n, d), min_rows)
+        q = pad_rows(query[0][:, tok].permute(1, 0, 2, 3).reshape(G, hkv, g * n, d), min_rows)
         scores = torch.matmul(q, k_slot.transpose(-1, -2)) * scaling  # [G, Hkv, rows, max_len]
         q_pos = torch.arange(0, n, device=dev).repeat(g)
-        allowed = _pad_rows(keys_pos[None, :] <= q_pos[:, None], scores.shape[-2])
+        allowed = pad_rows(keys_pos[None, :] <= q_pos[:, None], scores.shape[-2])
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).nan_to_num(0.0)
         o = torch.matmul(probs, v_slot)[:, :, : g * n]  # [G, Hkv, g*n, D]
@@ -161,7 +161,7 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
         hidden = base(input_ids=torch.tensor([ids + [0] * pad], device=dev),
                       position_ids=torch.tensor([pos + [0] * pad], device=dev),
                       use_cache=False, rl4bit_train=(spans, max_seq_len, MIN_ROWS)).last_hidden_state[0]
-    h = _pad_rows(hidden[torch.tensor(rows, device=dev)], MIN_ROWS)
+    h = pad_rows(hidden[torch.tensor(rows, device=dev)], MIN_ROWS)
     logits = model.get_output_embeddings()(h)[: len(rows)].float()
     logp_all = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
     logp = logp_all.gather(1, torch.tensor(targets, device=dev)[:, None])[:, 0]

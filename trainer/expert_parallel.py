@@ -72,14 +72,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rl4bit.kernels import QTensor, requantize
+from rl4bit.kernels import QTensor
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.trainer import ep_codec
 from rl4bit.trainer.modules import QuantExperts
-from rl4bit.trainer.qgemm import (
-    TENSOR_IDS, _check_finite, _count, _layout, _mxfp8_backward, _pad_qtensor_rows,
-    compute_dtype, grouped_forward, grouped_gemm, quantize_activation, quantize_weight,
-)
+from rl4bit.trainer.qgemm import compute_dtype, grouped_gemm, quantize_activation
 
 COMBINE_TENSOR_ID = 4
 """tensor_id of the combine's RHT seed in derive_seed (qgemm uses 0..3)."""
@@ -170,33 +167,6 @@ class _Dispatch(torch.autograd.Function):
         layer.meter.add("dispatch_grad", buf.shape[1], route.recv_splits, layer.rank, hidden)
         got = _a2a(buf, route.recv_splits, route.send_splits, layer.group)
         return ep_codec.decode_grad(got, layer.backward_format, hidden, ctx.x_dtype), None, None, None, None
-
-
-class _GateUpFromQ(torch.autograd.Function):
-    """qgemm.GroupedQGemm's nvfp4 path with the activation QTensor given (the dispatched one), not quantized here."""
-
-    @staticmethod
-    def forward(ctx, x_placeholder, w, qx, counts, spec, keys):
-        ctx.counts, ctx.spec, ctx.keys = counts, spec, keys
-        ctx.x_dtype, ctx.w_dtype = x_placeholder.dtype, w.dtype
-        qw = quantize_weight(w, spec)
-        ctx.qx, ctx.qw = qx, qw
-        _count(qx.nbytes, qx.shape[0])
-        return grouped_forward(qx, qw, counts, x_placeholder.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        spec = ctx.spec
-        _check_finite(dy, "an output gradient of a quantized GEMM")
-        seed, step, layer, call = ctx.keys
-        seeds = [derive_seed(seed, step, layer, t, call) for t in range(4)]
-        lay = _layout(ctx.counts, dy.device)
-        rounding = "stochastic" if spec.stochastic_requant else "nearest"
-        xt = requantize(_pad_qtensor_rows(ctx.qx, lay), seed=seeds[TENSOR_IDS["x"]], rounding=rounding)
-        wt = requantize(ctx.qw, seed=seeds[TENSOR_IDS["w"]], rounding=rounding)
-        del ctx.qx, ctx.qw
-        dx, dw = _mxfp8_backward(dy, xt, wt, lay, spec, seeds)
-        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None
 
 
 class _Combine(torch.autograd.Function):
@@ -307,10 +277,7 @@ class ExpertParallelExperts(QuantExperts):
         if sum(counts) == 0:  # no rows for my experts: keep the graph (and zero weight grads) so every rank's backward meets
             o = x_local * 0 + (self.gate_up_proj.sum() + self.down_proj.sum()).to(x_local.dtype) * 0
         else:
-            if nvfp4:
-                h = _GateUpFromQ.apply(x_local, self.gate_up_proj, box["q"], counts, self.spec, self._keys(0))
-            else:
-                h = grouped_gemm(x_local, self.gate_up_proj, counts, self.spec, self._keys(0))
+            h = grouped_gemm(x_local, self.gate_up_proj, counts, self.spec, self._keys(0), qx=box.get("q"))
             gate, up = h.chunk(2, dim=-1)
             o = grouped_gemm(self.act_fn(gate) * up, self.down_proj, counts, self.spec, self._keys(1))
         seed = derive_seed(self.seed, self.step, 2 * self.layer_id, COMBINE_TENSOR_ID, self.calls)

@@ -250,10 +250,14 @@ def _mxfp8_backward(dy, xt: QTensor, wt: QTensor, lay: _Layout, spec: GemmSpec, 
 
 
 class GroupedQGemm(torch.autograd.Function):
-    """y = grouped x @ Wᵀ under one GemmSpec; `keys` = (seed, step, layer, call) for the backward's random bits."""
+    """y = grouped x @ Wᵀ under one GemmSpec; `keys` = (seed, step, layer, call) for the backward's random bits.
+
+    `qx` (nvfp4 only): x's forward QTensor, already quantized (expert parallelism
+    dispatches it); then x only carries the dtype, row count and gradient.
+    """
 
     @staticmethod
-    def forward(ctx, x, w, counts, spec, keys):
+    def forward(ctx, x, w, counts, spec, keys, qx=None):
         ctx.counts, ctx.spec, ctx.keys = counts, spec, keys
         ctx.x_dtype, ctx.w_dtype = x.dtype, w.dtype
         if spec.fmt == "bf16":
@@ -266,7 +270,9 @@ class GroupedQGemm(torch.autograd.Function):
                 y[start : start + m] = x[start : start + m] @ wc[e].t()
                 start += m
             return y
-        qx, qw = quantize_activation(x, spec), quantize_weight(w, spec)
+        if qx is None:
+            qx = quantize_activation(x, spec)
+        qw = quantize_weight(w, spec)
         y = grouped_forward(qx, qw, counts, x.dtype)
         if spec.fmt == "nvfp4":
             ctx.qx, ctx.qw = qx, qw
@@ -292,7 +298,7 @@ class GroupedQGemm(torch.autograd.Function):
                     dx[start : start + m] = dy[start : start + m] @ wc[e]
                     dw[e] = dy[start : start + m].t() @ x[start : start + m].to(dy.dtype)
                 start += m
-            return dx, dw.to(ctx.w_dtype), None, None, None
+            return dx, dw.to(ctx.w_dtype), None, None, None, None
         _check_finite(dy, "an output gradient of a quantized GEMM")
         seed, step, layer, call = ctx.keys
         seeds = [derive_seed(seed, step, layer, t, call) for t in range(4)]
@@ -307,14 +313,22 @@ class GroupedQGemm(torch.autograd.Function):
             xt = ctx.qxt
             wt = quantize(w.detach().transpose(-1, -2).contiguous(), "mxfp8")
         dx, dw = _mxfp8_backward(dy, xt, wt, lay, spec, seeds)
-        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None
+        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None
 
 
-def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: list[int], spec: GemmSpec, keys=(0, 0, 0, 0)) -> torch.Tensor:
-    """x [R, K] (rows grouped by expert, counts[e] each) times W [E, N, K] -> [R, N] in x's dtype."""
+def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: list[int], spec: GemmSpec, keys=(0, 0, 0, 0),
+                 qx: QTensor | None = None) -> torch.Tensor:
+    """x [R, K] (rows grouped by expert, counts[e] each) times W [E, N, K] -> [R, N] in x's dtype.
+
+    qx: x's NVFP4 QTensor when the caller already has it (`quantize_activation(x, spec)`
+    or rows of one); used, and saved for the backward, instead of quantizing x.
+    """
     if x.shape[0] != sum(counts):
         raise ValueError(f"x has {x.shape[0]} rows but counts sum to {sum(counts)}")
-    return GroupedQGemm.apply(x, w, list(counts), spec, tuple(keys))
+    if qx is not None and (spec.fmt != "nvfp4" or qx.fmt != "nvfp4" or qx.shape[0] != x.shape[0]):
+        raise ValueError(f"qx ({qx.fmt} {list(qx.shape)}) must be an NVFP4 QTensor of x's {x.shape[0]} rows under an "
+                         f"nvfp4 GemmSpec (got fmt {spec.fmt!r}); pass qx=None to quantize x here")
+    return GroupedQGemm.apply(x, w, list(counts), spec, tuple(keys), qx)
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:

@@ -4,8 +4,9 @@
     shard_model(model, device)                    # fully_shard per decoder layer, lm_head, then the base model
     with gathered(model, ["model.layers.0.mlp.experts", ...]):   # all ranks: all-gather those FSDP units
         ...                                       # the modules hold full, plain tensors here (weight sync)
-    save_shard(tmp_dir, rank, world, tensors, meta) / load_shard(ckpt_dir, rank, world)
-    write_index(tmp_dir, world, shard_infos, meta) # rank 0 (or the driver): index.json + state.json
+    info = save_shard(tmp_dir, rank, world, tensors, global_shapes, meta)   # every rank, into the checkpoint's tmp dir
+    files, index = merge_shards(infos)            # the driver: manifest entries (rl4bit.checkpoint.commit_checkpoint)
+    tensors, meta = load_shard(ckpt_dir, rank, world)                       # every rank: its own piece, verified
 
 Sharding (PyTorch FSDP2, `torch.distributed.fsdp.fully_shard`): every
 parameter is a DTensor sharded along dim 0 over the group (torch.chunk
@@ -20,16 +21,19 @@ modules see plain full tensors, quantize them exactly as in one process,
 and autograd reduce-scatters their gradients. Gradients are SUMMED over
 ranks (divide factor 1): the loss is normalised by the global token /
 sequence count (the Trainer's `total_tokens`), so the sum equals the
-one-process gradient up to the reduction order.
+one-process gradient up to the reduction order. `clip_grad_norm_` clips by
+the group's norm; `sr_step` folds the rank into the stochastic-rounding key.
+With expert parallelism (rl4bit.trainer.expert_parallel) the local expert
+slices are `ignored_params`: FSDP neither shards nor reduces them.
 
-Checkpoint (nothing pickled, writes atomic through `rl4bit.atomic`): one
-`shard_RRRRR.safetensors` per rank holding that rank's local pieces
+Checkpoint: rl4bit.checkpoint's one format (directory, manifest.json with
+SHA-256 and size per file, latest.json, atomic swap, the same errors). Each
+rank writes `shard_RRRRR.safetensors` holding its local pieces
 (`DTensor.to_local()`: model params, AdamW moments; replicated tensors such
-as the AdamW step count and each rank's own RNG state as they are) and its
-JSON metadata, plus `index.json`: world size, and per tensor its global
-shape, dtype and the dim-0 row range every rank holds. `state.json` holds
-the step metadata as in `rl4bit.checkpoint`. Not torch.distributed.checkpoint
-(its default metadata file is pickled).
+as the AdamW step count and its own RNG state as they are) and its JSON
+metadata; the manifest adds `world` and `tensors`: per tensor its global
+shape, dtype and the dim-0 row range every rank holds. Nothing pickled; not
+torch.distributed.checkpoint (its default metadata file is pickled).
 
 Leaves out: resuming on another world size (the index has what a reshard
 needs; load_shard refuses with the fix), multi-node rendezvous (MASTER_ADDR
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -48,14 +53,7 @@ import torch.distributed as dist
 from safetensors.torch import load as st_load
 from safetensors.torch import save
 
-from rl4bit.atomic import atomic_write_text
-
-INDEX = "index.json"
-SHARD_FORMAT = "rl4bit-fsdp-shards-1"
-
-
-def shard_file(rank: int) -> str:
-    return f"shard_{rank:05d}.safetensors"
+from rl4bit.checkpoint import CheckpointError, read_manifest, read_verified, shard_file
 
 
 # --------------------------------------------------------------------------- group and units
@@ -87,16 +85,20 @@ def decoder_layers(model: torch.nn.Module):
     return base, layers
 
 
-def shard_model(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Apply FSDP2 in place (see module docstring); gradients are summed over ranks."""
+def shard_model(model: torch.nn.Module, device: torch.device, ignored_params=None) -> torch.nn.Module:
+    """Apply FSDP2 in place (see module docstring); gradients are summed over ranks.
+
+    `ignored_params`: parameters FSDP leaves alone (the expert-parallel slices, already sharded).
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     base, layers = decoder_layers(model)
     units = [*layers, model.get_output_embeddings(), base]
+    ignored = set(ignored_params or ())
     for unit in units:
-        fully_shard(unit, mesh=mesh)
+        fully_shard(unit, mesh=mesh, ignored_params=ignored or None)
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (then / 1.0): gloo has no PREMUL_SUM
     return model
@@ -157,6 +159,36 @@ def all_reduce(values: list[float], op=None) -> list[float]:
     return t.cpu().tolist()
 
 
+def clip_grad_norm_(params, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_ for a sharded model: the group's global L2 norm, every grad scaled by one coef.
+
+    Every gradient here is this rank's disjoint piece of the whole (FSDP2 Shard(0)
+    DTensors, expert-parallel slices), so the squared norm is the sum over ranks of
+    the local pieces' squares (float64). Returns the norm (the same on every rank).
+    """
+    grads = [local(p.grad) for p in params if p.grad is not None]
+    sq = float(torch.stack([g.detach().double().pow(2).sum() for g in grads]).sum()) if grads else 0.0  # one sync
+    total = all_reduce([sq])[0] ** 0.5
+    coef = min(max_norm / (total + 1e-6), 1.0)  # torch's rule; not applied to non-finite norms (the step is skipped)
+    if coef < 1.0 and math.isfinite(total):
+        for g in grads:
+            g.mul_(coef)
+    return total
+
+
+def sr_step(step: int, rank: int, world: int) -> int:
+    """The step key of the stochastic rounding on `rank`: step * world + rank (== step when world == 1).
+
+    numerics.md: SR bits are keyed by (seed, step, layer, tensor id) so that runs are
+    reproducible AND ranks do not share streams. Data-parallel ranks run the same
+    modules at the same step on different data, so the rank is folded into the step
+    key (injective for a fixed world size); one process keeps its keys bit for bit.
+    Expert-parallel modules fold the rank into their call key instead (their combine
+    RHT seed uses the plain step, which both ends of an all-to-all must agree on).
+    """
+    return step * world + rank
+
+
 # --------------------------------------------------------------------------- sharded checkpoints
 
 
@@ -186,8 +218,8 @@ def save_shard(dir_: str | Path, rank: int, world: int, tensors: dict[str, torch
     return {"tensors": info, "sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
-def write_index(dir_: str | Path, world: int, infos: list[dict], meta: dict) -> None:
-    """index.json (per tensor: global shape, per-rank rows; per file: SHA-256, bytes) and state.json, atomically."""
+def merge_shards(infos: list[dict]) -> tuple[dict, dict]:
+    """The ranks' `save_shard` infos (rank order) -> (manifest files, manifest index {"world", "tensors"})."""
     tensors = {}
     for rank, info in enumerate(infos):
         for k, v in info["tensors"].items():
@@ -197,36 +229,26 @@ def write_index(dir_: str | Path, world: int, infos: list[dict], meta: dict) -> 
                 raise ValueError(f"{k}: rank {rank} reports global shape {v['shape']}, rank 0 {e['shape']}")
             e["rows"].append(v["rows"])
     files = {shard_file(r): {"sha256": info["sha256"], "bytes": info["bytes"]} for r, info in enumerate(infos)}
-    index = {"format": SHARD_FORMAT, "world": world, "files": files, "tensors": tensors}
-    atomic_write_text(Path(dir_) / INDEX, json.dumps(index, indent=1))
-    atomic_write_text(Path(dir_) / "state.json", json.dumps(meta, indent=1))
-
-
-def read_index(dir_: str | Path) -> dict:
-    path = Path(dir_) / INDEX
-    index = json.loads(path.read_text())
-    if index.get("format") != SHARD_FORMAT:
-        raise ValueError(f"{path}: format {index.get('format')!r} is not {SHARD_FORMAT!r} (not a sharded trainer checkpoint)")
-    return index
+    return files, {"world": len(infos), "tensors": tensors}
 
 
 def load_shard(dir_: str | Path, rank: int, world: int) -> tuple[dict[str, torch.Tensor], dict]:
-    """(this rank's local tensors, its meta) from a sharded checkpoint written by the same world size, verified."""
+    """(this rank's local tensors, its meta) from a sharded checkpoint written by the same world size, verified.
+
+    CheckpointError (rl4bit.checkpoint's: naming the file and the previous intact
+    checkpoint) for a missing, truncated or corrupted shard or another world size."""
     dir_ = Path(dir_)
-    index = read_index(dir_)
-    if index["world"] != world:
-        raise ValueError(f"{dir_} was written by {index['world']} trainer ranks, this group has {world}; "
-                         f"resume with trainer.world_size={index['world']}")
+    manifest = read_manifest(dir_)
+    written = int(manifest.get("world", 1))
+    if written != world:
+        raise CheckpointError(f"{dir_} was written by {written} trainer rank(s), this group has {world}; "
+                              f"resume with trainer.world_size={written}")
     name = shard_file(rank)
-    data = (dir_ / name).read_bytes()
-    want = index["files"][name]
-    if len(data) != want["bytes"] or hashlib.sha256(data).hexdigest() != want["sha256"]:
-        raise ValueError(f"{dir_ / name}: size or SHA-256 does not match {INDEX} (truncated or corrupted); "
-                         "resume from an earlier checkpoint")
+    data = read_verified(dir_, name, manifest)
     tensors = st_load(data)
-    missing = set(index["tensors"]) - set(tensors)
+    missing = set(manifest.get("tensors", {})) - set(tensors)
     if missing:
-        raise ValueError(f"{dir_ / name} lacks {sorted(missing)[:3]}; the checkpoint is incomplete")
+        raise CheckpointError(f"{dir_ / name} lacks {sorted(missing)[:3]}; the checkpoint is incomplete")
     meta = json.loads(_metadata(data)["meta"])
     return tensors, meta
 

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
+
+from rl4bit.bench_comm import free_port, run_ranks
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 64, 32, 8, 2, 24
 """Tiny layer: hidden 64, expert width 32, 8 experts (2 or 4 ranks), top-2, 24 tokens per rank."""
@@ -197,38 +196,14 @@ def main(rank: int, world: int, port: int, out_dir: str, what: str = "layer") ->
     os.replace(tmp, path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(world: int, out_dir: Path, what: str = "layer", timeout_s: float = 240.0) -> list[dict]:
     """Run WORLD worker processes (`what`: "layer" scenarios, "cuda" the same on GPUs over NCCL, or "model"); raise with their stderr if one fails or the whole run exceeds timeout_s."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if what != "cuda":
         env["RL4BIT_KERNELS"] = "reference"
-    procs = [subprocess.Popen([sys.executable, __file__, str(r), str(world), str(port), str(out_dir), what], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(world)]
-    deadline = time.monotonic() + timeout_s
-    errors = []
-    try:
-        for r, p in enumerate(procs):
-            try:
-                _, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                errors.append(f"rank {r}: no result within {timeout_s:.0f} s (a collective hangs?)")
-                break
-            if p.returncode != 0:
-                errors.append(f"rank {r} exited {p.returncode}:\n{err[-2500:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if errors:
-        raise RuntimeError("\n".join(errors))
+    run_ranks([[sys.executable, __file__, str(r), str(world), str(port), str(out_dir), what] for r in range(world)],
+              env, timeout_s, f"ep_workers {what}")
     return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 

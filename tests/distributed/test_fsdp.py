@@ -124,8 +124,9 @@ def test_sharded_checkpoint_resumes_exactly_and_sr_run_stays_within_sr_noise(tmp
         group.shutdown()
 
     files = sorted(p.name for p in ckpt.iterdir())
-    assert files == ["index.json", "shard_00000.safetensors", "shard_00001.safetensors", "state.json"]
-    index = json.loads((ckpt / "index.json").read_text())
+    assert files == ["manifest.json", "shard_00000.safetensors", "shard_00001.safetensors", "state.json"]
+    index = json.loads((ckpt / "manifest.json").read_text())  # rl4bit.checkpoint's manifest + the tensor index
+    assert index["world"] == 2 and sorted(index["files"]) == files[1:]
     experts = index["tensors"]["model.model.layers.0.mlp.experts.gate_up_proj"]
     assert experts["sharded"] and experts["rows"] == [[0, 2], [2, 2]]  # 4 experts: 2 per rank
     assert index["tensors"]["optim.model.layers.0.mlp.experts.gate_up_proj.exp_avg"]["rows"] == [[0, 2], [2, 2]]
@@ -152,26 +153,29 @@ def test_sharded_checkpoint_resumes_exactly_and_sr_run_stays_within_sr_noise(tmp
 
 
 def test_shard_files_round_trip_and_refuse_a_wrong_world_or_corruption(tmp_path):
-    from rl4bit.trainer.sharding import load_shard, save_shard, shard_rows, write_index
+    from rl4bit.checkpoint import CheckpointError, begin_checkpoint, commit_checkpoint
+    from rl4bit.trainer.sharding import load_shard, merge_shards, save_shard, shard_rows
 
     full = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3)
+    tmp = begin_checkpoint(tmp_path, 1)
     infos = []
     for r in range(2):
         start, n = shard_rows(5, r, 2)
-        infos.append(save_shard(tmp_path, r, 2, {"w": full[start: start + n], "step": torch.tensor(3.0)},
+        infos.append(save_shard(tmp, r, 2, {"w": full[start: start + n], "step": torch.tensor(3.0)},
                                 {"w": (5, 3)}, {"rank": r}))
-    write_index(tmp_path, 2, infos, {"sharded": True})
-    t1, meta1 = load_shard(tmp_path, 1, 2)
+    files, index = merge_shards(infos)
+    ckpt = commit_checkpoint(tmp, 1, {}, files, index=index)
+    t1, meta1 = load_shard(ckpt, 1, 2)
     assert torch.equal(t1["w"], full[3:]) and meta1 == {"rank": 1} and t1["step"].item() == 3.0
-    with pytest.raises(ValueError, match="trainer.world_size=2"):
-        load_shard(tmp_path, 0, 4)
+    with pytest.raises(CheckpointError, match="trainer.world_size=2"):
+        load_shard(ckpt, 0, 4)
     with pytest.raises(ValueError, match="not rank 0's Shard"):
         save_shard(tmp_path, 0, 2, {"w": full}, {"w": (5, 3)}, {})
-    data = bytearray((tmp_path / "shard_00000.safetensors").read_bytes())
+    data = bytearray((ckpt / "shard_00000.safetensors").read_bytes())
     data[-1] ^= 1
-    (tmp_path / "shard_00000.safetensors").write_bytes(bytes(data))
-    with pytest.raises(ValueError, match="SHA-256"):
-        load_shard(tmp_path, 0, 2)
+    (ckpt / "shard_00000.safetensors").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="shard_00000.safetensors: SHA-256"):
+        load_shard(ckpt, 0, 2)
 
 
 def test_rank_messages_are_json_and_safetensors_and_round_trip():

@@ -152,6 +152,7 @@ def test_nvfp4_batch_invariance():
 
 
 def _rows(q, lo, hi):
+    """Rows lo..hi of an [R, K] QTensor (NVFP4 or MXFP8)."""
     outer = q.outer[lo:hi] if q.outer.shape[0] == q.shape[0] else q.outer
     return qgemm.dataclasses.replace(q, data=q.data[lo:hi], scale=q.scale[lo:hi], outer=outer,
                                      shape=torch.Size([hi - lo, q.shape[1]]))
@@ -186,6 +187,12 @@ def test_mxfp8_wgrad_matches_exact_product(fp8):
     padded = [32, 0, 64, 32]  # an empty expert: zeros
     qa, qb = _mx((24, 128), 7), _mx((40, 128), 8)
     got = mg.wgrad_mxfp8(qa, qb, padded, fp8=fp8)
+    _check_wgrad(got, qa, qb, padded, fp8)
+    assert not bool(got[1].any()), "an expert with no tokens must get a zero weight gradient"
+
+
+def _check_wgrad(got, qa, qb, padded, fp8):
+    """got[e] against the exact A[:, seg e] @ B[:, seg e]ᵀ of each expert's column segment."""
     a, b = dequantize(qa, torch.float64), dequantize(qb, torch.float64)
     start = 0
     for e, m in enumerate(padded):
@@ -193,15 +200,13 @@ def test_mxfp8_wgrad_matches_exact_product(fp8):
         _assert_close(got[e], a[:, seg] @ b[:, seg].t(), a[:, seg].abs() @ b[:, seg].abs().t(), max(m, 1),
                       TOL["mxfp8_fp8" if fp8 else "mxfp8_bf16"], f"wgrad expert {e} fp8={fp8}")
         start += m
-    assert not bool(got[1].any()), "an expert with no tokens must get a zero weight gradient"
 
 
 def test_mxfp8_forward_batch_invariance():
     qa, qb = _mx((64, 64), 9), _mx((2, 32, 64), 10)
     full = mg.grouped_mxfp8(qa, qb, [64, 0], torch.bfloat16)
     for m in (1, 3, 17):
-        part = mg.grouped_mxfp8(qgemm.dataclasses.replace(qa, data=qa.data[:m], scale=qa.scale[:m],
-                                                          shape=torch.Size([m, 64])), qb, [m, 0], torch.bfloat16)
+        part = mg.grouped_mxfp8(_rows(qa, 0, m), qb, [m, 0], torch.bfloat16)
         assert_bitwise_equal(part, full[:m], f"mxfp8 M={m} vs M=64")
 
 
@@ -304,8 +309,7 @@ def test_gpu_batch_invariance_across_configs():
     qa, qb = _mx((1024, 2048), 16), _mx((1, 1536, 2048), 17)
     full = qgemm.grouped_forward(qa, qb, [1024], torch.bfloat16)
     for m in (1, 17, 64, 65):
-        part = qgemm.dataclasses.replace(qa, data=qa.data[:m], scale=qa.scale[:m], shape=torch.Size([m, 2048]))
-        assert_bitwise_equal(qgemm.grouped_forward(part, qb, [m], torch.bfloat16), full[:m], f"mxfp8 M={m}")
+        assert_bitwise_equal(qgemm.grouped_forward(_rows(qa, 0, m), qb, [m], torch.bfloat16), full[:m], f"mxfp8 M={m}")
 
 
 @pytest.mark.gpu
@@ -319,14 +323,7 @@ def test_gpu_mxfp8_backward_real_shapes(fp8):
                   TOL["mxfp8_fp8" if fp8 else "mxfp8_bf16"], f"dgrad fp8={fp8}")
     padded = [-(-c // 32) * 32 for c in counts]
     qa, qb = _mx((1536, sum(padded)), 21), _mx((2048, sum(padded)), 22)
-    got = mg.wgrad_mxfp8(qa, qb, padded, fp8=fp8)
-    a, b = dequantize(qa, torch.float64), dequantize(qb, torch.float64)
-    start = 0
-    for e, m in enumerate(padded):
-        seg = slice(start, start + m)
-        _assert_close(got[e], a[:, seg] @ b[:, seg].t(), a[:, seg].abs() @ b[:, seg].abs().t(), max(m, 1),
-                      TOL["mxfp8_fp8" if fp8 else "mxfp8_bf16"], f"wgrad e={e} fp8={fp8}")
-        start += m
+    _check_wgrad(mg.wgrad_mxfp8(qa, qb, padded, fp8=fp8), qa, qb, padded, fp8)
 
 
 @pytest.mark.gpu

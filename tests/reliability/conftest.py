@@ -12,24 +12,14 @@ from pathlib import Path
 
 import pytest
 
-QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
+from ..rl.conftest import QUICKSTART, deadline_of, strip_timing  # noqa: F401 (QUICKSTART, strip_timing: for the tests)
+from ..rl.conftest import SMALL as RL_SMALL
 
-SMALL = [
-    "model.num_layers=2", "model.hidden_size=32", "model.expert_intermediate_size=32", "model.num_experts=4",
-    "model.num_heads=2", "model.max_seq_len=32", "model.dtype=float32",
-    "rl.steps=2", "rl.prompts_per_step=4", "rl.samples_per_prompt=4", "rl.ppo_epochs=2",
-    "run.warmup_sft_steps=3", "run.warmup_batch_size=8", "run.cpu_threads=1", "run.progress=false",
-    "data.eval_size=8", "data.eval_every=2", "run.checkpoint_every=1", "sampler.max_new_tokens=6",
-    "trainer.device=cpu", "run.tensorboard=false", "ray.mode=local",
+SMALL = RL_SMALL + [
+    "run.checkpoint_every=1", "run.tensorboard=false", "ray.mode=local",
     "rewards.functions=[{fn: 'rl4bit.rewards:length_penalty'}]",  # reward spread from step 1: something trains
 ]
-"""tests/rl's small quickstart (seconds a step), local mode, a checkpoint every step."""
-
-TIMING = ("time/", "rollout/tokens_per_s", "sync/seconds")
-
-
-def strip_timing(records: list[dict]) -> list[dict]:
-    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
+"""tests/rl's small quickstart (seconds a step), local mode, a checkpoint every step (later overrides win)."""
 
 
 @pytest.fixture
@@ -40,14 +30,8 @@ def small():
 @pytest.fixture
 def deadline():
     """Fail (instead of hanging CI) if the test body takes more than 200 s."""
-    def boom(*_):
-        raise TimeoutError("reliability test exceeded its 200 s deadline")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(200)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    with deadline_of(200, "reliability test"):
+        yield
 
 
 def cli_args(*args: str, overrides=()) -> list[str]:

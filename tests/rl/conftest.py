@@ -1,5 +1,8 @@
-"""Shared pieces of the RL-loop tests: a small, fast variant of the quickstart config."""
+"""Shared pieces of the RL-loop tests (tests/reliability imports them too): a small, fast variant of the
+quickstart config, a deadline for test bodies, metrics without their timing keys."""
 
+import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -20,3 +23,25 @@ SMALL = [
 @pytest.fixture
 def small():
     return list(SMALL)
+
+TIMING = ("time/", "rollout/tokens_per_s", "sync/seconds")
+"""Prefixes of the metrics that measure time: they differ between two otherwise equal runs."""
+
+
+def strip_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
+
+
+@contextmanager
+def deadline_of(seconds: int, what: str):
+    """Raise TimeoutError (instead of hanging CI) if the block runs more than `seconds` (SIGALRM: main thread)."""
+    def boom(*_):
+        raise TimeoutError(f"{what} exceeded its {seconds} s deadline")
+
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

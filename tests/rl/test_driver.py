@@ -1,7 +1,6 @@
 """The RL loop end to end on a small quickstart: local and Ray modes, reward swapping, fail-fast, resume."""
 
 import json
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -12,22 +11,14 @@ from rl4bit import driver
 from rl4bit.metrics import EVAL_KEYS, STEP_KEYS, read_metrics
 from rl4bit.rewards import RewardError
 
-from .conftest import QUICKSTART
-
-TIMING_KEYS = ("time/", "rollout/tokens_per_s", "sync/seconds")
+from .conftest import QUICKSTART, deadline_of, strip_timing
 
 
 @pytest.fixture
 def deadline():
     """Fail (instead of hanging CI) if a run takes more than 240 s."""
-    def boom(*_):
-        raise TimeoutError("RL run exceeded the test's 240 s deadline")
-
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(240)
-    yield
-    signal.alarm(0)
-    signal.signal(signal.SIGALRM, old)
+    with deadline_of(240, "RL run"):
+        yield
 
 
 def _check_run(run_dir, steps):
@@ -106,6 +97,5 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path, small, deadline):
     driver.main(None, resume=str(part), overrides=["rl.steps=4"])
     a, b = read_metrics(full), read_metrics(part)
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
-    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(TIMING_KEYS)}  # noqa: E731
-    assert [strip(r) for r in a] == [strip(r) for r in b]
+    assert strip_timing(a) == strip_timing(b)
     assert any(r.get("loss", 0) != 0 for r in a[3:]), "resume equality is vacuous if nothing trains"

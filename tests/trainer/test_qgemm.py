@@ -177,3 +177,20 @@ def test_row_count_mismatch_is_an_error():
     x, w, _ = _data([32], n=32, k=32)
     with pytest.raises(ValueError, match="counts sum"):
         grouped_gemm(x, w, [16], GemmSpec("nvfp4"))
+
+
+def test_given_activation_qtensor_equals_quantizing_x():
+    """grouped_gemm(qx=...) (expert parallelism passes the dispatched QTensor) is bitwise the plain call:
+    forward and both gradients; a placeholder x only carries dtype, rows and the gradient."""
+    x, w, dy = _data([40, 0, 24], n=32, k=64)
+    spec = GemmSpec("nvfp4", grad_rounding="stochastic")
+    y, dx, dw = _run(spec, x, w, dy, [40, 0, 24], keys=(7, 3, 1, 0))
+    xb = x.bfloat16()
+    qx = quantize_activation(xb, spec)
+    placeholder = xb.new_zeros(()).expand(xb.shape).requires_grad_()
+    ww = w.clone().requires_grad_()
+    y2 = grouped_gemm(placeholder, ww, [40, 0, 24], spec, (7, 3, 1, 0), qx=qx)
+    y2.backward(dy.bfloat16())
+    assert torch.equal(y2, y) and torch.equal(placeholder.grad, dx) and torch.equal(ww.grad, dw)
+    with pytest.raises(ValueError, match="NVFP4 QTensor of x's 64 rows"):
+        grouped_gemm(xb, w, [40, 0, 24], GemmSpec("mxfp8"), qx=qx)
