@@ -53,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("train", help="run an RL fine-tuning job", description="Run an RL job from a YAML config; writes a run dir.")
-    p.add_argument("config", help="YAML job file, e.g. configs/quickstart.yaml")
+    p.add_argument("config", nargs="?", help="YAML job file, e.g. configs/quickstart.yaml (not needed with --resume)")
     p.add_argument("--out", help="run directory (default runs/<name>-<timestamp>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
     _overrides(p)
@@ -128,6 +128,9 @@ def cmd_bench(args) -> int:
 
 
 def cmd_train(args) -> int:
+    if args.config is None and args.resume is None:
+        print("rl4bit train: error: give a config (e.g. configs/quickstart.yaml) or --resume RUN_DIR", file=sys.stderr)
+        return 2
     mod = _require("rl4bit.driver", "`rl4bit train` (the RL loop)")
     return mod.main(args.config, out=args.out, resume=args.resume, overrides=args.override)
 
