@@ -43,7 +43,7 @@ from rl4bit.trainer.ep_codec import S2F6_REL_BOUND, dispatch_row_bytes
 from rl4bit.trainer_group import TrainerGroup
 
 from .fsdp_workers import batches, run_single, tiny_cfg
-from .test_fsdp import GROUP_TIMEOUT_S, _buckets, _initial_state, _update_err
+from .test_fsdp import GROUP_TIMEOUT_S, _buckets, _initial_state, _update_err, resume_and_step
 
 BASE = ["model.dtype=bfloat16", "recipe.stochastic_requant=false", "recipe.high_precision_tail=0"]
 EP2 = ["trainer.world_size=2", "trainer.expert_parallel=2"]
@@ -122,14 +122,7 @@ def test_ep_fsdp_bf16_combine_matches_one_process_syncs_bitwise_and_resumes(one_
         e = index["tensors"][key]
         assert e["sharded"] and e["shape"][0] == 4 and e["rows"] == [[0, 2], [2, 2]], key  # the EP slices, rank order
 
-    resumed = TrainerGroup(cfg, 2, timeout_s=GROUP_TIMEOUT_S)
-    try:
-        get(resumed.setup_rl())
-        meta = resumed.load_checkpoint(tmp_path)
-        m_resumed = get(resumed.train_step(data[1]))
-        sd_resumed = get(resumed.full_state_dict())
-    finally:
-        resumed.shutdown()
+    meta, m_resumed, sd_resumed = resume_and_step(cfg, tmp_path, data[1])
     assert meta["data"] == {"pos": 3} and meta["step"] == 1
     assert m_resumed == m_second
     for k in sd:

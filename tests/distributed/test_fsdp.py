@@ -39,6 +39,19 @@ SR_NOISE_FACTOR = 1.5
 GROUP_TIMEOUT_S = 180.0
 
 
+def resume_and_step(cfg, run_dir, batch):
+    """A fresh 2-rank group loads the latest sharded checkpoint of run_dir and trains one step on batch:
+    (checkpoint meta, the step's metrics, the full state dict after it)."""
+    group = TrainerGroup(cfg, 2, timeout_s=GROUP_TIMEOUT_S)
+    try:
+        get(group.setup_rl())
+        meta = group.load_checkpoint(run_dir)
+        metrics = get(group.train_step(batch))
+        return meta, metrics, get(group.full_state_dict())
+    finally:
+        group.shutdown()
+
+
 def _update_err(a: dict, b: dict, init: dict) -> float:
     a, b, init = ({k: v.detach().cpu().double() for k, v in d.items()} for d in (a, b, init))
     num = sum(float((a[k] - b[k]).norm() ** 2) for k in init)
@@ -131,14 +144,7 @@ def test_sharded_checkpoint_resumes_exactly_and_sr_run_stays_within_sr_noise(tmp
     assert experts["sharded"] and experts["rows"] == [[0, 2], [2, 2]]  # 4 experts: 2 per rank
     assert index["tensors"]["optim.model.layers.0.mlp.experts.gate_up_proj.exp_avg"]["rows"] == [[0, 2], [2, 2]]
 
-    resumed = TrainerGroup(cfg, 2, timeout_s=GROUP_TIMEOUT_S)
-    try:
-        get(resumed.setup_rl())
-        meta = resumed.load_checkpoint(tmp_path)
-        m_resumed = get(resumed.train_step(data[1]))
-        sd_resumed = get(resumed.full_state_dict())
-    finally:
-        resumed.shutdown()
+    meta, m_resumed, sd_resumed = resume_and_step(cfg, tmp_path, data[1])
 
     assert meta["data"] == {"pos": 7} and meta["step"] == 1
     assert m_resumed == m_straight
