@@ -25,12 +25,12 @@ and only FP16 has the subnormals the bit trick needs.
 
 Batch invariance (the trainer forward, sampler prefill and decode call this
 same kernel): a program owns BLOCK_M rows of ONE expert (rows of other experts
-are masked to zero), K is walked from 0 up in steps of BLOCK_K = 64 (fixed,
-no split-K), and each output element is one chain of k16 MMAs into its FP32
-accumulator, so row m's bits depend on row m, the weights and the config only.
-Two configs exist (``DECODE`` for R <= DECODE_MAX_ROWS: mma.sync, one warp,
-x decoded once by a small kernel instead of by every warp; ``TRAIN`` above:
-wgmma); they differ only in tiles, warps and stages, and the GPU test
+are masked to zero), K is walked from 0 up (no split-K), and each output
+element is one chain of k16 MMAs into its FP32 accumulator, so row m's bits
+depend on row m and the weights only. Two configs exist (``DECODE`` for few
+rows, see ``pick_config``: mma.sync, x decoded once by a small kernel instead
+of by every warp; ``TRAIN`` above: wgmma); they differ only in tiles, K step,
+warps and stages, and the GPU test
 ``test_gpu_configs_and_decodes_bitwise_equal`` checks that they give the same
 bits. If it fails on some GPU, set ``TWO_CONFIGS = False`` (TRAIN for every M).
 
@@ -55,7 +55,9 @@ import triton.language as tl
 from rl4bit.kernels.formats_triton import e2m1_value, e4m3_value
 
 BLOCK_K = 64
-"""K step of every config: fixed, so the K order (and the bits) never depend on M."""
+"""Default K step of a loop iteration. The bits do not depend on it: each output element is one chain of k16
+MMAs in K order whatever the step (a larger step loads more K per iteration, more bytes in flight); the GPU test
+checks that configs with different steps give the same bits."""
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,16 @@ class Config:
     predecode_x: bool = False
     """Decode x to FP16 once (a small kernel) instead of in every program: with few rows, every warp
     of an mma.sync program would otherwise re-decode the whole x tile."""
+    block_k: int = BLOCK_K
+    """K loaded per loop iteration (a multiple of 16); the k16 MMA chain, hence the bits, is the same for any."""
 
 
-DECODE = Config(block_m=16, block_n=32, num_warps=1, num_stages=4, predecode_x=True)
+DECODE = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=True, block_k=256)
+DECODE_SHORT_K = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=True, block_k=64)
+"""DECODE for K < DECODE_LONG_K (a 256 step would leave a few loop iterations to pipeline). Both from
+``scripts/sweep_decode_gemm.py`` on the H200 (64 configs, all bitwise equal to TRAIN): dense M=1 K=4096
+N=14336 50.1 -> 30.2 µs against the previous 16x32 one-warp tile; Qwen3-30B-A3B down (K=768) 62.8 -> 59.6 µs."""
+DECODE_LONG_K = 2048
 TRAIN = Config(block_m=128, block_n=128, num_warps=8, num_stages=3)
 DECODE_MAX_ROWS = 64
 """R at or below this runs DECODE (R = all rows of the call, so one call uses one config)."""
@@ -94,8 +103,22 @@ GPU_DECODE = "asm"
 """The decode compiled kernels use ("bits" if the PTX ever misbehaves: same values, ~10% more instructions)."""
 
 
-def pick_config(rows: int) -> Config:
-    return DECODE if TWO_CONFIGS and rows <= DECODE_MAX_ROWS else TRAIN
+DECODE_MAX_ROWS_PER_GROUP = 16
+"""Grouped calls with at most this many rows per expert on average (MoE decode: a few tokens over many
+experts) also run DECODE: TRAIN's 128-row tiles would be almost all masked rows."""
+
+
+def pick_config(rows: int, groups: int = 1, k: int = DECODE_LONG_K) -> Config:
+    """DECODE (DECODE_SHORT_K below K = DECODE_LONG_K) for few rows (R <= DECODE_MAX_ROWS, or at most
+    DECODE_MAX_ROWS_PER_GROUP rows an expert), else TRAIN.
+
+    The choice depends on the call's shape only; both configs give the same bits per row (GPU-tested), so a
+    row's result does not depend on which one ran.
+    """
+    few = rows <= DECODE_MAX_ROWS or rows <= DECODE_MAX_ROWS_PER_GROUP * groups
+    if not (TWO_CONFIGS and few):
+        return TRAIN
+    return DECODE if k >= DECODE_LONG_K else DECODE_SHORT_K
 
 
 # ---------------------------------------------------------------- tile map (shared with mxfp8_gemm_triton)
@@ -325,7 +348,7 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
     """y [R, N] in out_dtype = grouped dequant(qx) @ dequant(qw[e])ᵀ; rows of expert e contiguous (counts[e]).
 
     counts: list of ints or an int tensor [E] (a device tensor keeps the call free of host syncs).
-    config: the tile config (default: ``pick_config(R)``). decode: "asm" (GPU default), "bits" (the same
+    config: the tile config (default: ``pick_config(R, E, K)``). decode: "asm" (GPU default), "bits" (the same
     bit trick in Triton ops; interpreter default) or "f32" (plain decode): the same values either way.
     """
     rows, k, groups, n = grouped_shapes(qx, qw, "nvfp4", "grouped_nvfp4")
@@ -335,7 +358,7 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
         raise ValueError(f"decode={decode!r} is not one of {tuple(DECODES)}")
     if decode == "asm" and interpret():
         raise ValueError("decode='asm' is inline PTX and cannot run under TRITON_INTERPRET=1; use 'bits' or 'f32'")
-    cfg = config or pick_config(rows)
+    cfg = config or pick_config(rows, groups, k)
     cmap = tile_map(as_counts(counts, groups, dev), rows, cfg.block_m, dev)
     n_tiles = cmap.shape[1]
     y = alloc_out(rows, n, out_dtype, dev)
@@ -350,6 +373,6 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
     _nvfp4_grouped_kernel[(n_tiles, triton.cdiv(n, cfg.block_n))](
         xd, xs, xh, row_outer(qx.outer, rows),
         _words(qw.data), qw.scale.contiguous().view(torch.uint8), group_outer(qw.outer, groups),
-        y, cmap, n_tiles, n, k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=BLOCK_K,
+        y, cmap, n_tiles, n, k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DECODE=DECODES[decode], X_F16=cfg.predecode_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.to(out_dtype)

@@ -292,7 +292,9 @@ def test_gpu_configs_and_decodes_bitwise_equal():
     qx, qw = _nvfp4_operands(200, 2048, 1536, 8, seed=13)
     counts = _routing(200, 8, seed=14)
     ref = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=qg.TRAIN)
-    for cfg in (qg.DECODE, qg.Config(16, 32, 4, 4), qg.Config(64, 64, 4, 3), qg.TRAIN):
+    for cfg in (qg.DECODE, qg.DECODE_SHORT_K, qg.Config(16, 32, 4, 4), qg.Config(64, 64, 4, 3), qg.TRAIN,
+                qg.Config(16, 16, 1, 8, True, block_k=256), qg.Config(16, 64, 2, 4, True, block_k=128),
+                qg.Config(128, 128, 8, 3, block_k=128)):
         for decode in qg.DECODES:
             got = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=cfg, decode=decode)
             assert_bitwise_equal(got, ref, f"{cfg} decode={decode} vs TRAIN asm")

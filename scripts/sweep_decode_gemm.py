@@ -1,0 +1,98 @@
+"""Tile sweep of the NVFP4 grouped GEMM at decode shapes (GPU): µs per config, and whether its bits equal TRAIN's.
+
+    source scripts/device_env.sh && python3 -P scripts/sweep_decode_gemm.py [--out DIR]
+
+Why a sweep and not autotuning: the bits of the kernel do not depend on the
+tile config (each output is one k16 MMA chain in K order), but a config is
+only safe to pick if that holds on the GPU at hand, so every candidate is
+checked bitwise against TRAIN on the same operands before it is timed. The
+winner is written into ``kernels/qgemm_triton.py::DECODE`` by hand, and
+``tests/kernels/test_qgemm_triton.py`` re-checks it.
+
+Shapes: the issue-6 decode targets (dense K=4096 N=14336 at M = 1, 4, 16;
+Qwen3-30B-A3B experts gate_up / down at 1 and 16 tokens, top-8 of 128) and
+the bench model's experts (16 x 1536 x 2048, top-4). Timing as ``rl4bit
+bench gemm``: CUDA graph of rotating weight copies (beyond the L2), median.
+
+Leaves out: the activation quantize (timed by bench gemm), TRAIN-shape tiles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import torch
+
+from rl4bit.bench_gemm import _copies, _routing, _time_us, _weights, copy_gbps
+from rl4bit.kernels import quantize, qgemm_triton as qg
+from rl4bit.trainer.qgemm import GemmSpec, quantize_activation
+
+SHAPES = [("dense", 1, 4096, 14336, 1), ("dense", 1, 4096, 14336, 4), ("dense", 1, 4096, 14336, 16),
+          ("a3b gate_up", 128, 2048, 1536, 1), ("a3b gate_up", 128, 2048, 1536, 16),
+          ("a3b down", 128, 768, 2048, 16), ("bench gate_up", 16, 2048, 1536, 16)]
+TOP_K = {128: 8, 16: 4}
+
+
+def candidates() -> list[qg.Config]:
+    out = [qg.DECODE]
+    for bn, warps, stages, bk in itertools.product((16, 32, 64), (1, 2, 4), (3, 5, 8), (64, 128, 256)):
+        if warps > 1 and bn // warps < 16 and bn < 32:
+            continue
+        out.append(qg.Config(16, bn, warps, stages, True, block_k=bk))
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", help="directory for sweep_decode_gemm.json")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args()
+    dev = "cuda"
+    gbps = copy_gbps(dev, args.reps)
+    spec = GemmSpec("nvfp4")
+    results = []
+    for name, e, k, n, m in SHAPES:
+        w = _weights((e, n, k), dev, 1)
+        q0 = quantize(w, "nvfp4", outer="group")
+        counts = [m] if e == 1 else _routing(m, e, TOP_K[e], seed=m)
+        rows = sum(counts)
+        touched = sum(1 for c in counts if c)
+        qx = quantize_activation(_weights((rows, k), dev, 2) * 50, spec)
+        ct = torch.tensor(counts, device=dev, dtype=torch.int32)
+        per_expert = (q0.data.numel() + q0.scale.numel()) // e
+        qws = _copies(lambda i: q0 if i == 0 else quantize(_weights((e, n, k), dev, 10 + i), "nvfp4", outer="group"),
+                      per_expert * touched, dev)
+        ref = qg.grouped_nvfp4(qx, q0, ct, torch.float32, config=qg.TRAIN)
+        floor_us = per_expert * touched / gbps / 1e3
+        label = f"{name} M={m} ({rows} rows, {touched} experts) K={k} N={n}"
+        shape_rows = []
+        for cfg in candidates() + [qg.TRAIN]:
+            try:
+                got = qg.grouped_nvfp4(qx, q0, ct, torch.float32, config=cfg)
+                same = bool(torch.equal(got.view(torch.int32), ref.view(torch.int32)))
+                us = _time_us([lambda q=q: qg.grouped_nvfp4(qx, q, ct, torch.bfloat16, config=cfg) for q in qws], dev,
+                              args.reps)
+            except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
+                shape_rows.append(dict(shape=label, config=repr(cfg), error=f"{type(err).__name__}: {err}"[:200]))
+                continue
+            shape_rows.append(dict(shape=label, config=repr(cfg), us=us, floor_us=floor_us, bitwise=same))
+        shape_rows.sort(key=lambda r: r.get("us", 1e9))
+        results += shape_rows
+        print(f"\n{label}: HBM floor {floor_us:.1f} us (copy {gbps:.0f} GB/s)")
+        for r in shape_rows[:8] + [r for r in shape_rows if r["config"] in (repr(qg.DECODE), repr(qg.TRAIN))]:
+            print(f"  {r.get('us', float('nan')):8.1f} us  bitwise={r.get('bitwise')}  {r['config']}"
+                  + (f"  {r['error']}" if "error" in r else ""))
+        bad = [r for r in shape_rows if r.get("bitwise") is False]
+        print(f"  configs not bitwise equal to TRAIN: {len(bad)} of {len(shape_rows)}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "sweep_decode_gemm.json"), "w") as f:
+            json.dump(dict(copy_gbps=gbps, rows=results), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
