@@ -57,7 +57,12 @@ def philox4x32(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     if offsets.numel() and int(offsets.min()) < 0:
         raise ValueError("philox offsets must be non-negative")
     seed = int(seed)
-    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    return philox4x32_keyed(seed & _MASK32, (seed >> 32) & _MASK32, offsets)
+
+
+def philox4x32_keyed(k0, k1, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``philox4x32`` with the key as two uint32 words (Python ints, or int64 tensors broadcastable to
+    ``offsets``: one key per row, e.g. one per sequence in the sampler). No argument checks."""
     c0 = offsets & _MASK32
     c1 = (offsets >> 32) & _MASK32
     # round 1 with c2 = c3 = 0 (its B product is 0), then the nine others

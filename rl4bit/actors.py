@@ -63,6 +63,11 @@ class _LocalProxy:
         return lambda *a, **k: _Done(fn(*[x.value if isinstance(x, _Done) else x for x in a], **k))
 
 
+def is_local(actor) -> bool:
+    """True for an actor built in this process (`local` mode): its calls run here, on the objects themselves."""
+    return isinstance(actor, _LocalProxy)
+
+
 class ActorDiedError(RuntimeError):
     """An actor process died (killed, out of memory, crashed); `actor` is its class name."""
 

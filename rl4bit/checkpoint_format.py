@@ -44,6 +44,7 @@ from safetensors.torch import save as st_save
 
 from rl4bit import ct_layout
 from rl4bit.atomic import fsync_tree, replace_dir
+from rl4bit.kernels import QTensor
 
 INDEX = "model.safetensors.index.json"
 LAYOUT = "rl4bit_layout.json"
@@ -102,20 +103,37 @@ def model_layout(model, plan: dict[str, str]) -> list[Entry]:
     return sorted(entries, key=lambda e: (e.layer is None, e.layer or 0, order[e]))
 
 
-def encode_entry(model, entry: Entry, dense_dtype=torch.bfloat16, outers: dict | None = None) -> dict[str, torch.Tensor]:
-    """The stored tensors of one weight (quantized weights: the module's own QTensors).
+def entry_value(model, entry: Entry, dense_dtype=torch.bfloat16, quantized: dict | None = None):
+    """One weight as the model computes with it: the module's own QTensor, or the dense tensor (detached).
 
-    NVFP4: the exact decode outers go into `outers[entry.name]` (-> shard metadata).
+    Dense floating-point tensors are cast to `dense_dtype` (None: kept as they
+    are, the live tensor itself, not a copy). `quantized`: an optional cache
+    {module name: module.quantized_weights()}, so a module holding several
+    weights (fused experts) is quantized once per call site, not once a weight.
     """
     module = model.get_submodule(entry.module) if entry.module else model
     if entry.fmt in ("nvfp4", "mxfp8"):
-        q = module.quantized_weights()[entry.param]
-        if q.fmt == "nvfp4" and outers is not None:
-            outers[entry.name] = ct_layout.outer_hex(q)
-        return ct_layout.encode_qtensor(entry.module, entry.param, q, fused_experts=entry.fused)
-    w = getattr(module, entry.param)
-    return ct_layout.encode_dense(entry.module, entry.param, w, fused_experts=entry.fused,
-                                  dtype=dense_dtype if w.is_floating_point() else None)
+        if quantized is None:
+            return module.quantized_weights()[entry.param]
+        if entry.module not in quantized:
+            quantized[entry.module] = module.quantized_weights()
+        return quantized[entry.module][entry.param]
+    w = getattr(module, entry.param).detach()
+    return w.to(dense_dtype) if dense_dtype is not None and w.is_floating_point() else w
+
+
+def encode_entry(model, entry: Entry, dense_dtype=torch.bfloat16, outers: dict | None = None,
+                 quantized: dict | None = None) -> dict[str, torch.Tensor]:
+    """The stored tensors of one weight (`entry_value`: quantized weights are the module's own QTensors).
+
+    NVFP4: the exact decode outers go into `outers[entry.name]` (-> shard metadata).
+    """
+    value = entry_value(model, entry, dense_dtype, quantized)
+    if isinstance(value, QTensor):
+        if value.fmt == "nvfp4" and outers is not None:
+            outers[entry.name] = ct_layout.outer_hex(value)
+        return ct_layout.encode_qtensor(entry.module, entry.param, value, fused_experts=entry.fused)
+    return ct_layout.encode_dense(entry.module, entry.param, value, fused_experts=entry.fused, dtype=None)
 
 
 def decode_entry(tensors: dict, entry: Entry, outers: dict | None = None):

@@ -5,7 +5,7 @@
         score     every completion with the configured rewards                (RewardPool actor)
         advantage group-normalized per prompt                                 (trainer.grpo)
         train     ppo_epochs optimizer steps                                  (Trainer actor)
-        sync      the new weights into every sampler                          (rl4bit.weight_sync buckets)
+        sync      the new weights into every sampler                          (rl4bit.weight_sync)
         evaluate  greedy accuracy on the eval split, every data.eval_every
         log       metrics.jsonl + TensorBoard + progress bar
         checkpoint every run.checkpoint_every steps (and at the end)
@@ -31,9 +31,17 @@ equal an uninterrupted run's (time and throughput aside).
 
 Weight sync ships what the trainer's forward computes with: the quantized
 modules' own QTensors (NVFP4 codes + scales, or MXFP8) and the other tensors
-as FP32 masters, in SHA-256-stamped buckets; samplers serve those QTensors (no
-recalibration) and switch version all-or-nothing. A rejected update stops the
-job (WeightSyncError); the samplers keep serving the previous version.
+as FP32 masters; samplers serve those QTensors (no recalibration) and switch
+version all-or-nothing. Two paths, one set of checks (`sync_weights`):
+SHA-256-stamped buckets (Ray actors, the trainer group, vLLM samplers), or,
+when the trainer (one rank) and every sampler (embedded engine) live in this
+process (`local` mode), the direct path: the trainer's device tensors handed
+to the samplers as they are (`Trainer.weight_tensors` ->
+`Sampler.apply_tensors`), bitwise the same served weights, without
+serialization, hashing or host copies. The metric `sync/direct` says which
+(1/0); `RL4BIT_WEIGHT_SYNC=buckets` forces the buckets in local mode (tests of
+the bucket protocol, benchmarks). A rejected update stops the job
+(WeightSyncError); the samplers keep serving the previous version.
 
 Sampling randomness is keyed by (run.seed, step, prompt index), so no sampler
 RNG state needs saving. Faults (tests/reliability): a Sampler actor that dies
@@ -62,7 +70,7 @@ from typing import Callable
 
 import torch
 
-from rl4bit.actors import ActorDiedError, Cluster, get, wait_alive
+from rl4bit.actors import ActorDiedError, Cluster, get, is_local, wait_alive
 from rl4bit.checkpoint import load_checkpoint, save_checkpoint
 from rl4bit.checkpoint_format import CheckpointError
 from rl4bit.config import ConfigError, JobConfig, load_config
@@ -78,7 +86,7 @@ from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer.actor import NonFiniteError, TrainBatch, Trainer
 from rl4bit.trainer.grpo import group_advantages
 from rl4bit.trainer_group import TrainerGroup
-from rl4bit.weight_sync import WeightSyncError
+from rl4bit.weight_sync import WeightSyncError, update_bytes
 
 
 JOB_ERRORS = (ActorDiedError, NonFiniteError, WeightSyncError, CheckpointError)
@@ -143,6 +151,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         pool = cluster.actor(RewardPool, specs, [r.weight for r in cfg.rewards.functions], workers=cfg.rewards.workers,
                              max_error_fraction=cfg.rewards.max_error_fraction, **limits)
         recover = SamplerRecovery(trainer, samplers, restarts)
+        direct = direct_sync(trainer, samplers)  # the path every sync_weights below takes (logged as sync/direct)
 
         start = 0
         if resume and world > 1:
@@ -204,8 +213,8 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 sync_bytes, sync_s = sync_all(trainer, samplers, recover)
                 # log (and evaluate)
                 m.update(rollout_metrics(rollouts, totals, scores, G, t_sample))
-                m.update({"sync/bytes": sync_bytes, "sync/seconds": sync_s, "time/sample_s": t_sample, "time/score_s": t_score,
-                          "time/train_s": t_train, "time/sync_s": sync_s})
+                m.update({"sync/bytes": sync_bytes, "sync/seconds": sync_s, "sync/direct": float(direct),
+                          "time/sample_s": t_sample, "time/score_s": t_score, "time/train_s": t_train, "time/sync_s": sync_s})
                 m["rollout/sampler_restarts"] = float(recover.used)
                 if step % cfg.data.eval_every == 0 or step == cfg.rl.steps:
                     m.update(evaluate(cfg, tokenizer, samplers, pool, eval_set, recover))
@@ -330,23 +339,47 @@ def generate(samplers, requests: list[Request], recover: Callable[[ActorDiedErro
                 raise
 
 
-def sync_weights(trainer, samplers) -> tuple[int, float]:
-    """Push the trainer's weights into every sampler, bucket by bucket; (bytes shipped in all, seconds).
+WEIGHT_SYNC_ENV = "RL4BIT_WEIGHT_SYNC"
+"""Environment switch: unset or `auto` (direct path where `direct_sync` allows it), `buckets` (always buckets)."""
 
-    In ray mode each bucket goes trainer -> object store -> samplers (the
-    future is passed on, never fetched here); in local mode it is a Python
-    object handed over in-process. Any failure aborts the update on every
-    sampler and raises WeightSyncError: fail-stop, the old version keeps serving.
+
+def direct_sync(trainer, samplers) -> bool:
+    """Whether `sync_weights` hands device tensors over directly: the trainer and every sampler are in-process
+    (`local` mode) actors, the trainer is one rank (not a TrainerGroup), every sampler `accepts_tensors()`."""
+    mode = os.environ.get(WEIGHT_SYNC_ENV, "auto") or "auto"
+    if mode not in ("auto", "buckets"):
+        raise ConfigError(f"{WEIGHT_SYNC_ENV}={mode!r}: use auto (direct in local mode where possible) or buckets")
+    if mode == "buckets" or isinstance(trainer, TrainerGroup) or not is_local(trainer):
+        return False
+    return all(is_local(s) for s in samplers) and all(get([s.accepts_tensors() for s in samplers]))
+
+
+def sync_weights(trainer, samplers) -> tuple[int, float]:
+    """Push the trainer's weights into every sampler; (bytes handed over in all, seconds).
+
+    Buckets: in ray mode each bucket goes trainer -> object store -> samplers
+    (the future is passed on, never fetched here). Direct (`direct_sync`: all
+    in this process): one `Trainer.weight_tensors` update, applied by each
+    sampler (`Sampler.apply_tensors`); bytes are the update's tensor bytes
+    (`update_bytes`) per sampler. Either way any failure aborts the update on
+    every sampler and raises WeightSyncError: fail-stop, the old version keeps serving.
     """
     t0 = time.perf_counter()
+    direct = direct_sync(trainer, samplers)
     version, count, layout = get(trainer.weight_header())
     shipped = 0
     try:
-        get([s.begin_update(version, count, layout) for s in samplers])
-        for i in range(count):
-            bucket = trainer.weight_bucket(i)  # a future: one bucket in flight
-            shipped += sum(get([s.receive_bucket(bucket) for s in samplers]))
-        get([s.commit_update(version) for s in samplers])
+        if direct:  # the whole update at once: one extra copy of the quantized weights, on the trainer's device
+            update, quantized = get(trainer.weight_tensors())
+            get([s.apply_tensors(update, quantized) for s in samplers])
+            shipped = len(samplers) * update_bytes(update, quantized)
+            del update, quantized
+        else:
+            get([s.begin_update(version, count, layout) for s in samplers])
+            for i in range(count):
+                bucket = trainer.weight_bucket(i)  # a future: one bucket in flight
+                shipped += sum(get([s.receive_bucket(bucket) for s in samplers]))
+            get([s.commit_update(version) for s in samplers])
     except Exception as e:
         for s in samplers:
             try:

@@ -4,6 +4,7 @@
     receivers = [ray.remote(WeightReceiver).remote(model_factory) ...]   # or in-process WeightReceiver(model)
     sync_ray(sender, receivers, version=7)                     # Ray object store
     broadcast_update(src=0, sender=... | receiver=..., version=7)   # torch.distributed (NCCL / gloo)
+    receiver.apply(*sender.tensors(version=7))                  # same process, engine target: device tensors
 
 Payload: the checkpoint's own encoding (`rl4bit.checkpoint_format` /
 `rl4bit.ct_layout`): each bucket is a safetensors blob of the stored tensors of
@@ -31,6 +32,24 @@ The RL loop (`rl4bit.driver.sync_weights`) drives the same protocol through
 actor calls: `Trainer.weight_header` / `weight_bucket`, `Sampler.begin_update`
 / `receive_bucket` / `commit_update`.
 
+In-process fast path (`WeightSender.tensors` -> `WeightReceiver.apply`; the
+driver's local mode with a single-rank trainer and embedded samplers:
+`Trainer.weight_tensors` -> `Sampler.apply_tensors`): the same values as the
+buckets (`checkpoint_format.entry_value`, the very call `encode_entry` makes:
+QTensors re-quantized from the masters with nearest rounding, dense tensors as
+the sender's live tensors) handed over as device tensors, as
+`WeightUpdate(version, dense)` + {module: {param: QTensor}}; no bytes, no
+checksums, no host staging. Dense tensors are cast to the receiver's live
+dtype exactly as a bucket's are, then `engine.update_weights(update,
+quantized)` checks everything (names, shapes, dtypes, formats, finite values;
+the receiver first checks the version is newer and that every tensor of the
+model is there) before it copies anything, and switches the version last;
+a rejection is the same WeightSyncError, and the previous version keeps
+serving. Memory: the whole update exists at once, i.e. one extra copy of the
+quantized weights on the sender's device (plus, per receiver while it applies,
+a cast copy of the dense tensors when its dtype differs from the sender's),
+where the buckets stage that copy in host memory.
+
 Leaves out: multi-node object-store tuning, NCCL-specific bucketing (the
 broadcast sends the same blobs as uint8 tensors), partial (per-layer) updates.
 """
@@ -45,7 +64,7 @@ from typing import Iterable, Iterator
 import torch
 
 from rl4bit.checkpoint_format import (CheckpointError, Entry, decode_entry, encode_entry, entries_from_json,
-                                      group_by_layer, layout_json, model_layout, pack, unpack)
+                                      entry_value, group_by_layer, layout_json, model_layout, pack, unpack)
 from rl4bit.kernels import QTensor, dequantize
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -62,6 +81,12 @@ class Bucket:
     count: int
     payload: bytes
     sha256: str
+
+
+def update_bytes(update, quantized: dict) -> int:
+    """Bytes of an in-process update (`WeightSender.tensors`): dense tensors plus QTensors (data, scale, outer)."""
+    return (sum(t.numel() * t.element_size() for t in update.tensors.values())
+            + sum(q.nbytes for params in quantized.values() for q in params.values()))
 
 
 def stored_bytes(e: Entry, dense_bytes: int = 2) -> int:
@@ -103,11 +128,36 @@ class WeightSender:
     def bucket(self, version: int, i: int) -> Bucket:
         tensors: dict[str, torch.Tensor] = {}
         outers: dict[str, list] = {}
+        quantized: dict[str, dict] = {}  # a module's weights quantized once per bucket (layers are whole in one)
         with torch.no_grad():
             for e in self.groups[i]:
-                tensors.update({k: v.cpu() for k, v in encode_entry(self.model, e, self.dense_dtype, outers).items()})
+                encoded = encode_entry(self.model, e, self.dense_dtype, outers, quantized)
+                tensors.update({k: v.cpu() for k, v in encoded.items()})
         payload = pack(tensors, outers)
         return Bucket(version, i, len(self.groups), payload, hashlib.sha256(payload).hexdigest())
+
+    def tensors(self, version: int):
+        """The whole update `version` as tensors on the model's device, for a receiver in this process.
+
+        -> (WeightUpdate(version, {state-dict name: dense tensor}), {module: {param: QTensor}}):
+        what the buckets carry, computed by the same call (`entry_value`), before
+        any encoding. Dense tensors are the live ones when `dense_dtype` is None
+        (not copies: receivers must only read them); the QTensors are new (one
+        copy of the quantized weights, held until the caller drops them).
+        """
+        from rl4bit.sampler.types import WeightUpdate
+
+        dense: dict[str, torch.Tensor] = {}
+        quantized: dict[str, dict[str, QTensor]] = {}
+        cache: dict[str, dict] = {}
+        with torch.no_grad():
+            for e in self.entries:
+                value = entry_value(self.model, e, self.dense_dtype, cache)
+                if isinstance(value, QTensor):
+                    quantized.setdefault(e.module, {})[e.param] = value
+                else:
+                    dense[e.name] = value
+        return WeightUpdate(version=version, tensors=dense), quantized
 
     def buckets(self, version: int) -> Iterator[Bucket]:
         for i in range(len(self.groups)):
@@ -180,6 +230,34 @@ class WeightReceiver:
         self.version = version
         return version
 
+    def apply(self, update, quantized: dict) -> int:
+        """Apply an in-process update (`WeightSender.tensors`) to an engine target, all-or-nothing; its version.
+
+        The fast path beside begin/receive/commit: the same checks and the same
+        switch (see the module docstring), without bytes or checksums. Only
+        for targets with `update_weights` (engines): a plain model takes buckets.
+        """
+        self._staging = None  # a whole update supersedes any half-staged bucket update
+        version = getattr(update, "version", None)
+        if not hasattr(self.target, "update_weights"):
+            self._fail(f"update v{version} as tensors needs an engine target (update_weights); send buckets")
+        if not isinstance(version, int) or version <= self.serving_version():
+            self._fail(f"update v{version} is not newer than the serving v{self.serving_version()}; "
+                       "stamp updates with increasing policy versions")
+        try:
+            apply = _Apply(self.target, self.model)
+            for name, value in update.tensors.items():
+                apply.add_dense(name, value)
+            for module, params in quantized.items():
+                for param, q in params.items():
+                    apply.add_quantized(module, param, q)
+            apply.check_complete()
+            apply.run(version)
+        except (KeyError, ValueError) as err:
+            self._fail(f"update v{version} does not fit this model: {err}")
+        self.version = version
+        return version
+
     def quantized(self) -> dict:
         """{module: {param: QTensor}} now served (in-process use)."""
         from rl4bit.trainer.surgery import quant_modules
@@ -248,14 +326,37 @@ class _Apply:
             value = dequantize(value, dst.dtype)
             value = value if e.fused else value.reshape(dst.shape)
         if self.engine:
-            if e.name not in self.live:
-                raise ValueError(f"{e.name}: not a tensor of the sampler's model")
-            dst = self.live[e.name]
-            src = value.to(dst.dtype)
-            self._check(dst, src, e.name, False)
-            self.engine_dense[e.name] = src
+            self.add_dense(e.name, value)
             return
         self._copy(getattr(module, e.param), value, e.name, False)
+
+    def add_dense(self, name: str, value: torch.Tensor) -> None:
+        """Engine targets: a dense tensor by state-dict name, cast to the live tensor's dtype, checked."""
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"{name}: {type(value).__name__} is not a tensor")
+        if name not in self.live:
+            raise ValueError(f"{name}: not a tensor of the sampler's model")
+        dst = self.live[name]
+        src = value.to(dst.dtype)
+        self._check(dst, src, name, False)
+        self.engine_dense[name] = src
+
+    def add_quantized(self, module: str, param: str, q: QTensor) -> None:
+        """Engine targets: a served module's QTensor (the engine checks format, shapes, dtypes and values)."""
+        if not isinstance(q, QTensor):
+            raise ValueError(f"{module}.{param}: {type(q).__name__} is not a QTensor")
+        self.engine_q.setdefault(module, {})[param] = q
+
+    def check_complete(self) -> None:
+        """Engine targets: every dense tensor and every served module's weights are in the update."""
+        from rl4bit.trainer.surgery import quant_modules
+
+        missing = sorted(set(self.live) - set(self.engine_dense))
+        missing += sorted(f"{n}.{p}" for n, m in quant_modules(self.model).items() if m.served is not None
+                          for p in m.served if p not in self.engine_q.get(n, {}))
+        if missing:
+            raise ValueError(f"the update lacks {len(missing)} tensor(s) of the model, e.g. {missing[:3]}; "
+                             "send the whole model")
 
     def run(self, version: int) -> None:
         if self.engine:

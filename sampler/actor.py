@@ -5,6 +5,7 @@
     sampler.begin_update(version, count, layout)   # the RL loop's sync (rl4bit.weight_sync protocol):
     sampler.receive_bucket(bucket)                  #   checksummed buckets of the trainer's own QTensors,
     sampler.commit_update(version)                  #   switched all-or-nothing
+    sampler.apply_tensors(update, quantized)        # or, trainer in this process: the same values as device tensors
     sampler.update_weights(WeightUpdate(version=1, tensors=state_dict))   # dense tensors by name (tests, tools)
     sampler.health()  # {"version", "tokens_generated", "tokens_per_s", "ok", ...}
 
@@ -13,14 +14,23 @@ The model's quantized modules (a model converted by the recipe, e.g.
 they hold QTensors, no master weights, and run the trainer's quantized forward
 bit for bit (`rl4bit.trainer.modules`). Updates overwrite those QTensors in place.
 
+Two ways in for the RL loop's update, one set of checks (`rl4bit.weight_sync`):
+checksummed buckets (`begin_update` / `receive_bucket` / `commit_update`:
+across processes, and every backend), or, with the trainer in this process
+and the embedded engine (`accepts_tensors()`), `apply_tensors(update,
+quantized)`: the trainer's device tensors themselves (`Trainer.weight_tensors`),
+cast to the live dtype as a bucket's are, checked whole, copied in place, then
+the version switches; a rejected update raises WeightSyncError and the previous
+version keeps serving.
+
 `local` mode builds it in-process (pdb and pytest work); `ray` mode wraps this
 same class with `ray.remote` in one place. Nothing here imports Ray.
 
 `backend: vllm` (`rl4bit.sampler.vllm_engine.VLLMEngine`): the model is exported
 once (`rl4bit.checkpoint_format.write_checkpoint`, its own QTensors) to a work
 directory that vLLM serves; the model itself stays in serving mode only as the
-name/shape reference of the weight-sync receiver. Updates take the same path
-(`begin_update` / `receive_bucket` / `commit_update`).
+name/shape reference of the weight-sync receiver. Updates take the bucket path
+only (`accepts_tensors()` is False).
 
 Leaves out: replica management (the driver holds N of these); a vLLM sampler
 holding no host copy of the model (it keeps the reference model and the
@@ -37,7 +47,7 @@ from rl4bit.config import SamplerConfig
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
 from rl4bit.trainer.surgery import load_quantized, quantized_weights
-from rl4bit.weight_sync import Bucket, WeightReceiver
+from rl4bit.weight_sync import Bucket, WeightReceiver, WeightSyncError
 
 
 def default_params(cfg: SamplerConfig, **overrides) -> SamplingParams:
@@ -96,6 +106,21 @@ class Sampler:
     def commit_update(self, version: int) -> int:
         """Switch to `version` if every bucket arrived and fits (all-or-nothing); returns the serving version."""
         return self.receiver.commit(version)
+
+    def accepts_tensors(self) -> bool:
+        """Whether `apply_tensors` may be used: the embedded engine yes; vLLM (its own copy of the weights) takes buckets."""
+        return isinstance(self.engine, EmbeddedEngine)
+
+    def apply_tensors(self, update: WeightUpdate, quantized: dict) -> int:
+        """Apply an in-process update (`Trainer.weight_tensors`: dense tensors + {module: {param: QTensor}}).
+
+        All-or-nothing through `EmbeddedEngine.update_weights`: WeightSyncError
+        naming the problem leaves the previous version serving. Returns the serving version.
+        """
+        if not self.accepts_tensors():
+            raise WeightSyncError(f"sampler.backend={self.config.backend} takes weight updates as buckets only "
+                                  f"(begin_update / receive_bucket / commit_update); v{self.version} keeps serving")
+        return self.receiver.apply(update, quantized)
 
     def abort_update(self, reason: str = "aborted by the driver") -> None:
         self.receiver.abort(reason)

@@ -7,8 +7,8 @@ the others) end to end into one [1, T] row with explicit position ids, runs
 the model's own forward with the attention/experts plug-ins of kv_cache.py
 (per-sequence attention over a preallocated KV slot, GEMMs padded to
 MIN_ROWS), computes the logits of each sequence's last token (padded to
-MIN_ROWS rows for lm_head) and samples per sequence with its own
-torch.Generator (sampling.py). Finished sequences leave the batch and free
+MIN_ROWS rows for lm_head) and samples every row at once, each with its own
+noise key (sampling.py, noise.py). Finished sequences leave the batch and free
 their slot; waiting ones are admitted as slots free up.
 
 Batch invariance: every operation is row-local with shapes that depend only on
@@ -56,7 +56,8 @@ class _Seq:
     request: Request
     sample_index: int
     params: SamplingParams
-    generator: torch.Generator | None
+    noise_key: int | None
+    """Philox key of this sample's noise (from the request seed and sample index); None when greedy."""
     stop_ids: set[int]
     max_new: int
     slot: int = -1
@@ -145,14 +146,13 @@ class EmbeddedEngine:
 
     def _new_seq(self, out_index: int, req: Request, i: int) -> _Seq:
         p = req.params
-        gen = None
+        key = None
         if p.temperature > 0:
             seed = p.seed if p.seed is not None else self._rng.getrandbits(62)
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(derive_seed(seed, i) & (2**63 - 1))
+            key = derive_seed(seed, i) & (2**63 - 1)
         max_new = min(p.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
-        return _Seq(out_index, req, i, p, gen, stop_ids, max_new,
+        return _Seq(out_index, req, i, p, key, stop_ids, max_new,
                     pending=list(req.prompt_ids))
 
     def _forward(self, seqs: list[_Seq], tokens_per_seq: list[list[int]], starts: list[int], rows: list[int]):
@@ -190,7 +190,8 @@ class EmbeddedEngine:
         logits = self._forward(seqs, toks, starts, rows)
         if not prefill:
             self.decode_steps += 1
-        tokens, lps, plps = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens, lps, plps = sample_rows(logits, [s.params for s in seqs], [s.noise_key for s in seqs],
+                                        [len(s.completion) for s in seqs])
         for s, token, lp, plp in zip(seqs, tokens, lps, plps):
             if s.n_cached == 0:
                 self.prompt_tokens += len(s.pending)

@@ -12,9 +12,12 @@ is what the trainer recomputes. `processed_logprobs` is the log-distribution
 actually sampled from: top-k, then top-p, then min-p on the temperature-scaled
 distribution, renormalised (-inf outside the kept set).
 
-Sampling uses the exponential-race form of the categorical draw: token =
-argmax(p / E) with E ~ Exp(1) drawn from the sequence's own torch.Generator,
-which is exactly a draw from p and needs one random vector per token.
+Sampling uses the Gumbel-max form of the categorical draw: token =
+argmax(log p + G) with G standard Gumbel noise (the exponential race
+argmax(p / E) in log form), exactly a draw from p. The noise of row i is keyed
+by the sequence's 64-bit key and its token index (`noise.py`: counter-based
+Philox), so it depends on nothing else in the batch, and one kernel draws it
+for every row.
 
 Leaves out: repetition/frequency penalties, logit bias, beam search.
 Matches the truncation order of vLLM/HF (top-k, top-p, min-p).
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from rl4bit.sampler.noise import gumbel_noise
 from rl4bit.sampler.types import SamplingParams
 
 
@@ -66,26 +70,28 @@ def processed_logprobs(logits: torch.Tensor, params: SamplingParams) -> torch.Te
     return torch.log_softmax(logp.masked_fill(~keep, float("-inf")), dim=-1)
 
 
-def sample_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None):
+def sample_token(logits: torch.Tensor, params: SamplingParams, key: int | None, step: int = 0):
     """Draw one token from one logits row [V]: (token id, policy logprob, processed logprob or None).
 
+    key: the sequence's noise key (None for greedy), step: its token index.
     Temperature 0 is greedy: the argmax of the raw logits (first index on ties),
     no randomness consumed.
     """
-    tokens, lps, plps = sample_rows(logits[None], [params], [generator])
+    tokens, lps, plps = sample_rows(logits[None], [params], [key], [step])
     return tokens[0], lps[0], plps[0]
 
 
-def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: list):
-    """Draw one token per row of logits [B, V] (row i under params[i], generators[i]).
+def sample_rows(logits: torch.Tensor, params: list[SamplingParams], keys: list, steps: list[int]):
+    """Draw one token per row of logits [B, V] (row i under params[i], noise key keys[i] at token index steps[i]).
 
-    Same result per row as `sample_token`, with the row-wise parts batched and
-    one host sync. Returns (tokens, policy logprobs, processed logprobs or None) lists.
+    Same result per row as `sample_token`, with the row-wise parts batched (the
+    noise of all sampled rows is one draw, `noise.gumbel_noise`) and one host
+    sync. Returns (tokens, policy logprobs, processed logprobs or None) lists.
     """
     logits = logits.float()
     temps = torch.tensor([effective_temperature(p.temperature) for p in params], device=logits.device)
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    scores = logp.clone()  # what argmax draws from: processed logp minus log E, or the raw logits (greedy)
+    scores = logp.clone()  # what argmax draws from: processed logp plus Gumbel noise, or the raw logits (greedy)
     proc_rows = {}
     for i, p in enumerate(params):
         truncates = p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
@@ -93,11 +99,18 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], generators: 
             scores[i] = logits[i]
         elif truncates:
             scores[i] = proc_rows.setdefault(i, processed_logprobs(logits[i], p))
-        if p.temperature > 0:
-            noise = torch.empty(logits.shape[1], device=logits.device).exponential_(1.0, generator=generators[i])
-            scores[i] -= noise.log()
         if p.processed_logprobs and i not in proc_rows:
             proc_rows[i] = processed_logprobs(logits[i], p) if truncates else logp[i]
+    drawn = [i for i, p in enumerate(params) if p.temperature > 0]
+    if drawn:
+        if any(keys[i] is None for i in drawn):
+            raise ValueError("sample_rows: a row with temperature > 0 needs a noise key")
+        noise = gumbel_noise([keys[i] for i in drawn], [steps[i] for i in drawn], logits.shape[1], logits.device)
+        if len(drawn) == len(params):
+            scores += noise
+        else:
+            idx = torch.tensor(drawn, device=logits.device)
+            scores[idx] += noise
     tokens = torch.argmax(scores, dim=-1)
     lps = logp.gather(1, tokens[:, None])[:, 0]
     plps = {i: row[tokens[i]] for i, row in proc_rows.items() if params[i].processed_logprobs}

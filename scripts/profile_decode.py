@@ -1,6 +1,9 @@
 """Profile the embedded engine's generate on the bench's 1B Qwen3-MoE (BF16 and NVFP4 weights): top ops by time.
 
-    python -P scripts/profile_decode.py --device cuda --batch 64 --new 16
+    python -P scripts/profile_decode.py --device cuda --batch 64 --new 16 [--temperature 1.0]
+
+Prints per recipe the decode ms/step, the number of kernel launches and host syncs per decode step, and the
+top ops by device time and by host time.
 """
 
 import argparse
@@ -21,10 +24,11 @@ def main() -> None:
     a.add_argument("--prompt", type=int, default=128)
     a.add_argument("--new", type=int, default=16)
     a.add_argument("--rows", type=int, default=25)
+    a.add_argument("--temperature", type=float, default=0.0, help="0: greedy; RL samples at 1.0")
     args = a.parse_args()
     model = build_model(args.model, args.prompt + args.new + 1, torch.bfloat16, args.device)
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
-    reqs = [Request(str(i), r.tolist(), SamplingParams(temperature=0.0, max_new_tokens=args.new)) for i, r in enumerate(prompts)]
+    reqs = [Request(str(i), r.tolist(), SamplingParams(temperature=args.temperature, max_new_tokens=args.new, seed=i)) for i, r in enumerate(prompts)]
     for name, m in (("bf16", model), ("nvfp4", nvfp4_model(model))):
         eng = EmbeddedEngine(m, _NullTokenizer(), max_batch_size=args.batch, device=args.device,
                              max_seq_len=args.prompt + args.new + 1, max_prefill_tokens=args.batch * args.prompt)
@@ -38,6 +42,12 @@ def main() -> None:
                 torch.cuda.synchronize()
         print(f"\n### {name}: prefill {eng.prefill_s:.3f} s, decode {eng.decode_s:.3f} s over {eng.decode_steps} steps "
               f"= {1e3 * eng.decode_s / max(eng.decode_steps, 1):.1f} ms/step")
+        events = prof.key_averages()
+        steps = max(eng.decode_steps + 1, 1)
+        launches = sum(e.count for e in events if e.key in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx"))
+        syncs = sum(e.count for e in events if "Synchronize" in e.key)
+        print(f"per step (prefill + decode steps = {steps}): {launches / steps:.0f} kernel launches, "
+              f"{syncs / steps:.1f} host syncs")
         key = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))

@@ -8,6 +8,7 @@ A plain class (Ray wraps it in `rl4bit.actors`; `local` mode calls it directly):
     metrics = trainer.train_step(batch)        # a TrainBatch of one RL step's rollouts
     version, count, layout = trainer.weight_header()   # weight sync (rl4bit.weight_sync), then
     bucket = trainer.weight_bucket(i)                  #   bucket i of 0..count-1, for the samplers
+    update, quantized = trainer.weight_tensors()       # or, samplers in this process: the same values as tensors
 
 Numerics. Logprobs are recomputed through the embedded sampler's own
 batch-invariant forward (`sequence_logprobs`: sequences packed end to end in
@@ -20,8 +21,9 @@ trainer's logprobs equal the sampler's bitwise and `mismatch/k3` is exactly 0
 quantized modules (`rl4bit.trainer.surgery`) hold FP32 master weights; AdamW
 updates them in place. The weight sync ships what the forward computes with:
 the quantized modules' QTensors and every other tensor as its FP32 master
-(see `weight_bucket`). With `model.dtype: bfloat16` the forward runs under
-bf16 autocast.
+(see `weight_bucket`; `weight_tensors` hands the same values over as device
+tensors to samplers in this process). With `model.dtype: bfloat16` the forward
+runs under bf16 autocast.
 
 Per RL step: `ppo_epochs` optimizer steps over all rollouts, each accumulating
 micro-batches of at most `trainer.tokens_per_microbatch` tokens; epoch 0's
@@ -450,6 +452,26 @@ class Trainer:
         with gathered(self.model, names), full_experts(self.model, names):  # every rank: all-gathers
             bucket = self._sender.bucket(self.version, index)
         return bucket if self.rank == 0 else None
+
+    def weight_tensors(self):
+        """The update of the current version as tensors on this trainer's device (one process, world == 1).
+
+        -> (WeightUpdate(version, {state-dict name: dense tensor}), {module: {param: QTensor}}),
+        for samplers in the same process (`Sampler.apply_tensors`, the driver's
+        direct path): the values `weight_bucket` would ship, computed by the same
+        call (`WeightSender.tensors` -> `checkpoint_format.entry_value`: QTensors
+        re-quantized from the FP32 masters with nearest rounding, dense tensors
+        the FP32 masters), never serialized or checksummed. The dense tensors
+        are the live parameters themselves (receivers only copy from them); the
+        QTensors are one new copy of the quantized weights, freed when the
+        caller drops the update.
+        """
+        if self.world != 1:
+            raise RuntimeError(f"weight_tensors on a sharded trainer (world {self.world}): its weights are spread "
+                               "over ranks; sync through weight_header / weight_bucket")
+        if self._sender is None:
+            self.weight_header()
+        return self._sender.tensors(self.version)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The model's full tensors on rank 0, None elsewhere (collectives: every rank calls it; tests and exports)."""

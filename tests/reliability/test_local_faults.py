@@ -127,6 +127,7 @@ def _run_capturing_samplers(cfg, run_dir, monkeypatch, on_step=None):
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_bad_sync_bucket_stops_the_job_and_the_samplers_keep_their_version(tmp_path, monkeypatch, damage):
+    monkeypatch.setenv(driver.WEIGHT_SYNC_ENV, "buckets")  # local mode syncs directly unless told otherwise
     cfg = load_config(QUICKSTART, CFG)
     state = {"armed": False}
     real = Trainer.weight_bucket
@@ -253,15 +254,19 @@ def test_k_non_finite_steps_in_a_row_stop_the_job(tmp_path, monkeypatch, capsys,
 # --------------------------------------------------------------------------- a sampler dying, as the driver sees it
 
 
-def test_sampler_deaths_mid_rollout_and_mid_sync_are_recovered(tmp_path, reference, monkeypatch):
+@pytest.mark.parametrize("sync_call,sync_path", [("receive_bucket", "buckets"), ("apply_tensors", "auto")])
+def test_sampler_deaths_mid_rollout_and_mid_sync_are_recovered(tmp_path, reference, monkeypatch, sync_call, sync_path):
     """The driver's recovery logic without Ray: a sampler call raises ActorDiedError (what `get` raises for a dead
-    Ray actor) once mid-rollout (step 1) and once mid-sync (step 2). The restarted-sampler path of the real thing
-    is tests/reliability/test_actor_faults.py; here the job must finish with every metric of the reference run."""
+    Ray actor) once mid-rollout (step 1) and once mid-sync (step 2), on either sync path. The restarted-sampler path
+    of the real thing is tests/reliability/test_actor_faults.py; here the job must finish with every metric of the
+    reference run."""
     from rl4bit.actors import ActorDiedError
     from rl4bit.sampler.actor import Sampler
 
-    plan = {"generate": 2, "receive_bucket": 3}  # the 2nd generate (step 1's rollouts); one bucket a sync: the 3rd is step 2's
-    seen = {"generate": 0, "receive_bucket": 0}
+    monkeypatch.setenv(driver.WEIGHT_SYNC_ENV, sync_path)
+    # the 2nd generate (step 1's rollouts); one bucket (or one direct update) a sync: the 3rd is step 2's
+    plan = {"generate": 2, sync_call: 3}
+    seen = dict.fromkeys(plan, 0)
     real = {name: getattr(Sampler, name) for name in plan}
 
     def dying(name):
@@ -279,5 +284,6 @@ def test_sampler_deaths_mid_rollout_and_mid_sync_are_recovered(tmp_path, referen
     driver.run(cfg, run_dir)
     records = read_metrics(run_dir)
     assert [r["rollout/sampler_restarts"] for r in records[1:]] == [1.0, 2.0, 2.0]
-    drop = lambda rs: [{k: v for k, v in r.items() if k not in ("rollout/sampler_restarts", "sync/bytes")} for r in strip_timing(rs)]  # noqa: E731
+    drop = lambda rs: [{k: v for k, v in r.items() if k not in ("rollout/sampler_restarts", "sync/bytes", "sync/direct")}  # noqa: E731
+                       for r in strip_timing(rs)]
     assert drop(records) == drop(read_metrics(reference))

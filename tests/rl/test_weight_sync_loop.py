@@ -1,4 +1,5 @@
-"""The RL loop's weight sync (driver.sync_weights, local mode): quantized bytes, bitwise serving, k3 == 0, fail-stop.
+"""The RL loop's weight sync (driver.sync_weights, local mode, forced onto buckets): quantized bytes, bitwise
+serving, k3 == 0, fail-stop. The direct in-process path local mode takes by default: tests/test_sync_direct.py.
 
 Run: /work/venv-probe/bin/python -P -m pytest tests/rl/test_weight_sync_loop.py -q
 """
@@ -11,7 +12,7 @@ from safetensors.torch import load
 
 from rl4bit.actors import Cluster
 from rl4bit.config import load_config
-from rl4bit.driver import sync_weights
+from rl4bit.driver import WEIGHT_SYNC_ENV, sync_weights
 from rl4bit.models import build_policy_model
 from rl4bit.sampler.actor import Sampler
 from rl4bit.sampler.types import Request, SamplingParams
@@ -59,7 +60,8 @@ def _rollouts_and_train(trainer, sampler, seed):
     return trainer.train_step(batch)
 
 
-def test_nvfp4_sync_ships_quantized_tensors_and_k3_stays_zero(tmp_path, small):
+def test_nvfp4_sync_ships_quantized_tensors_and_k3_stays_zero(tmp_path, small, monkeypatch):
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, "buckets")  # the bucket protocol, corrupt buckets included
     # experts a bit wider than `small`'s, so they (not safetensors headers) dominate the bytes, as in real models
     cfg = load_config(QUICKSTART, small + ["ray.mode=local", "rl.ppo_epochs=1", "model.num_experts=8",
                                            "model.expert_intermediate_size=64"])
