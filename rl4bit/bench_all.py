@@ -17,11 +17,13 @@ Leaves out: `comm` (expert-parallel all-to-all; it needs several processes and
 is its own `rl4bit bench comm`), `ce` (the loss kernel bench).
 
     rl4bit bench all --device cuda --out results/h200
+    rl4bit bench all --device cuda --sections rollout,step --new-tokens 128 --steps 3   # a shorter workload
 """
 
 from __future__ import annotations
 
 import importlib
+import inspect
 import json
 import time
 import traceback
@@ -34,13 +36,16 @@ from rl4bit.atomic import atomic_write_text
 SECTIONS = ("kernels", "gemm", "train", "rollout", "sync", "step")
 
 
-def _call(name: str, device: str, quick: bool, out: str | None) -> dict:
+def _call(name: str, device: str, quick: bool, out: str | None, options: dict) -> dict:
+    """Run section `name`, passing it those of `options` (steps, new_tokens, batches) its `run` takes."""
     mod = importlib.import_module(f"rl4bit.bench_{name}")
     sub = str(Path(out) / name) if out else None
     if sub:
         Path(sub).mkdir(parents=True, exist_ok=True)
+    params = inspect.signature(mod.run).parameters
+    kwargs = {k: v for k, v in options.items() if v is not None and k in params}
     t0 = time.perf_counter()
-    res = mod.run(device=device, quick=quick, out=sub)
+    res = mod.run(device=device, quick=quick, out=sub, **kwargs)
     return {"ok": True, "seconds": time.perf_counter() - t0, "result": res}
 
 
@@ -101,6 +106,10 @@ def _rows_step(res) -> list[tuple]:
     if q.get("peak_gib"):
         rows.append(("RL job peak GPU memory (nvfp4)", f"{q['peak_gib']:.1f} GiB", f"bf16 {b['peak_gib']:.1f} GiB",
                      q["peak_gib"] / b["peak_gib"], "<= 0.6"))
+        for k, qm in (q.get("memory_gib") or {}).items():  # where the peak comes from
+            bm = b["memory_gib"][k]
+            rows.append((f"  RL job {k.replace('_', ' ')} (nvfp4)", f"{qm:.1f} GiB", f"bf16 {bm:.1f} GiB",
+                         qm / bm if bm else None, None))
     return rows
 
 
@@ -108,13 +117,24 @@ SUMMARY = {"kernels": _rows_kernels, "gemm": _rows_gemm, "train": _rows_train, "
            "sync": _rows_sync, "step": _rows_step}
 
 
-def run(device: str = "cuda", quick: bool = False, out: str | None = None, sections=SECTIONS) -> dict:
-    """Every section, then the summary table; all results in out/bench_all.json."""
+def run(device: str = "cuda", quick: bool = False, out: str | None = None, sections=SECTIONS, steps: int | None = None,
+        new_tokens: int | None = None, batches: list[int] | None = None) -> dict:
+    """Every section (or those named), then the summary table; all results in out/bench_all.json.
+
+    steps, new_tokens, batches: passed to the sections that take them (step: RL steps and new tokens; rollout:
+    new tokens and batch sizes); None keeps each section's default (the issues' workloads).
+    """
+    if isinstance(sections, str):
+        sections = tuple(x.strip() for x in sections.split(",") if x.strip())
+    unknown = [x for x in sections if x not in SECTIONS]
+    if unknown:
+        raise ValueError(f"bench all: unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    options = dict(steps=steps, new_tokens=new_tokens, batches=batches)
     results: dict[str, dict] = {}
     for name in sections:
         print(f"\n=== rl4bit bench {name} ({device}{', quick' if quick else ''}) ===", flush=True)
         try:
-            results[name] = _call(name, device, quick, out)
+            results[name] = _call(name, device, quick, out, options)
         except ModuleNotFoundError as e:
             results[name] = {"ok": False, "error": f"not available here: {e}"}
         except BaseException as e:  # SystemExit from a section's own checks, too: report and go on

@@ -36,6 +36,7 @@ from rl4bit.atomic import atomic_write_text
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu-h200.yaml"
 PHASES = ("sample", "score", "train", "sync")
+PHASE_MEMORY = ("memory/sample_peak_gib", "memory/train_peak_gib", "memory/sync_peak_gib")
 
 
 def _overrides(quick: bool, device: str, steps: int, new_tokens: int) -> list[str]:
@@ -62,13 +63,17 @@ def run_job(config: Path, recipe: str, overrides: list[str]) -> dict:
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-") as d:
         records = [r for r in run(cfg, create_run_dir(cfg, Path(d) / "run")) if r.get("step", 0) >= 1]
-    peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    # The driver resets the allocator's peak per phase (memory/*_peak_gib), so the RL steps' peak is the largest
+    # phase peak of any step (model build and setup before step 1 are not in it; their allocations stay counted).
+    peak = max((r[k] for r in records for k in PHASE_MEMORY if k in r), default=None) if cuda else None
+    phase_peaks = {k.split("/")[1]: max(r.get(k, 0.0) for r in records) for k in ("memory/step_start_gib", *PHASE_MEMORY)}
     # The first step compiles kernels and fills caches; the last one also runs the final evaluation.
     timed = records[1:-1] if len(records) >= 3 else (records[1:] or records)
     mean = {p: statistics.fmean(r[f"time/{p}_s"] for r in timed) for p in PHASES}
     mean["step"] = statistics.fmean(r["time/step_s"] for r in timed)
     tokens = statistics.fmean(r.get("rollout/tokens_per_s", 0.0) for r in timed)
     return {"recipe": recipe, "steps_timed": len(timed), "seconds": mean, "rollout_tok_s": tokens, "peak_gib": peak,
+            "memory_gib": phase_peaks if cuda else None,
             "reward": statistics.fmean(r["reward/mean"] for r in records)}
 
 
@@ -90,6 +95,9 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, confi
           f"{q['rollout_tok_s'] / b['rollout_tok_s'] if b['rollout_tok_s'] else float('nan'):>12.2f}  (nvfp4/bf16)")
     if q["peak_gib"] is not None:
         print(f"{'peak GPU GiB':<22}{q['peak_gib']:>12.1f}{b['peak_gib']:>12.1f}{q['peak_gib'] / b['peak_gib']:>12.2f}  (nvfp4/bf16)")
+        for k in q["memory_gib"]:
+            qm, bm = q["memory_gib"][k], b["memory_gib"][k]
+            print(f"{'  ' + k:<22}{qm:>12.1f}{bm:>12.1f}{qm / bm if bm else float('nan'):>12.2f}")
     result = {"device": device, "config": str(config), "quick": quick, "rows": rows,
               "step_speedup": b["seconds"]["step"] / q["seconds"]["step"],
               "peak_ratio": q["peak_gib"] / b["peak_gib"] if q["peak_gib"] else None}

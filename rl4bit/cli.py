@@ -70,7 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Benchmarks: " + "; ".join(f"{k}: {v[1]}" for k, v in BENCHES.items()))
     p.add_argument("what", choices=list(BENCHES))
     p.add_argument("config", nargs="?", help="job config (step, soak; default configs/gpu-h200.yaml for step)")
-    p.add_argument("--steps", type=int, help="RL steps (step, soak)")
+    p.add_argument("--steps", type=int, help="RL steps (step, soak, all)")
+    p.add_argument("--new-tokens", type=int, help="generated tokens a sequence (rollout, step, all)")
+    p.add_argument("--batches", help="comma-separated batch sizes (rollout, all)")
+    p.add_argument("--sections", help="comma-separated sections of `all` (default: all of them)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--quick", action="store_true", help="small shapes, for smoke runs on a CPU")
     p.add_argument("--out", help="directory for plots and JSON results")
@@ -115,7 +118,9 @@ def cmd_bench(args) -> int:
     mod = _require(module, f"`rl4bit bench {args.what}` ({what})")
     kwargs = dict(device=_device(args.device), quick=args.quick, out=args.out)
     params = inspect.signature(mod.run).parameters
-    for name in ("config", "steps"):
+    if args.batches:
+        args.batches = [int(x) for x in args.batches.split(",")]
+    for name in ("config", "steps", "new_tokens", "batches", "sections"):
         value = getattr(args, name)
         if value is None:
             continue

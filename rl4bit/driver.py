@@ -75,7 +75,7 @@ from rl4bit.checkpoint import load_checkpoint, save_checkpoint
 from rl4bit.checkpoint_format import CheckpointError
 from rl4bit.config import ConfigError, JobConfig, load_config
 from rl4bit.kernels.philox import derive_seed
-from rl4bit.metrics import MetricsLogger, plot, read_metrics
+from rl4bit.metrics import MetricsLogger, PhasePeaks, plot, read_metrics
 from rl4bit.models import build_policy_model
 from rl4bit.parity_stats import live_parity_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
@@ -179,16 +179,21 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
             logger.log(0, evaluate(cfg, tokenizer, samplers, pool, eval_set, recover))
 
         step = start
+        peaks = PhasePeaks()  # per-phase peak GPU memory where this process holds the GPU (local mode)
         try:
             for step in range(start + 1, cfg.rl.steps + 1):
                 t_step = time.perf_counter()
+                mem: dict = {}
+                peaks.step_start(mem)
                 # sample
+                peaks.start()
                 t0 = time.perf_counter()
                 prompts = stream.next(cfg.rl.prompts_per_step)
                 requests = [_request(cfg, tokenizer, p, n=cfg.rl.samples_per_prompt, seed=derive_seed(cfg.run.seed, step, i), rid=f"{step}-{i}")
                             for i, p in enumerate(prompts)]
                 rollouts = generate(samplers, requests, recover)
                 t_sample = time.perf_counter() - t0
+                peaks.end("sample", mem)
                 # score
                 t0 = time.perf_counter()
                 G = cfg.rl.samples_per_prompt
@@ -206,11 +211,16 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                     advantages=adv.tolist(),
                 )
                 # train
+                peaks.start()
                 t0 = time.perf_counter()
                 m = get(trainer.train_step(batch))
                 t_train = time.perf_counter() - t0
+                peaks.end("train", mem)
                 # sync
+                peaks.start()
                 sync_bytes, sync_s = sync_all(trainer, samplers, recover)
+                peaks.end("sync", mem)
+                m.update(mem)
                 # log (and evaluate)
                 m.update(rollout_metrics(rollouts, totals, scores, G, t_sample))
                 m.update({"sync/bytes": sync_bytes, "sync/seconds": sync_s, "sync/direct": float(direct),

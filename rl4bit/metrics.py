@@ -19,6 +19,8 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
 from rl4bit.atomic import atomic_write_text
 
 STEP_KEYS = (
@@ -29,8 +31,33 @@ STEP_KEYS = (
     "sync/direct", "time/sample_s", "time/score_s", "time/train_s", "time/sync_s", "time/step_s",
 )
 """Logged every RL step."""
+MEMORY_KEYS = ("memory/step_start_gib", "memory/sample_peak_gib", "memory/train_peak_gib", "memory/sync_peak_gib")
+"""Logged every RL step when this process holds the GPU (local mode on CUDA): allocated GiB at the start of the
+step (weights, optimizer state, KV cache) and the allocator's peak within each phase (`PhasePeaks`)."""
 EVAL_KEYS = ("eval/accuracy", "eval/reward_mean", "time/eval_s")
 """Logged before the first step and every data.eval_every steps."""
+
+class PhasePeaks:
+    """Peak CUDA memory of this process per phase of a step: `start()` resets the allocator's peak, `end(name, m)`
+    stores it as m["memory/{name}_peak_gib"]. A no-op where this process has not touched CUDA (Ray mode: the
+    actors hold the GPUs; CPU runs)."""
+
+    @staticmethod
+    def _on() -> bool:
+        return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def step_start(self, m: dict) -> None:
+        if self._on():
+            m["memory/step_start_gib"] = torch.cuda.memory_allocated() / 2**30
+
+    def start(self) -> None:
+        if self._on():
+            torch.cuda.reset_peak_memory_stats()
+
+    def end(self, name: str, m: dict) -> None:
+        if self._on():
+            m[f"memory/{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+
 
 PLOTS = {
     "reward": ["reward/mean"],

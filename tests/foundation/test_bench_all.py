@@ -3,11 +3,15 @@ and a section that cannot run is reported without stopping the others."""
 
 import json
 
+import pytest
+
 from rl4bit import bench_all
 from rl4bit.cli import main
 
 
-def test_bench_all_runs_sections_and_reports_missing_ones(tmp_path, capsys):
+def test_bench_all_runs_sections_and_reports_missing_ones(tmp_path, capsys, monkeypatch):
+    # a section whose module is missing here (as `sync` is without Ray) is reported, the others run
+    monkeypatch.setattr(bench_all, "SECTIONS", (*bench_all.SECTIONS, "nonexistent"))
     res = bench_all.run(device="cpu", quick=True, out=str(tmp_path), sections=("step", "nonexistent"))
     assert res["sections"]["step"]["ok"]
     assert not res["sections"]["nonexistent"]["ok"]
@@ -26,3 +30,8 @@ def test_bench_all_runs_sections_and_reports_missing_ones(tmp_path, capsys):
 def test_bench_cli_rejects_arguments_a_bench_does_not_take(capsys):
     assert main(["bench", "kernels", "some.yaml", "--device", "cpu", "--quick"]) == 2
     assert "takes no config" in capsys.readouterr().err
+
+
+def test_bench_all_rejects_unknown_sections():
+    with pytest.raises(ValueError, match="unknown section.*'stp'.*choose from"):
+        bench_all.run(device="cpu", quick=True, sections="stp,rollout")
