@@ -22,6 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
+NO_SPECIALIZE = "row counts, tile counts and Philox seeds"
+"""Kernel arguments marked ``do_not_specialize``: Triton compiles a variant per (value % 16 == 0, value == 1) of
+every integer argument, and these change every RL step (sequence lengths, routing, SR seeds), so a step could
+hit a fresh variant and stall on a compile (seconds) at random. They only bound masks or seed the generator,
+so the divisibility facts buy no vectorization; K and N (fixed per layer) stay specialized. Bits are unchanged:
+specialization never changes arithmetic."""
+
 _FLAGS: dict = {}
 
 

@@ -86,7 +86,7 @@ def _mx_step(a_ptr, sa_ptr, a_rows, amask, b_ptr, sb_ptr, b_rows, bmask, k0, ken
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_tiles'])  # see formats_triton.NO_SPECIALIZE
 def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC, KR,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr,
                     INTERPRET: tl.constexpr):
@@ -111,7 +111,7 @@ def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC,
                  mask=rmask[:, None] & nmask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['RP'])  # see formats_triton.NO_SPECIALIZE
 def _mx_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, seg_ptr, P, Q, RP,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr,
                      INTERPRET: tl.constexpr):

@@ -90,7 +90,7 @@ def _sq_err(ax3, r, s_val, s_dec, R: tl.constexpr, G: tl.constexpr):
     return tl.reshape(t, [R, G])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['R', 'rows_per_amax', 'seed_lo', 'seed_hi'])  # see formats_triton.NO_SPECIALIZE
 def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, R, K, rows_per_amax,
                   seed_lo, seed_hi, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ROW_AMAX: tl.constexpr,
                   FOUR_SIX: tl.constexpr, STOCHASTIC: tl.constexpr, EVEN: tl.constexpr):

@@ -137,7 +137,7 @@ def as_counts(counts, groups: int, device):
     return c
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])  # see formats_triton.NO_SPECIALIZE
 def _tile_map_kernel(counts_ptr, map_ptr, E, T, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, T_BLOCK: tl.constexpr):
     """map[:, t] = (expert, first row, end row) of row tile t, or (-1, 0, 0) past the last tile."""
     ei = tl.arange(0, E_PAD)
@@ -251,7 +251,7 @@ def _decode_tile(words, scales, R: tl.constexpr, BK: tl.constexpr, DECODE: tl.co
     return v
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['R'])  # see formats_triton.NO_SPECIALIZE
 def _predecode_kernel(xd_ptr, xs_ptr, xh_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                       DECODE: tl.constexpr):
     """xh [R, K] FP16 = _decode_tile of x, stored in the decode's own (permuted-within-8) K order."""
@@ -267,7 +267,7 @@ def _predecode_kernel(xd_ptr, xs_ptr, xh_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK
     tl.store(xh_ptr + r * K + kk[None, :], _decode_tile(xp, xs, BLOCK_R, BLOCK_K, DECODE), mask=rm & (kk < K)[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_tiles'])  # see formats_triton.NO_SPECIALIZE
 def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr, y_ptr, map_ptr, n_tiles, N, K,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           DECODE: tl.constexpr, X_F16: tl.constexpr):

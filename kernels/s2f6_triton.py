@@ -47,7 +47,7 @@ def _signs(seed_lo, seed_hi):
     return 1.0 - 2.0 * (bits & 1).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['R', 'seed_lo', 'seed_hi'])  # see formats_triton.NO_SPECIALIZE
 def _s2f6_quant_kernel(x_ptr, data_ptr, scale_ptr, flag_ptr, R, K, seed_lo, seed_hi,
                        BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RHT: tl.constexpr):
     pid_r = tl.program_id(0)
@@ -76,7 +76,7 @@ def _s2f6_quant_kernel(x_ptr, data_ptr, scale_ptr, flag_ptr, R, K, seed_lo, seed
              tl.reshape(e, [BLOCK_R, G]).to(tl.uint8), mask=smask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['R', 'seed_lo', 'seed_hi'])  # see formats_triton.NO_SPECIALIZE
 def _s2f6_dequant_kernel(data_ptr, scale_ptr, out_ptr, R, K, seed_lo, seed_hi,
                          BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, HAS_RHT: tl.constexpr):
     pid_r = tl.program_id(0)

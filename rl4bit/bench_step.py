@@ -74,6 +74,7 @@ def run_job(config: Path, recipe: str, overrides: list[str]) -> dict:
     tokens = statistics.fmean(r.get("rollout/tokens_per_s", 0.0) for r in timed)
     return {"recipe": recipe, "steps_timed": len(timed), "seconds": mean, "rollout_tok_s": tokens, "peak_gib": peak,
             "memory_gib": phase_peaks if cuda else None,
+            "per_step_s": {p: [round(r[f"time/{p}_s"], 3) for r in records] for p in ("sample", "train", "sync")},
             "reward": statistics.fmean(r["reward/mean"] for r in records)}
 
 
@@ -93,6 +94,8 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, confi
         print(f"{p + ' s':<22}{qs:>12.3f}{bs:>12.3f}{bs / qs if qs else float('nan'):>12.2f}")
     print(f"{'rollout tok/s':<22}{q['rollout_tok_s']:>12.0f}{b['rollout_tok_s']:>12.0f}"
           f"{q['rollout_tok_s'] / b['rollout_tok_s'] if b['rollout_tok_s'] else float('nan'):>12.2f}  (nvfp4/bf16)")
+    for p in ("sample", "train"):
+        print(f"{p + ' s, every step':<22}{q['per_step_s'][p]} / {b['per_step_s'][p]}")
     if q["peak_gib"] is not None:
         print(f"{'peak GPU GiB':<22}{q['peak_gib']:>12.1f}{b['peak_gib']:>12.1f}{q['peak_gib'] / b['peak_gib']:>12.2f}  (nvfp4/bf16)")
         for k in q["memory_gib"]:
