@@ -1,6 +1,7 @@
 """Tile sweep of the NVFP4 grouped GEMM at decode shapes (GPU): µs per config, and whether its bits equal TRAIN's.
 
     source scripts/device_env.sh && python3 -P scripts/sweep_decode_gemm.py [--out DIR]
+    python3 -P scripts/sweep_decode_gemm.py --train     # the training-shape (TRAIN) tiles instead
 
 Why a sweep and not autotuning: the bits of the kernel do not depend on the
 tile config (each output is one k16 MMA chain in K order), but a config is
@@ -34,6 +35,8 @@ SHAPES = [("dense", 1, 4096, 14336, 1), ("dense", 1, 4096, 14336, 4), ("dense", 
           ("a3b gate_up", 128, 2048, 1536, 1), ("a3b gate_up", 128, 2048, 1536, 16),
           ("a3b down", 128, 768, 2048, 16), ("bench gate_up", 16, 2048, 1536, 16)]
 TOP_K = {128: 8, 16: 4}
+TRAIN_SHAPES = [("a3b gate_up", 128, 2048, 1536, 4096), ("a3b down", 128, 768, 2048, 4096)]
+"""(name, E, K, N, tokens): training micro-batch shapes (tokens x top-k routed rows)."""
 
 
 def candidates() -> list[qg.Config]:
@@ -45,16 +48,27 @@ def candidates() -> list[qg.Config]:
     return out
 
 
+def train_candidates() -> list[qg.Config]:
+    out = [qg.TRAIN]
+    for bm, bn, warps, stages, bk in itertools.product((64, 128), (64, 128, 256), (4, 8), (3,), (64, 128)):
+        if bm * bn >= 128 * 256 and warps == 4:
+            continue
+        out.append(qg.Config(bm, bn, warps, stages, False, block_k=bk))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", help="directory for sweep_decode_gemm.json")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--train", action="store_true", help="sweep the TRAIN tiles on training shapes")
     args = p.parse_args()
     dev = "cuda"
     gbps = copy_gbps(dev, args.reps)
     spec = GemmSpec("nvfp4")
     results = []
-    for name, e, k, n, m in SHAPES:
+    shapes, configs = (TRAIN_SHAPES, train_candidates()) if args.train else (SHAPES, candidates() + [qg.TRAIN])
+    for name, e, k, n, m in shapes:
         w = _weights((e, n, k), dev, 1)
         q0 = quantize(w, "nvfp4", outer="group")
         counts = [m] if e == 1 else _routing(m, e, TOP_K[e], seed=m)
@@ -69,7 +83,7 @@ def main() -> int:
         floor_us = per_expert * touched / gbps / 1e3
         label = f"{name} M={m} ({rows} rows, {touched} experts) K={k} N={n}"
         shape_rows = []
-        for cfg in candidates() + [qg.TRAIN]:
+        for cfg in configs:
             try:
                 got = qg.grouped_nvfp4(qx, q0, ct, torch.float32, config=cfg)
                 same = bool(torch.equal(got.view(torch.int32), ref.view(torch.int32)))
@@ -83,7 +97,8 @@ def main() -> int:
         results += shape_rows
         print(f"\n{label}: HBM floor {floor_us:.1f} us (copy {gbps:.0f} GB/s)")
         for r in shape_rows[:8] + [r for r in shape_rows if r["config"] in (repr(qg.DECODE), repr(qg.TRAIN))]:
-            print(f"  {r.get('us', float('nan')):8.1f} us  bitwise={r.get('bitwise')}  {r['config']}"
+            tflops = 2.0 * rows * k * n / r["us"] / 1e6 if "us" in r else float("nan")
+            print(f"  {r.get('us', float('nan')):8.1f} us {tflops:6.0f} TFLOP/s  bitwise={r.get('bitwise')}  {r['config']}"
                   + (f"  {r['error']}" if "error" in r else ""))
         bad = [r for r in shape_rows if r.get("bitwise") is False]
         print(f"  configs not bitwise equal to TRAIN: {len(bad)} of {len(shape_rows)}")
