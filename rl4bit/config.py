@@ -148,6 +148,10 @@ class TrainerConfig:
     combine: Literal["rht_s2f6", "mxfp8", "bf16"] = "rht_s2f6"
     """Format of the expert-parallel combine all-to-all: rht_s2f6 (8.25 bits/value), mxfp8 (8.25), bf16
     (lossless under bf16 autocast; lossy when model.dtype=float32)."""
+    recompute: bool = False
+    """Activation recomputation: keep only each decoder layer's input for the backward and re-run the layer's
+    forward there (`rl4bit.trainer.recompute`). Less activation memory for about one more forward of compute;
+    gradients are bitwise the same. Single-rank trainers only (not yet combined with FSDP2)."""
 
     def validate(self, path: str) -> None:
         if self.lr <= 0:
@@ -161,6 +165,9 @@ class TrainerConfig:
             raise ConfigError(f"{path}.expert_parallel: {self.expert_parallel} with world_size={self.world_size}; "
                               f"expert parallelism spans the whole trainer group: set {path}.world_size="
                               f"{self.expert_parallel} or {path}.expert_parallel=1")
+        if self.recompute and self.world_size > 1:
+            raise ConfigError(f"{path}.recompute: not supported with world_size={self.world_size} yet (FSDP2 with "
+                              f"recomputation is untested here); set {path}.recompute=false or {path}.world_size=1")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"{path}.device: {self.device!r}; valid: auto, cpu, cuda, cuda:N")
 

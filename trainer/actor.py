@@ -247,6 +247,10 @@ class Trainer:
             shard_experts(self.model, None, combine=t.combine)  # the EP group is the whole (default) group
         if self.cfg.rl.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
+        if t.recompute:
+            from rl4bit.trainer.recompute import enable_recompute
+
+            enable_recompute(self.model)  # after the reference copy: its forward runs without gradients anyway
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         groups = [self.params]
         if self.world > 1:

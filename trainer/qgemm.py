@@ -249,6 +249,10 @@ def _mxfp8_backward(dy, xt: QTensor, wt: QTensor, lay: _Layout, spec: GemmSpec, 
     return dx, dw
 
 
+def _qparts(q: QTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.data, q.scale, q.outer
+
+
 class GroupedQGemm(torch.autograd.Function):
     """y = grouped x @ Wᵀ under one GemmSpec; `keys` = (seed, step, layer, call) for the backward's random bits.
 
@@ -275,13 +279,16 @@ class GroupedQGemm(torch.autograd.Function):
         qw = quantize_weight(w, spec)
         y = grouped_forward(qx, qw, counts, x.dtype)
         if spec.fmt == "nvfp4":
-            ctx.qx, ctx.qw = qx, qw
+            # as saved tensors (not ctx attributes): activation recomputation and saved-tensor hooks see them
+            ctx.save_for_backward(*_qparts(qx), *_qparts(qw))
+            ctx.q_meta = (qx.shape, qw.shape)
             _count(qx.nbytes, x.shape[0])
         else:
             lay = _layout(counts, x.device)
-            ctx.qxt = quantize(_pad_rows(x.detach(), lay).t().contiguous(), "mxfp8")
-            ctx.save_for_backward(w)
-            _count(ctx.qxt.nbytes, x.shape[0])
+            qxt = quantize(_pad_rows(x.detach(), lay).t().contiguous(), "mxfp8")
+            ctx.save_for_backward(w, *_qparts(qxt))
+            ctx.q_meta = (qxt.shape,)
+            _count(qxt.nbytes, x.shape[0])
         return y
 
     @staticmethod
@@ -305,12 +312,15 @@ class GroupedQGemm(torch.autograd.Function):
         lay = _layout(counts, dy.device)
         if spec.fmt == "nvfp4":
             rounding = "stochastic" if spec.stochastic_requant else "nearest"
-            xt = requantize(_pad_qtensor_rows(ctx.qx, lay), seed=seeds[TENSOR_IDS["x"]], rounding=rounding)
-            wt = requantize(ctx.qw, seed=seeds[TENSOR_IDS["w"]], rounding=rounding)
-            del ctx.qx, ctx.qw
+            parts = ctx.saved_tensors
+            qx = QTensor(*parts[:3], "nvfp4", ctx.q_meta[0])
+            qw = QTensor(*parts[3:], "nvfp4", ctx.q_meta[1])
+            xt = requantize(_pad_qtensor_rows(qx, lay), seed=seeds[TENSOR_IDS["x"]], rounding=rounding)
+            wt = requantize(qw, seed=seeds[TENSOR_IDS["w"]], rounding=rounding)
+            del parts, qx, qw
         else:
-            (w,) = ctx.saved_tensors
-            xt = ctx.qxt
+            w, *parts = ctx.saved_tensors
+            xt = QTensor(*parts, "mxfp8", ctx.q_meta[0])
             wt = quantize(w.detach().transpose(-1, -2).contiguous(), "mxfp8")
         dx, dw = _mxfp8_backward(dy, xt, wt, lay, spec, seeds)
         return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None

@@ -103,7 +103,10 @@ def test_sampler_killed_mid_rollout_then_trainer_killed_then_resume(tmp_path, sm
     assert driver.main(None, resume=str(killed_dir), overrides=["ray.mode=local"]) == 0
     full = tmp_path / "full"
     assert driver.main(QUICKSTART, out=str(full), overrides=cfg) == 0
-    drop = lambda rs: [{k: v for k, v in r.items() if k != "rollout/sampler_restarts"} for r in strip_timing(rs)]  # noqa: E731
+    # the resumed steps ran in local mode (direct in-process weight sync), the reference run under Ray (buckets):
+    # the sync path and its byte count differ by design; what was learned must not
+    transport = {"rollout/sampler_restarts", "sync/direct", "sync/bytes"}
+    drop = lambda rs: [{k: v for k, v in r.items() if k not in transport} for r in strip_timing(rs)]  # noqa: E731
     got, want = drop(read_metrics(killed_dir)), drop(read_metrics(full))
     assert [r["step"] for r in got] == list(range(STEPS + 1))
     assert got == want, "a killed sampler and a killed trainer must lose nothing: metrics differ from an uninterrupted run"

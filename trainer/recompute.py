@@ -1,0 +1,111 @@
+"""Activation recomputation per decoder layer (`trainer.recompute`), bit for bit the plain backward.
+
+    enable_recompute(model)   # after the recipe conversion; the Trainer does it when trainer.recompute is true
+
+Each decoder layer (every transformers ``GradientCheckpointingLayer``) runs
+under ``torch.utils.checkpoint`` (non-reentrant) when gradients are on; it is
+wrapped here rather than through transformers' ``gradient_checkpointing_enable``,
+which needs the model in training mode (the trainer keeps it in eval mode) and
+whose name changes across transformers 5.x releases. The forward keeps
+only the layer's inputs, the backward re-runs the layer's forward and
+differentiates that. Activation memory per micro-batch drops from every
+layer's saved tensors to one layer's plus the layer inputs, for a second
+forward's worth of compute.
+
+Why the gradients keep their bits: the forward is deterministic (nearest
+rounding, fixed reduction orders), and non-reentrant checkpointing keeps the
+original forward's autograd graph and only re-creates its saved tensors, so
+each quantized GEMM's backward still reads the stochastic-rounding keys its
+original forward stored (``qgemm.GroupedQGemm``: seed, step, layer, call).
+Two pieces of state could still differ on the re-run, and checkpoint's
+``context_fn`` sets both to their original-forward values for its duration
+(live values back after): the config's attention/experts implementation
+choice, which the trainer sets only around its forward
+(``model_implementations``; the re-run runs in the backward, outside it), and
+the quantized modules' call counters, which a re-run that goes to the end of
+the layer (checkpoint early stop off) would advance, shifting every later
+micro-batch's keys. tests/rl/test_recompute.py: parameters after a step are
+bitwise equal with and without recomputation (nvfp4, stochastic
+requantization, several micro-batches and epochs, early stop on and off).
+
+Leaves out: selective recomputation (attention only, experts only), CPU
+offload of the layer inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def _counters(model: nn.Module) -> list[nn.Module]:
+    """The modules whose `calls` counter keys stochastic rounding (quantized linears, experts, EP experts)."""
+    return [m for m in model.modules() if hasattr(m, "calls") and hasattr(m, "set_step")]
+
+
+IMPL_ATTRS = ("_attn_implementation", "_experts_implementation")
+"""Config attributes that pick the attention / experts functions (set by the caller's `model_implementations`
+context, which has exited when the backward re-runs a layer)."""
+
+
+class _Rewind:
+    """The forward-time state a layer's re-run must see: entering sets the SR call counters and the model config's
+    implementation choices to their values at the original forward; leaving puts the live values back."""
+
+    def __init__(self, modules: list[nn.Module], config, snapshot: tuple[list[int], dict]):
+        self.modules, self.config, self.snapshot, self.live = modules, config, snapshot, None
+
+    @staticmethod
+    def state(modules, config) -> tuple[list[int], dict]:
+        return [m.calls for m in modules], {a: getattr(config, a) for a in IMPL_ATTRS if hasattr(config, a)}
+
+    def _apply(self, state) -> None:
+        calls, impls = state
+        for m, c in zip(self.modules, calls):
+            m.calls = c
+        for a, v in impls.items():
+            setattr(self.config, a, v)
+
+    def __enter__(self):
+        self.live = self.state(self.modules, self.config)
+        self._apply(self.snapshot)
+        return self
+
+    def __exit__(self, *exc):
+        self._apply(self.live)
+        return False
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def enable_recompute(model: nn.Module) -> int:
+    """Checkpoint every decoder layer, rewinding the SR call counters on the re-run; returns the layer count."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"trainer.recompute: found no decoder layers (transformers GradientCheckpointingLayer) in "
+                         f"{type(model).__name__}; set trainer.recompute=false")
+    modules, config = _counters(model), model.config
+
+    def context_fn():
+        return contextlib.nullcontext(), _Rewind(modules, config, _Rewind.state(modules, config))
+
+    for layer in layers:
+        if getattr(layer, "_rl4bit_recompute", False):
+            continue
+        forward = layer.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+        layer.forward = checkpointed
+        layer._rl4bit_recompute = True
+    return len(layers)
