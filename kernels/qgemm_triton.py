@@ -270,7 +270,7 @@ def _predecode_kernel(xd_ptr, xs_ptr, xh_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK
 @triton.jit(do_not_specialize=['n_tiles'])  # see formats_triton.NO_SPECIALIZE
 def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr, y_ptr, map_ptr, n_tiles, N, K,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DECODE: tl.constexpr, X_F16: tl.constexpr):
+                          DECODE: tl.constexpr, X_F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(map_ptr + pid_t)
@@ -287,13 +287,15 @@ def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr
         w_rows = (e.to(tl.int64) * N + cols)[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kwm = (k0 // 8 + kw) < K // 8
-            ksm = (k0 // 16 + ks) < K // 16
-            wp = tl.load(wd_ptr + w_rows * (K // 8) + (k0 // 8 + kw)[None, :], mask=nmask[:, None] & kwm[None, :], other=0)
-            ws = tl.load(ws_ptr + w_rows * (K // 16) + (k0 // 16 + ks)[None, :], mask=nmask[:, None] & ksm[None, :], other=0)
+            kwm = ((k0 // 8 + kw) < K // 8) | EVEN_K  # EVEN_N / EVEN_K: N, K are multiples of the tile (no masks)
+            ksm = ((k0 // 16 + ks) < K // 16) | EVEN_K
+            wm = nmask[:, None] | EVEN_N
+            wp = tl.load(wd_ptr + w_rows * (K // 8) + (k0 // 8 + kw)[None, :], mask=wm & kwm[None, :], other=0)
+            ws = tl.load(ws_ptr + w_rows * (K // 16) + (k0 // 16 + ks)[None, :], mask=wm & ksm[None, :], other=0)
             if X_F16:  # x decoded once by _predecode_kernel (the small-M config: no per-warp re-decode of x)
                 kk = k0 + tl.arange(0, BLOCK_K)
-                xv = tl.load(xh_ptr + x_rows * K + kk[None, :], mask=rmask[:, None] & (kk < K)[None, :], other=0.0)
+                xv = tl.load(xh_ptr + x_rows * K + kk[None, :], mask=rmask[:, None] & ((kk < K) | EVEN_K)[None, :],
+                             other=0.0)
             else:
                 xp = tl.load(xd_ptr + x_rows * (K // 8) + (k0 // 8 + kw)[None, :], mask=rmask[:, None] & kwm[None, :],
                              other=0)
@@ -374,5 +376,6 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
         xd, xs, xh, row_outer(qx.outer, rows),
         _words(qw.data), qw.scale.contiguous().view(torch.uint8), group_outer(qw.outer, groups),
         y, cmap, n_tiles, n, k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DECODE=DECODES[decode], X_F16=cfg.predecode_x, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        DECODE=DECODES[decode], X_F16=cfg.predecode_x, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.to(out_dtype)
