@@ -25,9 +25,12 @@ import triton.language as tl
 NO_SPECIALIZE = "row counts, tile counts and Philox seeds"
 """Kernel arguments marked ``do_not_specialize``: Triton compiles a variant per (value % 16 == 0, value == 1) of
 every integer argument, and these change every RL step (sequence lengths, routing, SR seeds), so a step could
-hit a fresh variant and stall on a compile (seconds) at random. They only bound masks or seed the generator,
-so the divisibility facts buy no vectorization; K and N (fixed per layer) stay specialized. Bits are unchanged:
-specialization never changes arithmetic."""
+hit a fresh variant and stall on a compile (seconds) at random. The ones marked only bound masks or seed the
+generator, so the divisibility facts buy no vectorization. Arguments that are row pitches stay specialized
+even where they follow the token count (the requantize kernel's M, the wgrad kernel's RP: always multiples of
+32, so one variant, and the 16-byte alignment keeps vector loads and stores), as do K and N. Triton still
+types an integer argument i32 or i64 by its value, so a seeded kernel has up to four variants by seed range,
+all likely compiled in the first steps. Bits are unchanged: specialization never changes arithmetic."""
 
 _FLAGS: dict = {}
 

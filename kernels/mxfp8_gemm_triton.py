@@ -111,7 +111,7 @@ def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC,
                  mask=rmask[:, None] & nmask[None, :])
 
 
-@triton.jit(do_not_specialize=['RP'])  # see formats_triton.NO_SPECIALIZE
+@triton.jit
 def _mx_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, seg_ptr, P, Q, RP,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr,
                      INTERPRET: tl.constexpr):

@@ -133,7 +133,7 @@ def _nvfp4_tile(src_ptr, src_scale_ptr, src_outer_ptr, rows64, pid_k, K, BLOCK_M
     return ax, neg ^ _sign_byte(outer)[:, None]
 
 
-@triton.jit(do_not_specialize=['M', 'seed_lo', 'seed_hi'])  # see formats_triton.NO_SPECIALIZE
+@triton.jit(do_not_specialize=['seed_lo', 'seed_hi'])  # see formats_triton.NO_SPECIALIZE (M: output pitch)
 def _mxfp8_cols_kernel(src_ptr, src_scale_ptr, src_outer_ptr, data_ptr, scale_ptr, flag_ptr, M, K,
                        seed_lo, seed_hi, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                        SRC_NVFP4: tl.constexpr, STOCHASTIC: tl.constexpr, EVEN: tl.constexpr):

@@ -62,7 +62,8 @@ checks that configs with different steps give the same bits."""
 
 @dataclass(frozen=True)
 class Config:
-    """Tiles of one launch. None of these fields changes the K order (BLOCK_K is global)."""
+    """Tiles of one launch. None of these fields changes the K order: each output is one k16 MMA chain from K = 0
+    up, whatever the tile sizes and the K step (`block_k`)."""
 
     block_m: int
     block_n: int

@@ -33,10 +33,10 @@ from pathlib import Path
 import torch
 
 from rl4bit.atomic import atomic_write_text
+from rl4bit.metrics import MEMORY_KEYS
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu-h200.yaml"
 PHASES = ("sample", "score", "train", "sync")
-PHASE_MEMORY = ("memory/sample_peak_gib", "memory/train_peak_gib", "memory/sync_peak_gib")
 
 
 def _overrides(quick: bool, device: str, steps: int, new_tokens: int) -> list[str]:
@@ -63,10 +63,10 @@ def run_job(config: Path, recipe: str, overrides: list[str]) -> dict:
         torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-") as d:
         records = [r for r in run(cfg, create_run_dir(cfg, Path(d) / "run")) if r.get("step", 0) >= 1]
-    # The driver resets the allocator's peak per phase (memory/*_peak_gib), so the RL steps' peak is the largest
-    # phase peak of any step (model build and setup before step 1 are not in it; their allocations stay counted).
-    peak = max((r[k] for r in records for k in PHASE_MEMORY if k in r), default=None) if cuda else None
-    phase_peaks = {k.split("/")[1]: max(r.get(k, 0.0) for r in records) for k in ("memory/step_start_gib", *PHASE_MEMORY)}
+    # The driver resets the allocator's peak per phase (memory/*_peak_gib) and folds every phase, evaluation and
+    # setup into memory/job_peak_gib: the job's peak is its last value.
+    peak = max((r.get("memory/job_peak_gib", 0.0) for r in records), default=None) if cuda else None
+    phase_peaks = {k.split("/")[1]: max((r.get(k, 0.0) for r in records), default=0.0) for k in MEMORY_KEYS[:-1]}
     # The first step compiles kernels and fills caches; the last one also runs the final evaluation.
     timed = records[1:-1] if len(records) >= 3 else (records[1:] or records)
     mean = {p: statistics.fmean(r[f"time/{p}_s"] for r in timed) for p in PHASES}

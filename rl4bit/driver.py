@@ -179,7 +179,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
             logger.log(0, evaluate(cfg, tokenizer, samplers, pool, eval_set, recover))
 
         step = start
-        peaks = PhasePeaks()  # per-phase peak GPU memory where this process holds the GPU (local mode)
+        peaks = PhasePeaks(torch.device(cfg.trainer.device) if cfg.trainer.device.startswith("cuda") else None)
         try:
             for step in range(start + 1, cfg.rl.steps + 1):
                 t_step = time.perf_counter()
@@ -234,6 +234,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                         logger.warn(f"reward diverges from the reference run {cfg.parity.reference}: "
                                     f"trailing gap {m['parity/reward_gap_trailing']:+.3f} beyond {cfg.parity.threshold}")
                 m["time/step_s"] = time.perf_counter() - t_step
+                peaks.job(m)  # after the evaluation: the job's peak so far, every phase included
                 logger.log(step, m)
                 if on_step is not None:
                     on_step(step, m)

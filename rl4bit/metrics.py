@@ -31,32 +31,50 @@ STEP_KEYS = (
     "sync/direct", "time/sample_s", "time/score_s", "time/train_s", "time/sync_s", "time/step_s",
 )
 """Logged every RL step."""
-MEMORY_KEYS = ("memory/step_start_gib", "memory/sample_peak_gib", "memory/train_peak_gib", "memory/sync_peak_gib")
+MEMORY_KEYS = ("memory/step_start_gib", "memory/sample_peak_gib", "memory/train_peak_gib", "memory/sync_peak_gib",
+               "memory/job_peak_gib")
 """Logged every RL step when this process holds the GPU (local mode on CUDA): allocated GiB at the start of the
-step (weights, optimizer state, KV cache) and the allocator's peak within each phase (`PhasePeaks`)."""
+step (weights, optimizer state, KV cache), the allocator's peak within each phase, and the job's peak so far
+(every phase, evaluation, checkpoints and setup included) (`PhasePeaks`)."""
 EVAL_KEYS = ("eval/accuracy", "eval/reward_mean", "time/eval_s")
 """Logged before the first step and every data.eval_every steps."""
 
 class PhasePeaks:
-    """Peak CUDA memory of this process per phase of a step: `start()` resets the allocator's peak, `end(name, m)`
-    stores it as m["memory/{name}_peak_gib"]. A no-op where this process has not touched CUDA (Ray mode: the
-    actors hold the GPUs; CPU runs)."""
+    """Peak CUDA memory of this process per phase of a step, and of the whole job so far.
 
-    @staticmethod
-    def _on() -> bool:
+    `start()` folds the allocator's peak into the job's and resets it; `end(name, m)` stores the phase's peak as
+    m["memory/{name}_peak_gib"]; `job(m)` stores the job's peak (what ran outside the phases, e.g. evaluation,
+    included). A no-op where this process has not touched CUDA (Ray mode: the actors hold the GPUs; CPU runs).
+    `device`: the trainer's CUDA device (None: the current one).
+    """
+
+    def __init__(self, device=None):
+        self.device = device
+        self.job_peak = 0
+
+    def _on(self) -> bool:
         return torch.cuda.is_available() and torch.cuda.is_initialized()
+
+    def _fold(self) -> int:
+        self.job_peak = max(self.job_peak, torch.cuda.max_memory_allocated(self.device))
+        return self.job_peak
 
     def step_start(self, m: dict) -> None:
         if self._on():
-            m["memory/step_start_gib"] = torch.cuda.memory_allocated() / 2**30
+            m["memory/step_start_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
 
     def start(self) -> None:
         if self._on():
-            torch.cuda.reset_peak_memory_stats()
+            self._fold()
+            torch.cuda.reset_peak_memory_stats(self.device)
 
     def end(self, name: str, m: dict) -> None:
         if self._on():
-            m[f"memory/{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            m[f"memory/{name}_peak_gib"] = torch.cuda.max_memory_allocated(self.device) / 2**30
+
+    def job(self, m: dict) -> None:
+        if self._on():
+            m["memory/job_peak_gib"] = self._fold() / 2**30
 
 
 PLOTS = {

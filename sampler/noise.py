@@ -6,9 +6,11 @@ Row i's noise depends only on (keys[i], steps[i]): uint32 bits from Philox4x32-1
 (`rl4bit.kernels.philox`, first stream) keyed by the sequence's 64-bit key at
 offsets steps[i] * V + v, so token t of a sequence always sees the same noise,
 whatever else is in the batch and whatever order requests arrive in; a fixed
-request seed reproduces its samples. u = ((bits >> 8) + 0.5) * 2**-24 lies in
-(0, 1) and is exact in fp32; g = -log(-log(u)) is standard Gumbel (the
-exponential race argmax(p / E), E = -log u, in log form).
+request seed reproduces its samples. u = ((bits >> 9) + 0.5) * 2**-23: 23
+random bits plus a half fit fp32's 24-bit significand, so every u is exact and
+lies strictly inside (0, 1) (from 2**-24 to 1 - 2**-24; with 24 bits, + 0.5
+would round the top value to 1.0 and give infinite noise). g = -log(-log(u))
+is standard Gumbel (the exponential race argmax(p / E), E = -log u, in log form).
 
 Why not one torch.Generator per sequence: a generator draws for one row per
 kernel, so a decode step at batch 256 cost ~770 launches in sampling alone
@@ -28,16 +30,20 @@ from rl4bit.kernels.philox import philox4x32_keyed
 _MASK32 = 0xFFFFFFFF
 
 
+def bits_to_uniform(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 u strictly inside (0, 1) from uint32 bits (held in int64): ((bits >> 9) + 0.5) * 2**-23, exact."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * 2.0**-23
+
+
 def uniform_reference(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """fp32 [B, V] u in (0, 1) from int64 keys [B] (non-negative) and steps [B], in plain PyTorch."""
     offsets = steps.to(torch.int64)[:, None] * vocab + torch.arange(vocab, device=steps.device)
     k = keys.to(torch.int64)[:, None]
-    bits = philox4x32_keyed(k & _MASK32, (k >> 32) & _MASK32, offsets)[0]
-    return ((bits >> 8).to(torch.float32) + 0.5) * 2.0**-24
+    return bits_to_uniform(philox4x32_keyed(k & _MASK32, (k >> 32) & _MASK32, offsets)[0])
 
 
 def uniform(keys: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
-    """`uniform_reference`, by a Triton kernel on CUDA (or under TRITON_INTERPRET=1)."""
+    """`uniform_reference`; on CUDA by the Triton kernel (`noise_triton.uniform_triton`, same bits)."""
     if keys.is_cuda:
         from rl4bit.sampler.noise_triton import uniform_triton
 

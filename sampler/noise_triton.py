@@ -1,7 +1,7 @@
 """Triton kernel of `rl4bit.sampler.noise.uniform_reference`: per-row keyed Philox bits -> fp32 uniforms.
 
-Bitwise equal to the reference (integer Philox, then an exact 24-bit int -> fp32
-conversion and a multiply by a power of two); tests/sampler/test_noise.py checks
+Bitwise equal to the reference (integer Philox, then an exact 23-bit int + 0.5 ->
+fp32 conversion and a multiply by a power of two, `noise.bits_to_uniform`); tests/sampler/test_noise.py checks
 it under TRITON_INTERPRET=1 and on the GPU.
 
 Leaves out: the logs (torch does them on the result, on every device alike).
@@ -25,7 +25,7 @@ def _uniform_kernel(lo_ptr, hi_ptr, step_ptr, u_ptr, V, BLOCK: tl.constexpr):
     seed_hi = tl.load(hi_ptr + row).to(tl.uint32)
     offsets = tl.load(step_ptr + row) * V + v.to(tl.int64)
     bits = philox_bits(seed_lo, seed_hi, offsets)
-    u = ((bits >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08  # 2**-24
+    u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 2**-23: noise.bits_to_uniform
     tl.store(u_ptr + row.to(tl.int64) * V + v, u, mask=mask)
 
 

@@ -1,8 +1,8 @@
 """Token sampling as pure tensor functions over logits rows.
 
-Every operation is row-local: a row-wise log_softmax/argmax over [B, V], or a
-per-row function for truncation and for the random draw (each sequence has its
-own torch.Generator), so a sequence's sampled token and logprobs do not depend
+Every operation is row-local: a row-wise log_softmax/argmax over [B, V], a
+per-row function for truncation, and noise keyed by each sequence's own key and
+token index (noise.py), so a sequence's sampled token and logprobs do not depend
 on its batch neighbours: half of the engine's batch invariance (the other half
 is the forward, see kv_cache.py).
 

@@ -46,7 +46,8 @@ class SamplingParams:
     n: int = 1
     """Completions sampled per prompt (sample_index 0..n-1)."""
     seed: Optional[int] = None
-    """Seed of this request's randomness (sample i uses a generator seeded from (seed, i)); None: drawn from the engine's own generator."""
+    """Seed of this request's randomness (embedded engine: sample i draws its noise from a Philox key derived from
+    (seed, i), at its token index, `rl4bit.sampler.noise`; vLLM: its per-request seed); None: drawn by the engine."""
     ignore_eos: bool = False
     """Do not stop at the tokenizer's eos (stop_token_ids still stop): fixed-length rollouts for throughput benchmarks (vLLM's `ignore_eos`)."""
     processed_logprobs: bool = False

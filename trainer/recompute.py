@@ -28,6 +28,9 @@ micro-batch's keys. tests/rl/test_recompute.py: parameters after a step are
 bitwise equal with and without recomputation (nvfp4, stochastic
 requantization, several micro-batches and epochs, early stop on and off).
 
+Enable it after any deepcopy of the model (the trainer copies its reference
+model first): the rewind acts on the modules of the model it was enabled on.
+
 Leaves out: selective recomputation (attention only, experts only), CPU
 offload of the layer inputs.
 """
@@ -35,6 +38,8 @@ offload of the layer inputs.
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 
 import torch
 from torch import nn
@@ -96,16 +101,14 @@ def enable_recompute(model: nn.Module) -> int:
     def context_fn():
         return contextlib.nullcontext(), _Rewind(modules, config, _Rewind.state(modules, config))
 
+    def checkpointed(self, *args, **kwargs):
+        forward = functools.partial(type(self).forward, self)  # the class's forward: right after a deepcopy too
+        if not torch.is_grad_enabled():
+            return forward(*args, **kwargs)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
     for layer in layers:
-        if getattr(layer, "_rl4bit_recompute", False):
-            continue
-        forward = layer.forward
-
-        def checkpointed(*args, _forward=forward, **kwargs):
-            if not torch.is_grad_enabled():
-                return _forward(*args, **kwargs)
-            return checkpoint(_forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-        layer.forward = checkpointed
-        layer._rl4bit_recompute = True
+        if not getattr(layer, "_rl4bit_recompute", False):
+            layer.forward = types.MethodType(checkpointed, layer)
+            layer._rl4bit_recompute = True
     return len(layers)

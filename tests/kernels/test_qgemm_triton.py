@@ -117,6 +117,13 @@ def test_counts_tensor_equals_list():
     assert_bitwise_equal(a, b, "counts as tensor")
 
 
+def test_pick_config_routes_by_rows_per_expert_and_k():
+    assert qg.pick_config(1) is qg.DECODE and qg.pick_config(64, 1, 768) is qg.DECODE_SHORT_K
+    assert qg.pick_config(65) is qg.TRAIN
+    assert qg.pick_config(128, 128, 2048) is qg.DECODE  # MoE decode: 16 tokens x top-8 over 128 experts
+    assert qg.pick_config(32768, 128, 2048) is qg.TRAIN  # a training micro-batch
+
+
 @pytest.mark.parametrize("block_m", [16, 128])
 def test_tile_map_covers_each_row_once(block_m):
     counts = [0, 5, 16, 0, 33, 1, 0, 200]
@@ -289,8 +296,11 @@ def _routing(rows, experts, seed):
 @gpu
 def test_gpu_configs_and_decodes_bitwise_equal():
     """DECODE vs TRAIN tiles (x pre-decoded or not), PTX / Triton-ops / FP32 decodes: the same bits (TWO_CONFIGS relies on it)."""
-    qx, qw = _nvfp4_operands(200, 2048, 1536, 8, seed=13)
-    counts = _routing(200, 8, seed=14)
+    for k in (2048, 2112):  # 2112: DECODE's 256-wide K step ends on a partial tile
+        _configs_bitwise_equal(*_nvfp4_operands(200, k, 1536, 8, seed=13), _routing(200, 8, seed=14))
+
+
+def _configs_bitwise_equal(qx, qw, counts):
     ref = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=qg.TRAIN)
     for cfg in (qg.DECODE, qg.DECODE_SHORT_K, qg.Config(16, 32, 4, 4), qg.Config(64, 64, 4, 3), qg.TRAIN,
                 qg.Config(16, 16, 1, 8, True, block_k=256), qg.Config(16, 64, 2, 4, True, block_k=128),

@@ -31,7 +31,7 @@ def _trained(recipe: str, on: bool, early_stop: bool = True):
     return t, metrics
 
 
-@pytest.mark.parametrize("recipe,early_stop", [("nvfp4", True), ("nvfp4", False), ("bf16", True)])
+@pytest.mark.parametrize("recipe,early_stop", [("nvfp4", True), ("nvfp4", False), ("mxfp8", True), ("bf16", True)])
 def test_recompute_gives_the_same_bits(recipe, early_stop):
     (a, ma), (b, mb) = _trained(recipe, False), _trained(recipe, True, early_stop)
     assert recompute.decoder_layers(b.model)[0]._rl4bit_recompute

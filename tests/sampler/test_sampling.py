@@ -1,4 +1,4 @@
-"""sampling.py: truncation masks, the exponential-race draw, and row independence of sample_rows."""
+"""sampling.py: truncation masks, the Gumbel-max draw from keyed noise, and row independence of sample_rows."""
 
 from __future__ import annotations
 
