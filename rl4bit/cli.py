@@ -119,7 +119,12 @@ def cmd_bench(args) -> int:
     kwargs = dict(device=_device(args.device), quick=args.quick, out=args.out)
     params = inspect.signature(mod.run).parameters
     if args.batches:
-        args.batches = [int(x) for x in args.batches.split(",")]
+        try:
+            args.batches = [int(x) for x in args.batches.split(",")]
+        except ValueError:
+            print(f"rl4bit bench: --batches {args.batches!r}: give comma-separated batch sizes, e.g. 1,16,64",
+                  file=sys.stderr)
+            return 2
     for name in ("config", "steps", "new_tokens", "batches", "sections"):
         value = getattr(args, name)
         if value is None:

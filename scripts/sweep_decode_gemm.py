@@ -15,7 +15,10 @@ Qwen3-30B-A3B experts gate_up / down at 1 and 16 tokens, top-8 of 128) and
 the bench model's experts (16 x 1536 x 2048, top-4). Timing as ``rl4bit
 bench gemm``: CUDA graph of rotating weight copies (beyond the L2), median.
 
-Leaves out: the activation quantize (timed by bench gemm), TRAIN-shape tiles.
+``--train`` sweeps the training tiles on Qwen3-30B-A3B micro-batch shapes the
+same way (not yet run on the H200).
+
+Leaves out: the activation quantize (timed by bench gemm).
 """
 
 from __future__ import annotations

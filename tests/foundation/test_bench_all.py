@@ -35,3 +35,8 @@ def test_bench_cli_rejects_arguments_a_bench_does_not_take(capsys):
 def test_bench_all_rejects_unknown_sections():
     with pytest.raises(ValueError, match="unknown section.*'stp'.*choose from"):
         bench_all.run(device="cpu", quick=True, sections="stp,rollout")
+
+
+def test_bench_cli_names_a_bad_batches_list(capsys):
+    assert main(["bench", "rollout", "--batches", "1,x", "--device", "cpu", "--quick"]) == 2
+    assert "--batches '1,x'" in capsys.readouterr().err
