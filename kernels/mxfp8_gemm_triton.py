@@ -61,14 +61,16 @@ def _scale_value(code):
 
 @triton.jit
 def _mx_step(a_ptr, sa_ptr, a_rows, amask, b_ptr, sb_ptr, b_rows, bmask, k0, kend, LD, acc,
-             BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr):
-    """acc += A[a_rows, k0:k0+BK] @ B[b_rows, k0:k0+BK]ᵀ with MXFP8 scales; LD = row length (elements)."""
+             BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
+             EVEN_K: tl.constexpr = False):
+    """acc += A[a_rows, k0:k0+BK] @ B[b_rows, k0:k0+BK]ᵀ with MXFP8 scales; LD = row length (elements).
+    EVEN_K: the caller knows every K step is whole (no K masks)."""
     kk = k0 + tl.arange(0, BK)
-    kmask = kk < kend
+    kmask = (kk < kend) | EVEN_K
     a = tl.load(a_ptr + a_rows * LD + kk[None, :], mask=amask & kmask[None, :], other=0)
     b = tl.load(b_ptr + b_rows * LD + kk[None, :], mask=bmask & kmask[None, :], other=0)
     kb = k0 // 32 + tl.arange(0, BK // 32)
-    kbmask = kb < (kend + 31) // 32
+    kbmask = (kb < (kend + 31) // 32) | EVEN_K
     sa = _scale_value(tl.load(sa_ptr + a_rows * (LD // 32) + kb[None, :], mask=amask & kbmask[None, :], other=127).to(tl.int32))
     sb = _scale_value(tl.load(sb_ptr + b_rows * (LD // 32) + kb[None, :], mask=bmask & kbmask[None, :], other=127).to(tl.int32))
     if FP8:  # BK == 32: one block, scales applied to the FP8 partial sum
@@ -89,8 +91,9 @@ def _mx_step(a_ptr, sa_ptr, a_rows, amask, b_ptr, sb_ptr, b_rows, bmask, k0, ken
 @triton.jit(do_not_specialize=['n_tiles'])  # see formats_triton.NO_SPECIALIZE
 def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC, KR,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    """out[rows of e, :NC] = A[rows, :KR] @ B[e, :NC, :KR]ᵀ; the row tiles come from qgemm_triton.tile_map."""
+                    INTERPRET: tl.constexpr, EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False):
+    """out[rows of e, :NC] = A[rows, :KR] @ B[e, :NC, :KR]ᵀ; the row tiles come from qgemm_triton.tile_map.
+    EVEN_N / EVEN_K: NC, KR are multiples of the tile (no column / K masks; same bits)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(map_ptr + pid_t)
@@ -100,13 +103,13 @@ def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC,
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row1
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = cols < NC
+        nmask = (cols < NC) | EVEN_N
         a_rows = rows.to(tl.int64)[:, None]
         b_rows = (e.to(tl.int64) * NC + cols)[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, KR, BK):
             acc = _mx_step(a_ptr, sa_ptr, a_rows, rmask[:, None], b_ptr, sb_ptr, b_rows, nmask[:, None], k0, KR, KR,
-                           acc, BLOCK_M, BLOCK_N, FP8, BK, INTERPRET)
+                           acc, BLOCK_M, BLOCK_N, FP8, BK, INTERPRET, EVEN_K)
         tl.store(out_ptr + a_rows * NC + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=rmask[:, None] & nmask[None, :])
 
@@ -154,10 +157,11 @@ def grouped_mxfp8(qa, qb, counts, out_dtype: torch.dtype = torch.float32, *, fp8
     cmap = tile_map(as_counts(counts, groups, a.device), rows, cfg.block_m, a.device)
     out = alloc_out(rows, nc, out_dtype, a.device)
     if rows:
+        bk = 32 if fp8 else BF16_BLOCK_K
         _mx_rows_kernel[(cmap.shape[1], triton.cdiv(nc, cfg.block_n))](
             a, sa, b, sb, out, cmap, cmap.shape[1], nc, kr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            FP8=fp8, BK=32 if fp8 else BF16_BLOCK_K, INTERPRET=interpret(), num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
+            FP8=fp8, BK=bk, INTERPRET=interpret(), EVEN_N=nc % cfg.block_n == 0, EVEN_K=kr % bk == 0,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(out_dtype)
 
 
