@@ -331,15 +331,13 @@ class _Apply:
         self._copy(getattr(module, e.param), value, e.name, False)
 
     def add_dense(self, name: str, value: torch.Tensor) -> None:
-        """Engine targets: a dense tensor by state-dict name, cast to the live tensor's dtype, checked."""
+        """Engine targets: a dense tensor by state-dict name, cast to the live tensor's dtype. Shapes and values
+        are checked once, by `engine.update_weights` (one finiteness read a tensor, not two)."""
         if not isinstance(value, torch.Tensor):
             raise ValueError(f"{name}: {type(value).__name__} is not a tensor")
         if name not in self.live:
             raise ValueError(f"{name}: not a tensor of the sampler's model")
-        dst = self.live[name]
-        src = value.to(dst.dtype)
-        self._check(dst, src, name, False)
-        self.engine_dense[name] = src
+        self.engine_dense[name] = value.to(self.live[name].dtype)
 
     def add_quantized(self, module: str, param: str, q: QTensor) -> None:
         """Engine targets: a served module's QTensor (the engine checks format, shapes, dtypes and values)."""

@@ -22,7 +22,7 @@ from rl4bit.trainer.actor import TrainBatch, Trainer
 from rl4bit.trainer.surgery import quant_modules, quantized_weights
 from rl4bit.weight_sync import WeightSyncError, update_bytes
 
-from .rl.conftest import QUICKSTART, SMALL, deadline_of, strip_timing
+from .rl.conftest import QUICKSTART, SMALL, deadline_of, learned
 
 RECIPES = ["nvfp4", "bf16", "mxfp8"]
 
@@ -284,6 +284,4 @@ def test_local_run_syncs_directly_with_the_metrics_of_a_bucket_run(tmp_path, mon
     assert [r["sync/direct"] for r in steps["direct"]] == [1.0] * cfg.rl.steps
     assert [r["sync/direct"] for r in steps["buckets"]] == [0.0] * cfg.rl.steps
     assert all(r["mismatch/k3"] == 0.0 for r in steps["direct"])
-    drop = lambda rs: [{k: v for k, v in r.items() if k not in ("sync/bytes", "sync/direct")}  # noqa: E731
-                       for r in strip_timing(rs)]
-    assert drop(read_metrics(tmp_path / "direct")) == drop(read_metrics(tmp_path / "buckets"))
+    assert learned(read_metrics(tmp_path / "direct")) == learned(read_metrics(tmp_path / "buckets"))

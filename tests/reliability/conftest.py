@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ..rl.conftest import QUICKSTART, deadline_of, strip_timing  # noqa: F401 (QUICKSTART, strip_timing: for the tests)
+from ..rl.conftest import QUICKSTART, deadline_of, learned, strip_timing  # noqa: F401 (re-exported for the tests)
 from ..rl.conftest import SMALL as RL_SMALL
 
 SMALL = RL_SMALL + [

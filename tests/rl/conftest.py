@@ -32,6 +32,15 @@ def strip_timing(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(TIMING)} for r in records]
 
 
+TRANSPORT = ("sync/bytes", "sync/direct")
+"""Metrics that say how the weights travelled (direct in-process or buckets), not what was learned."""
+
+
+def learned(records: list[dict], also: tuple = ()) -> list[dict]:
+    """The records without timing, transport and the `also` keys: what two equal runs must agree on."""
+    return [{k: v for k, v in r.items() if k not in TRANSPORT and k not in also} for r in strip_timing(records)]
+
+
 @contextmanager
 def deadline_of(seconds: int, what: str):
     """Raise TimeoutError (instead of hanging CI) if the block runs more than `seconds` (SIGALRM: main thread)."""
