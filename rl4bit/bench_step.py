@@ -66,7 +66,8 @@ def run_job(config: Path, recipe: str, overrides: list[str]) -> dict:
     # The driver resets the allocator's peak per phase (memory/*_peak_gib) and folds every phase, evaluation and
     # setup into memory/job_peak_gib: the job's peak is its last value.
     peak = max((r.get("memory/job_peak_gib", 0.0) for r in records), default=None) if cuda else None
-    phase_peaks = {k.split("/")[1]: max((r.get(k, 0.0) for r in records), default=0.0) for k in MEMORY_KEYS if k != "memory/job_peak_gib"}
+    phase_peaks = {k.split("/")[1]: max((r.get(k, 0.0) for r in records), default=0.0)
+                   for k in MEMORY_KEYS if k != "memory/job_peak_gib"}
     # The first step compiles kernels and fills caches; the last one also runs the final evaluation.
     timed = records[1:-1] if len(records) >= 3 else (records[1:] or records)
     mean = {p: statistics.fmean(r[f"time/{p}_s"] for r in timed) for p in PHASES}
