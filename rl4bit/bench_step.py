@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -76,6 +77,7 @@ def run_job(config: Path, recipe: str, overrides: list[str]) -> dict:
     return {"recipe": recipe, "steps_timed": len(timed), "seconds": mean, "rollout_tok_s": tokens, "peak_gib": peak,
             "memory_gib": phase_peaks if cuda else None,
             "per_step_s": {p: [round(r[f"time/{p}_s"], 3) for r in records] for p in ("sample", "train", "sync")},
+            "mismatch": {k: [float(f"{r.get(f'mismatch/{k}', math.nan):.3g}") for r in records] for k in ("k3", "max_abs")},
             "reward": statistics.fmean(r["reward/mean"] for r in records)}
 
 
@@ -97,6 +99,8 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, confi
           f"{q['rollout_tok_s'] / b['rollout_tok_s'] if b['rollout_tok_s'] else float('nan'):>12.2f}  (nvfp4/bf16)")
     for p in ("sample", "train"):
         print(f"{p + ' s, every step':<22}{q['per_step_s'][p]} / {b['per_step_s'][p]}")
+    for k in ("k3", "max_abs"):  # sampler vs trainer logprobs of the sampled tokens
+        print(f"{k + ', every step':<22}{q['mismatch'][k]} / {b['mismatch'][k]}")
     if q["peak_gib"] is not None:
         print(f"{'peak GPU GiB':<22}{q['peak_gib']:>12.1f}{b['peak_gib']:>12.1f}{q['peak_gib'] / b['peak_gib']:>12.2f}  (nvfp4/bf16)")
         for k in q["memory_gib"]:

@@ -27,7 +27,7 @@ STEP_KEYS = (
     "reward/mean", "reward/std", "reward/errors", "reward/zero_spread_frac",
     "rollout/clipped_frac", "rollout/completion_len_mean", "rollout/completion_len_max", "rollout/prompt_len_mean",
     "rollout/tokens_per_s", "ppo/clip_frac", "ratio/mean", "ratio/min", "ratio/max", "tis/truncated_frac",
-    "mismatch/k3", "policy/entropy", "policy/version", "loss", "grad_norm", "sync/bytes", "sync/seconds",
+    "mismatch/k3", "mismatch/max_abs", "policy/entropy", "policy/version", "loss", "grad_norm", "sync/bytes", "sync/seconds",
     "sync/direct", "time/sample_s", "time/score_s", "time/train_s", "time/sync_s", "time/step_s",
 )
 """Logged every RL step."""

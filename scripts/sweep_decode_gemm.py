@@ -38,7 +38,8 @@ SHAPES = [("dense", 1, 4096, 14336, 1), ("dense", 1, 4096, 14336, 4), ("dense", 
           ("a3b gate_up", 128, 2048, 1536, 1), ("a3b gate_up", 128, 2048, 1536, 16),
           ("a3b down", 128, 768, 2048, 16), ("bench gate_up", 16, 2048, 1536, 16)]
 TOP_K = {128: 8, 16: 4}
-TRAIN_SHAPES = [("a3b gate_up", 128, 2048, 1536, 4096), ("a3b down", 128, 768, 2048, 4096)]
+TRAIN_SHAPES = [("a3b gate_up", 128, 2048, 1536, 4096), ("a3b down", 128, 768, 2048, 4096),
+                ("bench gate_up", 16, 2048, 1536, 16384), ("bench down", 16, 768, 2048, 16384)]
 """(name, E, K, N, tokens): training micro-batch shapes (tokens x top-k routed rows)."""
 
 
@@ -53,7 +54,7 @@ def candidates() -> list[qg.Config]:
 
 def train_candidates() -> list[qg.Config]:
     out = [qg.TRAIN]
-    for bm, bn, warps, stages, bk in itertools.product((64, 128), (64, 128, 256), (4, 8), (3,), (64, 128)):
+    for bm, bn, warps, stages, bk in itertools.product((64, 128), (64, 128, 256), (4, 8), (3, 4), (64, 128)):
         if bm * bn >= 128 * 256 and warps == 4:
             continue
         out.append(qg.Config(bm, bn, warps, stages, False, block_k=bk))

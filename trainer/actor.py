@@ -318,7 +318,7 @@ class Trainer:
         old: dict[int, torch.Tensor] = {}
         ref: dict[int, torch.Tensor] = {}
         sums = dict(loss=0.0, clipped=0.0, ratio_sum=0.0, tokens=0.0, tis_truncated=0.0, kl_ref_sum=0.0,
-                    entropy=0.0, k3=0.0)
+                    entropy=0.0, k3=0.0, max_abs=0.0)
         rmin, rmax, norms, skipped = math.inf, -math.inf, [], 0
         for epoch in range(rl.ppo_epochs):
             self._set_step(self.opt_steps)
@@ -342,6 +342,8 @@ class Trainer:
                 samp = _pad([batch.sampler_logprobs[i] for i in mb], self.device)[0]
                 if epoch == 0:
                     sums["k3"] += grpo.k3(samp, old_lp)[mask.bool()].sum().item()  # KL(sampler || trainer)
+                    gap = (samp - old_lp).abs()[mask.bool()]
+                    sums["max_abs"] = max(sums["max_abs"], gap.max().item() if gap.numel() else 0.0)
                 adv = torch.tensor([batch.advantages[i] for i in mb], device=self.device)
                 loss, st = grpo.ppo_clip_loss(
                     logp, old_lp, adv, mask, clip_eps=rl.clip_eps, agg=rl.loss_agg, sampler_logp=samp, tis_cap=tis_cap,
@@ -384,8 +386,9 @@ class Trainer:
         if self.world > 1:
             from rl4bit.trainer.sharding import all_reduce
 
-            keys = [k for k in sums if k != "loss"]  # the loss is already the group's
+            keys = [k for k in sums if k not in ("loss", "max_abs")]  # the loss is already the group's
             sums.update(zip(keys, all_reduce([sums[k] for k in keys])))
+            sums["max_abs"] = all_reduce([sums["max_abs"]], torch.distributed.ReduceOp.MAX)[0]
             rmin = all_reduce([rmin], torch.distributed.ReduceOp.MIN)[0]
             rmax = all_reduce([rmax], torch.distributed.ReduceOp.MAX)[0]
         ntok = max(total_tokens, 1.0)
@@ -406,6 +409,7 @@ class Trainer:
             "tis/enabled": float(tis_cap is not None),
             "kl/ref": sums["kl_ref_sum"] / nrat,
             "mismatch/k3": sums["k3"] / ntok,
+            "mismatch/max_abs": sums["max_abs"],
             "policy/entropy": sums["entropy"] / ntok,
             "train/skipped_steps": float(skipped),
             "train/lr": self.optimizer.param_groups[0]["lr"],

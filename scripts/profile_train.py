@@ -1,0 +1,91 @@
+"""Profile one RL train step of the bench job (`configs/gpu-h200.yaml`) per recipe: device time by kernel family.
+
+    source scripts/device_env.sh && python3 -P scripts/profile_train.py [--recipes nvfp4,bf16] [--new 64]
+
+Builds the job's Trainer (random init, no warm start), a synthetic TrainBatch of
+`--seqs` rollouts (prompt 12 tokens, `--new` completion tokens), runs two
+untimed train steps (compiles, allocator), then one under torch.profiler. Prints
+per recipe the step's wall time, its device time split into kernel families
+(NVFP4 GEMM, MXFP8 GEMMs, format kernels, cuBLAS/cutlass GEMMs, attention
+softmax, elementwise/other) and the top kernels, so the train phase's overhead
+of nvfp4 over bf16 can be put on named kernels.
+
+Leaves out: the sampler and weight sync (`profile_decode.py`, `bench step`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from rl4bit.config import load_config
+from rl4bit.trainer.actor import TrainBatch, Trainer
+
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu-h200.yaml"
+FAMILIES = (("nvfp4 grouped GEMM", ("_nvfp4_grouped", "_predecode", "_tile_map")),
+            ("mxfp8 GEMMs", ("_mx_rows", "_mx_wgrad")),
+            ("format kernels", ("_nvfp4_kernel", "_mxfp8_", "_requant", "_s2f6")),
+            ("cuBLAS / cutlass GEMM", ("gemm", "sm90_", "cutlass", "nvjet", "cublas")),
+            ("softmax / log_softmax", ("softmax",)),
+            ("reductions", ("reduce",)))
+
+
+def family(name: str) -> str:
+    low = name.lower()
+    for fam, keys in FAMILIES:
+        if any(k.lower() in low for k in keys):
+            return fam
+    return "elementwise / other"
+
+
+def batch(vocab: int, seqs: int, new: int) -> TrainBatch:
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(3, vocab, (seqs, 12), generator=g).tolist()
+    comps = torch.randint(3, vocab, (seqs, new), generator=g).tolist()
+    return TrainBatch(prompts, comps, [[-1.0] * new for _ in comps], [(-1.0) ** i for i in range(seqs)])
+
+
+def main() -> None:
+    a = argparse.ArgumentParser()
+    a.add_argument("--recipes", default="nvfp4,bf16")
+    a.add_argument("--seqs", type=int, default=256)
+    a.add_argument("--new", type=int, default=64)
+    a.add_argument("--rows", type=int, default=15)
+    a.add_argument("-o", "--override", action="append", default=[])
+    args = a.parse_args()
+    for recipe in args.recipes.split(","):
+        cfg = load_config(CONFIG, ["run.warmup_sft_steps=0", "ray.mode=local", f"recipe.name={recipe}",
+                                   *args.override])
+        trainer = Trainer(cfg)
+        trainer.setup_rl()
+        b = batch(len(trainer.tokenizer), args.seqs, args.new)
+        for _ in range(2):
+            trainer.train_step(b)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            trainer.train_step(b)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t0
+        kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total = sum(e.self_device_time_total for e in kernels)
+        by = defaultdict(float)
+        for e in kernels:
+            by[family(e.key)] += e.self_device_time_total
+        print(f"\n### {recipe}: train step {wall:.3f} s wall, {total / 1e6:.3f} s device")
+        for fam, us in sorted(by.items(), key=lambda kv: -kv[1]):
+            print(f"  {fam:<26}{us / 1e6:>9.3f} s  {100 * us / total:>5.1f}%")
+        print(f"  top {args.rows} kernels:")
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[: args.rows]:
+            print(f"  {e.self_device_time_total / 1e3:>10.1f} ms  {e.count:>6}x  {e.key[:90]}")
+        del trainer
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
