@@ -76,7 +76,7 @@ from rl4bit.checkpoint_format import CheckpointError
 from rl4bit.config import ConfigError, JobConfig, load_config
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.metrics import MetricsLogger, PhasePeaks, plot, read_metrics
-from rl4bit.models import build_policy_model
+from rl4bit.models import autocast_dtype, build_policy_model
 from rl4bit.parity_stats import live_parity_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
 from rl4bit.rundir import create_run_dir
@@ -146,8 +146,9 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         trainer = TrainerGroup(cfg, world, cluster=cluster) if world > 1 else cluster.actor(Trainer, cfg, num_gpus=gpu)
         builder = functools.partial(build_policy_model, cfg)
         restarts = int(getattr(cfg.ray, "sampler_restarts", 3))
+        autocast = cfg.model.dtype if autocast_dtype(cfg.model) is not None else None  # the trainer's compute dtype
         samplers = [cluster.actor(Sampler, builder, tokenizer, cfg.sampler, device=device, max_seq_len=cfg.model.max_seq_len,
-                                  num_gpus=gpu, restarts=restarts) for _ in range(cfg.sampler.replicas)]
+                                  autocast=autocast, num_gpus=gpu, restarts=restarts) for _ in range(cfg.sampler.replicas)]
         pool = cluster.actor(RewardPool, specs, [r.weight for r in cfg.rewards.functions], workers=cfg.rewards.workers,
                              max_error_fraction=cfg.rewards.max_error_fraction, **limits)
         recover = SamplerRecovery(trainer, samplers, restarts)

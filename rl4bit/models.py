@@ -82,6 +82,13 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int):
     return model
 
 
+def autocast_dtype(model_cfg) -> torch.dtype | None:
+    """The autocast dtype trainer and embedded samplers both run the policy's forward under: BF16 for
+    `model.dtype: bfloat16` (the converted model holds FP32 masters; `rl4bit.trainer.surgery`), None (no
+    autocast) for float32. One function, so the two sides cannot disagree on the compute dtype."""
+    return torch.bfloat16 if model_cfg.dtype == "bfloat16" else None
+
+
 def build_policy_model(cfg, seed: int | None = None):
     """The model as trainer and samplers hold it: `build_model` then the recipe conversion.
 

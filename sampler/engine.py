@@ -74,9 +74,14 @@ class EmbeddedEngine:
     """Batched, batch-invariant generation over `model` (a HF causal LM), in-process."""
 
     def __init__(self, model, tokenizer, *, max_batch_size: int = 64, device="cpu", max_seq_len: int | None = None,
-                 max_prefill_tokens: int = 4096, min_rows: int = MIN_ROWS):
+                 max_prefill_tokens: int = 4096, min_rows: int = MIN_ROWS, autocast: torch.dtype | None = None):
+        """autocast: run every forward under `torch.autocast(device, autocast)`, as the trainer runs its own
+        (`model.dtype: bfloat16`: FP32 master weights, BF16 compute; `rl4bit.models.autocast_dtype`), so the
+        two compute the same ops on the same values; the KV cache then holds that dtype. None: the model's
+        own parameter dtype, no autocast."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: {max_batch_size} must be >= 1")
+        self.autocast = autocast
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
         self.device = torch.device(device)
@@ -87,7 +92,7 @@ class EmbeddedEngine:
         self.min_rows = min_rows
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        dtype = next(model.parameters()).dtype
+        dtype = autocast or next(model.parameters()).dtype
         self.cache = KVCache(cfg.num_hidden_layers, max_batch_size, cfg.num_key_value_heads, self.max_seq_len,
                              head_dim, dtype, self.device)
         self.eos_ids = _eos_ids(model, tokenizer)
@@ -172,10 +177,11 @@ class EmbeddedEngine:
                             torch.tensor(tslot, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), self.min_rows)
         base = getattr(self.model, self.model.base_model_prefix)
-        hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-                      rl4bit_step=layout).last_hidden_state[0]
-        h = pad_rows(hidden[torch.tensor(rows, dtype=torch.long, device=dev)], self.min_rows)
-        return self.model.get_output_embeddings()(h)[: len(rows)].float()
+        with torch.autocast(dev.type, self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+            hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+                          rl4bit_step=layout).last_hidden_state[0]
+            h = pad_rows(hidden[torch.tensor(rows, dtype=torch.long, device=dev)], self.min_rows)
+            return self.model.get_output_embeddings()(h)[: len(rows)].float()
 
     def _step(self, active: list[_Seq]) -> None:
         t0 = time.perf_counter()

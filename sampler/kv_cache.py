@@ -159,7 +159,7 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
         probs = probs.nan_to_num(0.0)  # padded query rows are all -inf
         o = torch.matmul(probs, vc[slots])[:, :, : g * n]  # [G, Hkv, g*n, D]
-        out[0, tok] = o.reshape(G, hq, n, d).transpose(1, 2)
+        out[0, tok] = o.reshape(G, hq, n, d).transpose(1, 2).to(out.dtype)  # bf16 autocast: o bf16, q FP32 (qk-norm)
     return out, None
 
 

@@ -76,7 +76,7 @@ import torch
 from transformers import AttentionInterface
 
 from rl4bit.config import JobConfig
-from rl4bit.models import build_model
+from rl4bit.models import autocast_dtype, build_model
 from rl4bit.sampler.kv_cache import MIN_ROWS, model_implementations, pad_rows
 from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer import grpo
@@ -298,8 +298,8 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
     def _autocast(self):
-        bf16 = self.cfg.model.dtype == "bfloat16"
-        return torch.autocast(self.device.type, torch.bfloat16, enabled=bf16)
+        dtype = autocast_dtype(self.cfg.model)
+        return torch.autocast(self.device.type, dtype or torch.bfloat16, enabled=dtype is not None)
 
     def _logprobs(self, model, batch: TrainBatch, idx: list[int]):
         with self._autocast():
