@@ -11,6 +11,7 @@ imports Triton, so it works on machines without it. Spec:
 from contextlib import nullcontext
 
 from rl4bit.kernels.api import dequantize, quantize, quantize_reference, requantize
+from rl4bit.kernels.checks import NonFiniteInputError
 from rl4bit.kernels.hadamard import inverse_rht, rht
 from rl4bit.kernels.philox import derive_seed, random_bits, random_bits4
 from rl4bit.kernels.qtensor import QTensor
@@ -19,7 +20,8 @@ from rl4bit.kernels.qtensor import QTensor
 
 def deferred_checks():
     """Context manager: quantize kernels inside it skip their per-call host read of the non-finite flag
-    (so a decode step can be captured in a CUDA graph); one check at exit raises ValueError if any input
+    (so a decode step can be captured in a CUDA graph, and a training micro-batch makes one host sync for
+    them, not one per quantize); one check at exit raises NonFiniteInputError (a ValueError) if any input
     held NaN/Inf. A no-op without Triton. After `graph.replay()` call
     `rl4bit.kernels.triton_dispatch.check_deferred()`."""
     try:
@@ -30,6 +32,7 @@ def deferred_checks():
 
 
 __all__ = [
+    "NonFiniteInputError",
     "QTensor",
     "deferred_checks",
     "quantize",

@@ -45,21 +45,29 @@ def layout_problem(x, fmt: str, block: int) -> str | None:
     return None
 
 
+class NonFiniteInputError(ValueError):
+    """A quantize got NaN/Inf it cannot encode (a ValueError, so callers that catch bad input still do).
+
+    Its own class so a training step can tell "this step's numbers blew up" (skip the step) from a
+    programming or shape error (stop), on every device and whether the check ran per call or deferred."""
+
+
 def check_input(x, fmt: str, block: int, *, allow_nan: bool) -> None:
-    """Raise ValueError if x cannot be quantized to `fmt` with blocks of `block` along the last dim."""
+    """Raise ValueError if x cannot be quantized to `fmt` with blocks of `block` along the last dim
+    (NonFiniteInputError for NaN/Inf values)."""
     problem = layout_problem(x, fmt, block)
     if problem is not None:
         raise ValueError(problem)
     inf = torch.isinf(x)
     if bool(inf.any()):
-        raise ValueError(
+        raise NonFiniteInputError(
             f"{fmt}: input of shape {tuple(x.shape)} has {int(inf.sum())} Inf value(s), first at index "
             f"{_first_index(inf)}; {fmt} cannot encode Inf: find where the activations or gradients overflow"
         )
     if not allow_nan:
         nan = torch.isnan(x)
         if bool(nan.any()):
-            raise ValueError(
+            raise NonFiniteInputError(
                 f"{fmt}: input of shape {tuple(x.shape)} has {int(nan.sum())} NaN value(s), first at index "
                 f"{_first_index(nan)}; {fmt} cannot encode NaN: find where the NaN is produced"
             )

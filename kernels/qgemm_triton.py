@@ -82,7 +82,10 @@ DECODE_SHORT_K = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, prede
 ``scripts/sweep_decode_gemm.py`` on the H200 (64 configs, all bitwise equal to TRAIN): dense M=1 K=4096
 N=14336 50.1 -> 30.2 µs against the previous 16x32 one-warp tile; Qwen3-30B-A3B down (K=768) 62.8 -> 59.6 µs."""
 DECODE_LONG_K = 2048
-TRAIN = Config(block_m=128, block_n=128, num_warps=8, num_stages=3)
+TRAIN = Config(block_m=128, block_n=128, num_warps=4, num_stages=3, block_k=64)
+"""From ``scripts/sweep_decode_gemm.py --train`` on the H200 (45 configs, all bitwise equal): fastest or within
+2% of it on Qwen3-30B-A3B gate_up / down at 4096 tokens (947.8 / 462.7 µs) and the bench model's at 16384
+(1549 / 769 µs); the previous 8-warp tile took 1098 / 570 / 1835 / 952 µs (14-19% slower)."""
 DECODE_MAX_ROWS = 64
 """R at or below this runs DECODE (R = all rows of the call, so one call uses one config)."""
 TWO_CONFIGS = True

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 
 from rl4bit.kernels import mxfp8_triton, nvfp4_triton, s2f6_triton
-from rl4bit.kernels.checks import check_input, layout_problem
+from rl4bit.kernels.checks import NonFiniteInputError, check_input, layout_problem
 from rl4bit.kernels.qtensor import BLOCK, QTensor
 from rl4bit.kernels.stochastic import check_seed
 
@@ -56,15 +56,30 @@ def deferred_checks():
         check_deferred()
 
 
+def deferring() -> bool:
+    """True inside `deferred_checks()`."""
+    return _DEFERRED[0] > 0
+
+
+def defer_nonfinite(t: torch.Tensor) -> None:
+    """OR "t holds NaN/Inf" into t's device flag without a host read (inside `deferred_checks()`: for checks
+    other than the quantize kernels', e.g. a gradient about to be quantized to MXFP8, which encodes NaN)."""
+    from rl4bit.kernels.formats_triton import nonfinite_flag
+
+    flag = nonfinite_flag(t.device)
+    flag.bitwise_or_((~torch.isfinite(t)).any().to(torch.int32).reshape(1))
+
+
 def check_deferred() -> None:
-    """Read every device's non-finite flag once (one sync each); raise ValueError (and reset it) if one is set."""
+    """Read every device's non-finite flag once (one sync each); raise NonFiniteInputError (and reset it) if one
+    is set."""
     from rl4bit.kernels.formats_triton import _FLAGS
 
     for device, flag in list(_FLAGS.items()):
         if int(flag.item()) != 0:
             flag.zero_()
-            raise ValueError(
-                f"a quantize on {device} inside deferred_checks() got NaN/Inf input (nvfp4 and s2f6 cannot encode "
+            raise NonFiniteInputError(
+                f"a quantize (or a deferred check) on {device} inside deferred_checks() got NaN/Inf input (nvfp4 and s2f6 cannot encode "
                 f"NaN, no format encodes Inf); rerun the step outside deferred_checks() to find the tensor")
 
 
@@ -74,7 +89,7 @@ def _raise_if_flagged(flag: torch.Tensor, x: torch.Tensor, fmt: str, allow_nan: 
     if int(flag.item()) != 0:
         flag.zero_()
         check_input(x, fmt, BLOCK[fmt], allow_nan=allow_nan)  # raises the reference's message
-        raise ValueError(f"{fmt}: input of shape {tuple(x.shape)} has non-finite values")
+        raise NonFiniteInputError(f"{fmt}: input of shape {tuple(x.shape)} has non-finite values")
 
 
 def nvfp4_outer(outer_rows: torch.Tensor, shape: torch.Size, outer: str) -> torch.Tensor:

@@ -14,7 +14,10 @@ their slot; waiting ones are admitted as slots free up.
 Batch invariance: every operation is row-local with shapes that depend only on
 the sequence itself, so a request's tokens and logprobs do not depend on what
 else is in the batch or in which order requests arrive (tested bitwise on CPU
-for fp32 and bf16 in tests/sampler/test_batch_invariance.py). The same path
+for fp32 and bf16 in tests/sampler/test_batch_invariance.py). A model holding
+FP32 masters that the trainer runs under BF16 autocast (`model.dtype: bfloat16`)
+is served under the same autocast (`autocast=`), so the two compute the same
+ops on the same values (tests/rl/test_bf16_compute.py). The same path
 scores a given token sequence (`score`), so sampled logprobs equal a
 full-sequence rescoring through the engine bitwise. Against the stock HF
 forward (SDPA attention, unpadded GEMMs) they agree to fp tolerance only.

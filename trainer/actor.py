@@ -23,13 +23,15 @@ updates them in place. The weight sync ships what the forward computes with:
 the quantized modules' QTensors and every other tensor as its FP32 master
 (see `weight_bucket`; `weight_tensors` hands the same values over as device
 tensors to samplers in this process). With `model.dtype: bfloat16` the forward
-runs under bf16 autocast.
+runs under bf16 autocast, and so do the embedded samplers' forwards
+(`rl4bit.models.autocast_dtype`, one function for both sides).
 
 Per RL step: `ppo_epochs` optimizer steps over all rollouts, each accumulating
 micro-batches of at most `trainer.tokens_per_microbatch` tokens; epoch 0's
 forward also yields the "old" logprobs of the PPO ratio (same weights, same
-bits). A step whose loss or gradient norm is not finite is skipped; the job
-stops after `trainer.max_nonfinite_steps` in a row.
+bits). A step whose loss or gradient norm is not finite, or whose quantized
+GEMMs met NaN/Inf (read once per micro-batch: `deferred_checks`), is skipped;
+the job stops after `trainer.max_nonfinite_steps` in a row.
 
 Sharded (`Trainer(cfg, rank, world)` inside a torch.distributed group of
 `world` processes, built by `rl4bit.trainer_group`): the model is sharded
@@ -76,6 +78,7 @@ import torch
 from transformers import AttentionInterface
 
 from rl4bit.config import JobConfig
+from rl4bit.kernels import NonFiniteInputError, deferred_checks
 from rl4bit.models import autocast_dtype, build_model
 from rl4bit.sampler.kv_cache import MIN_ROWS, model_implementations, pad_rows
 from rl4bit.tokenizer import build_tokenizer
@@ -102,6 +105,32 @@ class TrainBatch:
 TRAIN_IMPL = "rl4bit_train"
 
 
+class TrainLayout:
+    """The index tensors and causal masks of one packed training forward, built once and read by every layer.
+
+    (Built per layer, each was a host-to-device copy, a host sync, per layer and micro-batch; the engine's
+    `kv_cache.StepLayout` does the same for a decode step.) Values are what the per-layer code built.
+    """
+
+    def __init__(self, spans: list[tuple[int, int]], max_len: int, min_rows: int, device):
+        self.max_len, self.min_rows, self.device = max_len, min_rows, device
+        by_len: dict[int, list[int]] = {}
+        for a, b in spans:
+            by_len.setdefault(b - a, []).append(a)
+        # sequences of equal length stacked, like the engine's groups: tok [G, n] packed positions
+        self.groups = [(n, (torch.tensor(firsts)[:, None] + torch.arange(n)[None, :]).to(device))
+                       for n, firsts in by_len.items()]
+        self._allowed: dict[tuple[int, int], torch.Tensor] = {}
+
+    def allowed(self, n: int, g: int) -> torch.Tensor:
+        """[max(g*n, min_rows), max_len] bool: query row (head-major, position j) may read key position <= j."""
+        if (n, g) not in self._allowed:
+            keys_pos = torch.arange(self.max_len, device=self.device)
+            q_pos = torch.arange(0, n, device=self.device).repeat(g)
+            self._allowed[n, g] = pad_rows(keys_pos[None, :] <= q_pos[:, None], max(g * n, self.min_rows))
+        return self._allowed[n, g]
+
+
 def train_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, rl4bit_train=None, **kwargs):
     """`kv_cache.engine_attention` for whole sequences, without the KV cache (cheap to differentiate).
 
@@ -110,28 +139,22 @@ def train_attention(module, query, key, value, attention_mask, scaling, dropout=
     has the engine's shapes and values and the outputs match it bit for bit.
     Sequences of equal length are stacked into one batched matmul, as the
     engine stacks them (each (sequence, kv head) stays its own matrix).
+    `rl4bit_train` is the forward's `TrainLayout`.
     """
-    spans, max_len, min_rows = rl4bit_train
+    layout: TrainLayout = rl4bit_train
+    max_len, min_rows = layout.max_len, layout.min_rows
     _, hq, t, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
-    dev = query.device
     out = query.new_zeros(1, t, hq, d)
-    keys_pos = torch.arange(max_len, device=dev)
-    by_len: dict[int, list[int]] = {}
-    for a, b in spans:
-        by_len.setdefault(b - a, []).append(a)
-    for n, firsts in by_len.items():  # sequences of equal length stacked, like the engine's groups
-        tok = torch.tensor([[a + j for j in range(n)] for a in firsts], device=dev)  # [G, n]
-        G = len(firsts)
+    for n, tok in layout.groups:
+        G = tok.shape[0]
         pad = (0, 0, 0, max_len - n)
         k_slot = torch.nn.functional.pad(key[0][:, tok].permute(1, 0, 2, 3), pad)  # [G, Hkv, max_len, D]
         v_slot = torch.nn.functional.pad(value[0][:, tok].permute(1, 0, 2, 3), pad)
         q = pad_rows(query[0][:, tok].permute(1, 0, 2, 3).reshape(G, hkv, g * n, d), min_rows)
         scores = torch.matmul(q, k_slot.transpose(-1, -2)) * scaling  # [G, Hkv, rows, max_len]
-        q_pos = torch.arange(0, n, device=dev).repeat(g)
-        allowed = pad_rows(keys_pos[None, :] <= q_pos[:, None], scores.shape[-2])
-        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores = scores.masked_fill(~layout.allowed(n, g), float("-inf"))
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).nan_to_num(0.0)
         o = torch.matmul(probs, v_slot)[:, :, : g * n]  # [G, Hkv, g*n, D]
         out[0, tok] = o.reshape(G, hq, n, d).transpose(1, 2).to(out.dtype)  # bf16 autocast: o is bf16, q FP32 (qk-norm)
@@ -162,7 +185,7 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
     with model_implementations(model, TRAIN_IMPL):
         hidden = base(input_ids=torch.tensor([ids + [0] * pad], device=dev),
                       position_ids=torch.tensor([pos + [0] * pad], device=dev),
-                      use_cache=False, rl4bit_train=(spans, max_seq_len, MIN_ROWS)).last_hidden_state[0]
+                      use_cache=False, rl4bit_train=TrainLayout(spans, max_seq_len, MIN_ROWS, dev)).last_hidden_state[0]
     h = pad_rows(hidden[torch.tensor(rows, device=dev)], MIN_ROWS)
     logits = model.get_output_embeddings()(h)[: len(rows)].float()
     logp_all = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
@@ -186,18 +209,18 @@ def microbatches(lengths: list[int], tokens_per_microbatch: int) -> list[list[in
 
 
 def _pad(seqs: list[list[float]], dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, mask) [len(seqs), longest] fp32, zero-padded; built on the host, one copy to `dev`."""
     t = max(len(s) for s in seqs)
-    vals = torch.zeros(len(seqs), t, device=dev)
-    mask = torch.zeros(len(seqs), t, device=dev)
+    vals = torch.zeros(len(seqs), t)
+    mask = torch.zeros(len(seqs), t)
     for i, s in enumerate(seqs):
         vals[i, : len(s)] = torch.as_tensor(s, dtype=torch.float32)
         mask[i, : len(s)] = 1
-    return vals, mask
+    return vals.to(dev), mask.to(dev)
 
 
 def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
-    t = max(p.numel() for p in parts)
-    return torch.stack([torch.nn.functional.pad(p, (0, t - p.numel())) for p in parts])
+    return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -328,30 +351,33 @@ class Trainer:
                 if not mb:
                     self._dummy_microbatch(epoch)
                     continue
-                logp_list, entropy = self._logprobs(self.model, batch, mb)
-                if epoch == 0:
-                    for i, lp in zip(mb, logp_list):
-                        old[i] = lp.detach()
-                    if self.ref_model is not None:
-                        with torch.no_grad():
-                            for i, lp in zip(mb, self._logprobs(self.ref_model, batch, mb)[0]):
-                                ref[i] = lp
-                    sums["entropy"] += entropy.item()
-                logp, mask = _stack(logp_list), _pad([batch.completion_ids[i] for i in mb], self.device)[1]
-                old_lp = _stack([old[i] for i in mb])
-                samp = _pad([batch.sampler_logprobs[i] for i in mb], self.device)[0]
-                if epoch == 0:
-                    sums["k3"] += grpo.k3(samp, old_lp)[mask.bool()].sum().item()  # KL(sampler || trainer)
-                    gap = (samp - old_lp).abs()[mask.bool()]
-                    sums["max_abs"] = max(sums["max_abs"], gap.max().item() if gap.numel() else 0.0)
-                adv = torch.tensor([batch.advantages[i] for i in mb], device=self.device)
-                loss, st = grpo.ppo_clip_loss(
-                    logp, old_lp, adv, mask, clip_eps=rl.clip_eps, agg=rl.loss_agg, sampler_logp=samp, tis_cap=tis_cap,
-                    ref_logp=_stack([ref[i] for i in mb]) if ref else None, kl_coef=rl.kl_coef,
-                    total_tokens=total_tokens, total_seqs=total_seqs)
                 try:
-                    loss.backward()
-                except FloatingPointError:  # a quantized GEMM refuses a non-finite gradient: a non-finite step
+                    # One read of the quantize kernels' NaN/Inf flag a micro-batch (at the block's exit), not one a
+                    # quantize: each read is a host sync that stops the host from running ahead of the GPU.
+                    with deferred_checks():
+                        logp_list, entropy = self._logprobs(self.model, batch, mb)
+                        if epoch == 0:
+                            for i, lp in zip(mb, logp_list):
+                                old[i] = lp.detach()
+                            if self.ref_model is not None:
+                                with torch.no_grad():
+                                    for i, lp in zip(mb, self._logprobs(self.ref_model, batch, mb)[0]):
+                                        ref[i] = lp
+                            sums["entropy"] += entropy.item()
+                        logp, mask = _stack(logp_list), _pad([batch.completion_ids[i] for i in mb], self.device)[1]
+                        old_lp = _stack([old[i] for i in mb])
+                        samp = _pad([batch.sampler_logprobs[i] for i in mb], self.device)[0]
+                        if epoch == 0:
+                            sums["k3"] += grpo.k3(samp, old_lp)[mask.bool()].sum().item()  # KL(sampler || trainer)
+                            gap = (samp - old_lp).abs()[mask.bool()]
+                            sums["max_abs"] = max(sums["max_abs"], gap.max().item() if gap.numel() else 0.0)
+                        adv = torch.tensor([batch.advantages[i] for i in mb], device=self.device)
+                        loss, st = grpo.ppo_clip_loss(
+                            logp, old_lp, adv, mask, clip_eps=rl.clip_eps, agg=rl.loss_agg, sampler_logp=samp, tis_cap=tis_cap,
+                            ref_logp=_stack([ref[i] for i in mb]) if ref else None, kl_coef=rl.kl_coef,
+                            total_tokens=total_tokens, total_seqs=total_seqs)
+                        loss.backward()
+                except (FloatingPointError, NonFiniteInputError):  # NaN/Inf met by a quantized GEMM: a non-finite step
                     loss_total = math.nan
                     break
                 loss_total += loss.item()

@@ -220,6 +220,14 @@ def _pad_qtensor_rows(q: QTensor, lay: _Layout) -> QTensor:
 
 
 def _check_finite(t: torch.Tensor, what: str) -> None:
+    """FloatingPointError if t holds NaN/Inf; inside `deferred_checks()` on CUDA, recorded in the device's
+    non-finite flag instead (no host sync; the block's exit raises NonFiniteInputError)."""
+    if t.is_cuda:
+        from rl4bit.kernels import triton_dispatch
+
+        if triton_dispatch.deferring():
+            triton_dispatch.defer_nonfinite(t)
+            return
     if not bool(torch.isfinite(t).all()):
         raise FloatingPointError(f"non-finite values in {what}; MXFP8 cannot encode them (lower the learning rate or check the loss)")
 

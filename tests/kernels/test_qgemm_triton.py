@@ -363,6 +363,34 @@ def test_gpu_autograd_matches_reference_path(fmt, monkeypatch):
 
 @pytest.mark.gpu
 @gpu
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8"])
+@pytest.mark.parametrize("where", ["input", "gradient"])
+def test_gpu_non_finite_values_in_a_deferred_training_step(fmt, where):
+    """Inside deferred_checks() (the trainer's micro-batch) an Inf in a quantized GEMM's input or output gradient
+    raises nothing mid-step and NonFiniteInputError at the block's exit; the flag is reset for the next step."""
+    from rl4bit.kernels import NonFiniteInputError, deferred_checks
+
+    g = torch.Generator().manual_seed(31)
+    counts = _routing(64, 4, seed=32)
+    x = torch.randn(64, 256, generator=g).to("cuda", torch.bfloat16)
+    if where == "input":
+        x[5, 7] = float("inf")  # mxfp8 encodes NaN (scale 0xFF), neither format encodes Inf
+    x.requires_grad_()
+    w = (torch.randn(4, 128, 256, generator=g) * 0.02).to("cuda").requires_grad_()
+    with pytest.raises(NonFiniteInputError):
+        with deferred_checks():
+            y = qgemm.grouped_gemm(x, w, counts, qgemm.GemmSpec(fmt), keys=(1, 2, 3, 0))
+            dy = torch.ones_like(y)
+            if where == "gradient":
+                dy[3, 4] = float("inf")
+            y.backward(dy)
+    with deferred_checks():  # a clean step afterwards passes: the flag was reset
+        y = qgemm.grouped_gemm(x.detach().nan_to_num(0.0).requires_grad_(), w, counts, qgemm.GemmSpec(fmt))
+        y.float().sum().backward()
+
+
+@pytest.mark.gpu
+@gpu
 def test_gpu_decode_step_captures_in_cuda_graph():
     """quantize (deferred check) + grouped NVFP4 GEMM with device counts: captured once, replayed on new inputs."""
     _, qw = _nvfp4_operands(8, 2048, 1536, 16, seed=25)
