@@ -99,6 +99,23 @@ def random_bits4_range(seed: int, n: int, device=None) -> torch.Tensor:
     return torch.stack(philox4x32(seed, counters), dim=-1).reshape(-1)[: int(n)]
 
 
+def philox4x32_int(seed: int, counter: int) -> tuple[int, int, int, int]:
+    """``philox4x32(seed, tensor([counter]))`` for one counter in Python integers (same bits; no tensors).
+
+    For host-side key derivation, where one value is needed and the tensor
+    version's ~100 small tensor ops (about half a millisecond) would be paid
+    per key: it ran several times per quantized GEMM backward and per sample.
+    """
+    k0, k1 = seed & _MASK32, (seed >> 32) & _MASK32
+    c0, c1, c2, c3 = counter & _MASK32, (counter >> 32) & _MASK32, 0, 0
+    for r in range(N_ROUNDS):
+        if r:
+            k0, k1 = (k0 + _KEY_A) & _MASK32, (k1 + _KEY_B) & _MASK32
+        pa, pb = c0 * _ROUND_A, c2 * _ROUND_B
+        c0, c1, c2, c3 = (pb >> 32) ^ c1 ^ k0, pb & _MASK32, (pa >> 32) ^ c3 ^ k1, pa & _MASK32
+    return c0, c1, c2, c3
+
+
 def derive_seed(*keys: int) -> int:
     """Fold integer keys (seed, step, layer, tensor id, ...) into one 64-bit seed.
 
@@ -110,6 +127,6 @@ def derive_seed(*keys: int) -> int:
         k = int(k)
         if k < 0:
             raise ValueError(f"seed keys must be non-negative, got {k}")
-        c0, c1, _, _ = philox4x32(state, torch.tensor([k & (2**63 - 1)]))
-        state = (int(c0) << 32) | int(c1)
+        c0, c1, _, _ = philox4x32_int(state, k & (2**63 - 1))
+        state = (c0 << 32) | c1
     return state

@@ -126,3 +126,26 @@ def test_random_bits4_takes_stream_o_mod_4_of_counter_o_div_4():
     assert_bitwise_equal(random_bits4(seed, offs), want, "random_bits4 vs philox4x32 streams")
     assert_bitwise_equal(random_bits4_range(seed, 37), want[:37], "random_bits4_range vs random_bits4")
     assert len(set(want[:37].tolist())) == 37  # the four streams of a call differ
+
+
+def test_scalar_philox_is_the_tensor_philox():
+    """`philox4x32_int` (host-side key derivation) gives the tensor reference's four words for any seed/counter,
+    and `derive_seed` (built on it) folds keys exactly as the tensor version did."""
+    from rl4bit.kernels.philox import derive_seed, philox4x32_int
+
+    g = torch.Generator().manual_seed(5)
+    seeds = [0, 1, 2**32 - 1, 2**32, 2**64 - 1] + torch.randint(0, 2**62, (40,), generator=g).tolist()
+    counters = [0, 1, 2**32 - 1, 2**32, 2**63 - 1] + torch.randint(0, 2**62, (40,), generator=g).tolist()
+    for seed, ctr in zip(seeds, counters):
+        want = tuple(int(w) for w in philox4x32(seed, torch.tensor([ctr])))
+        assert philox4x32_int(seed, ctr) == want, (seed, ctr)
+
+    def derive_with_tensors(*keys):
+        state = 0x243F6A8885A308D3
+        for k in keys:
+            c0, c1, _, _ = philox4x32(state, torch.tensor([int(k) & (2**63 - 1)]))
+            state = (int(c0) << 32) | int(c1)
+        return state
+
+    for keys in [(0,), (7, 3), (2**63 - 1, 5, 0, 9), (123456789, 2, 17, 3, 1)]:
+        assert derive_seed(*keys) == derive_with_tensors(*keys)
