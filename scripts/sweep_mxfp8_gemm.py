@@ -3,7 +3,7 @@
     source scripts/device_env.sh && python3 -P scripts/sweep_mxfp8_gemm.py [--out DIR] [--reps 10]
 
 Like ``sweep_decode_gemm.py --train``: every config is first compared bitwise
-with the current default (``MX_TRAIN[False]`` / ``WGRAD[False]``) on the same
+with the default of its kernel (``MX_TRAIN[False]`` / ``WGRAD[False]``) on the same
 operands, then timed (CUDA graph over rotating operand copies, median). The
 K order of both kernels is fixed by their K step (``BF16_BLOCK_K``), not by the
 tile, so equal bits are expected; a config that differs is reported and must
@@ -62,10 +62,13 @@ def sweep(label: str, run, default: Config, reps: int) -> list[dict]:
         rows.append(dict(shape=label, config=repr(cfg), us=us, bitwise=same))
     rows.sort(key=lambda r: r.get("us", 1e9))
     base = next(r for r in rows if r["config"] == repr(default))
+    if "us" not in base:
+        print(f"\n{label}: the default config failed: {base['error']}")
+        return rows
     print(f"\n{label}: default {base['us']:.1f} us")
     for r in rows[:6]:
         print(f"  {r.get('us', float('nan')):8.1f} us  x{base['us'] / r['us']:.2f}  bitwise={r.get('bitwise')}  "
-              f"{r['config']}")
+              f"{r['config']}" + (f"  {r['error']}" if "error" in r else ""))
     bad = [r for r in rows if r.get("bitwise") is False]
     print(f"  configs not bitwise equal to the default: {len(bad)} of {len(rows)}")
     return rows
@@ -93,8 +96,9 @@ def main() -> int:
             rp = sum(padded)
             wa = quantize(_weights((n_out, rp), dev, 3) * 50, "mxfp8")
             wb = quantize(_weights((k_in, rp), dev, 4), "mxfp8")
-            results += sweep(f"{name} {gemm} wgrad ({rp} padded rows, N={n_out}, K={k_in})",
-                             lambda c: mg.wgrad_mxfp8(wa, wb, padded, torch.float32, fp8=False, config=c),
+            pct = torch.tensor(padded, device=dev, dtype=torch.int64)  # on the device: a list would be copied
+            results += sweep(f"{name} {gemm} wgrad ({rp} padded rows, N={n_out}, K={k_in})",  # in the CUDA graph
+                             lambda c: mg.wgrad_mxfp8(wa, wb, pct, torch.float32, fp8=False, config=c),
                              mg.WGRAD[False], args.reps)
     if args.out:
         os.makedirs(args.out, exist_ok=True)

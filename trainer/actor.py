@@ -83,6 +83,7 @@ from rl4bit.models import autocast_dtype, build_model
 from rl4bit.sampler.kv_cache import MIN_ROWS, model_implementations, pad_rows
 from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer import grpo
+from rl4bit.trainer.transfer import to_device
 
 
 class NonFiniteError(RuntimeError):
@@ -118,7 +119,7 @@ class TrainLayout:
         for a, b in spans:
             by_len.setdefault(b - a, []).append(a)
         # sequences of equal length stacked, like the engine's groups: tok [G, n] packed positions
-        self.groups = [(n, (torch.tensor(firsts)[:, None] + torch.arange(n)[None, :]).to(device))
+        self.groups = [(n, to_device(torch.tensor(firsts)[:, None] + torch.arange(n)[None, :], device))
                        for n, firsts in by_len.items()]
         self._allowed: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -183,13 +184,13 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
     pad = max(0, MIN_ROWS - len(ids))
     base = getattr(model, model.base_model_prefix)
     with model_implementations(model, TRAIN_IMPL):
-        hidden = base(input_ids=torch.tensor([ids + [0] * pad], device=dev),
-                      position_ids=torch.tensor([pos + [0] * pad], device=dev),
+        hidden = base(input_ids=to_device(torch.tensor([ids + [0] * pad]), dev),
+                      position_ids=to_device(torch.tensor([pos + [0] * pad]), dev),
                       use_cache=False, rl4bit_train=TrainLayout(spans, max_seq_len, MIN_ROWS, dev)).last_hidden_state[0]
-    h = pad_rows(hidden[torch.tensor(rows, device=dev)], MIN_ROWS)
+    h = pad_rows(hidden[to_device(torch.tensor(rows), dev)], MIN_ROWS)
     logits = model.get_output_embeddings()(h)[: len(rows)].float()
     logp_all = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
-    logp = logp_all.gather(1, torch.tensor(targets, device=dev)[:, None])[:, 0]
+    logp = logp_all.gather(1, to_device(torch.tensor(targets), dev)[:, None])[:, 0]
     entropy = -(logp_all.exp() * logp_all).sum(-1).detach().sum()
     return list(logp.split([len(c) for c in completions])), entropy
 
@@ -216,7 +217,7 @@ def _pad(seqs: list[list[float]], dev) -> tuple[torch.Tensor, torch.Tensor]:
     for i, s in enumerate(seqs):
         vals[i, : len(s)] = torch.as_tensor(s, dtype=torch.float32)
         mask[i, : len(s)] = 1
-    return vals.to(dev), mask.to(dev)
+    return to_device(vals, dev), to_device(mask, dev)
 
 
 def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -371,7 +372,7 @@ class Trainer:
                             sums["k3"] += grpo.k3(samp, old_lp)[mask.bool()].sum().item()  # KL(sampler || trainer)
                             gap = (samp - old_lp).abs()[mask.bool()]
                             sums["max_abs"] = max(sums["max_abs"], gap.max().item() if gap.numel() else 0.0)
-                        adv = torch.tensor([batch.advantages[i] for i in mb], device=self.device)
+                        adv = to_device(torch.tensor([batch.advantages[i] for i in mb]), self.device)
                         loss, st = grpo.ppo_clip_loss(
                             logp, old_lp, adv, mask, clip_eps=rl.clip_eps, agg=rl.loss_agg, sampler_logp=samp, tis_cap=tis_cap,
                             ref_logp=_stack([ref[i] for i in mb]) if ref else None, kl_coef=rl.kl_coef,

@@ -58,6 +58,7 @@ import torch
 
 from rl4bit.kernels import QTensor, dequantize, quantize, requantize
 from rl4bit.kernels.philox import derive_seed
+from rl4bit.trainer.transfer import to_device
 
 ROW_BLOCK = 32
 """Rows per forward GEMM block (batch invariance) and token padding of the MXFP8 backward blocks."""
@@ -196,7 +197,7 @@ def _layout(counts: list[int], device) -> _Layout:
     shift = torch.tensor(padded, dtype=torch.int64).cumsum(0) - c.cumsum(0)
     shift = torch.cat([shift.new_zeros(1), shift[:-1]])
     rows = torch.arange(int(c.sum())) + torch.repeat_interleave(shift, c)
-    return _Layout(counts, padded, rows.to(device), sum(padded))
+    return _Layout(counts, padded, to_device(rows, device), sum(padded))
 
 
 def _pad_rows(x: torch.Tensor, lay: _Layout) -> torch.Tensor:
