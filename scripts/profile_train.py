@@ -7,8 +7,9 @@ Builds the job's Trainer (random init, no warm start), a synthetic TrainBatch of
 untimed train steps (compiles, allocator), then one under torch.profiler. Prints
 per recipe the step's wall time, its device time split into kernel families
 (NVFP4 GEMM, MXFP8 GEMMs, format kernels, cuBLAS/cutlass GEMMs, attention
-softmax, elementwise/other) and the top kernels, so the train phase's overhead
-of nvfp4 over bf16 can be put on named kernels.
+softmax, elementwise/other), the top kernels, and the host side (sync-like
+calls, top ops by self host time: the step is host-bound), so the train
+phase's overhead of nvfp4 over bf16 can be put on named kernels and calls.
 
 Leaves out: the sampler and weight sync (`profile_decode.py`, `bench step`).
 """
@@ -83,6 +84,11 @@ def main() -> None:
         print(f"  top {args.rows} kernels:")
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[: args.rows]:
             print(f"  {e.self_device_time_total / 1e3:>10.1f} ms  {e.count:>6}x  {e.key[:90]}")
+        ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+        syncs = sum(e.count for e in ops if "Synchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense"))
+        print(f"  host: {syncs} sync-like calls (synchronize / item); top {args.rows} ops by self host time:")
+        for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[: args.rows]:
+            print(f"  {e.self_cpu_time_total / 1e3:>10.1f} ms  {e.count:>6}x  {e.key[:90]}")
         del trainer
         torch.cuda.empty_cache()
 
