@@ -79,8 +79,9 @@ def check_deferred() -> None:
         if int(flag.item()) != 0:
             flag.zero_()
             raise NonFiniteInputError(
-                f"a quantize (or a deferred check) on {device} inside deferred_checks() got NaN/Inf input (nvfp4 and s2f6 cannot encode "
-                f"NaN, no format encodes Inf); rerun the step outside deferred_checks() to find the tensor")
+                f"a quantize (or a deferred check) on {device} inside deferred_checks() got NaN/Inf input (nvfp4 "
+                f"and s2f6 cannot encode NaN, no format encodes Inf); rerun the step outside deferred_checks() to "
+                f"find the tensor")
 
 
 def _raise_if_flagged(flag: torch.Tensor, x: torch.Tensor, fmt: str, allow_nan: bool) -> None:

@@ -356,27 +356,8 @@ class Trainer:
                     # One read of the quantize kernels' NaN/Inf flag a micro-batch (at the block's exit), not one a
                     # quantize: each read is a host sync that stops the host from running ahead of the GPU.
                     with deferred_checks():
-                        logp_list, entropy = self._logprobs(self.model, batch, mb)
-                        if epoch == 0:
-                            for i, lp in zip(mb, logp_list):
-                                old[i] = lp.detach()
-                            if self.ref_model is not None:
-                                with torch.no_grad():
-                                    for i, lp in zip(mb, self._logprobs(self.ref_model, batch, mb)[0]):
-                                        ref[i] = lp
-                            sums["entropy"] += entropy.item()
-                        logp, mask = _stack(logp_list), _pad([batch.completion_ids[i] for i in mb], self.device)[1]
-                        old_lp = _stack([old[i] for i in mb])
-                        samp = _pad([batch.sampler_logprobs[i] for i in mb], self.device)[0]
-                        if epoch == 0:
-                            sums["k3"] += grpo.k3(samp, old_lp)[mask.bool()].sum().item()  # KL(sampler || trainer)
-                            gap = (samp - old_lp).abs()[mask.bool()]
-                            sums["max_abs"] = max(sums["max_abs"], gap.max().item() if gap.numel() else 0.0)
-                        adv = to_device(torch.tensor([batch.advantages[i] for i in mb]), self.device)
-                        loss, st = grpo.ppo_clip_loss(
-                            logp, old_lp, adv, mask, clip_eps=rl.clip_eps, agg=rl.loss_agg, sampler_logp=samp, tis_cap=tis_cap,
-                            ref_logp=_stack([ref[i] for i in mb]) if ref else None, kl_coef=rl.kl_coef,
-                            total_tokens=total_tokens, total_seqs=total_seqs)
+                        loss, st = self._microbatch_loss(batch, mb, epoch, old, ref, sums, tis_cap=tis_cap,
+                                                         total_tokens=total_tokens, total_seqs=total_seqs)
                         loss.backward()
                 except (FloatingPointError, NonFiniteInputError):  # NaN/Inf met by a quantized GEMM: a non-finite step
                     loss_total = math.nan
@@ -442,6 +423,32 @@ class Trainer:
             "train/lr": self.optimizer.param_groups[0]["lr"],
             "policy/version": float(self.version),
         }
+
+    def _microbatch_loss(self, batch: TrainBatch, mb: list[int], epoch: int, old: dict, ref: dict, sums: dict,
+                         **loss_kw):
+        """The PPO loss of micro-batch `mb` (and its stats). Epoch 0 also records the "old" and reference
+        logprobs (into `old`, `ref`) and the entropy and sampler-vs-trainer mismatch (into `sums`)."""
+        rl = self.cfg.rl
+        logp_list, entropy = self._logprobs(self.model, batch, mb)
+        if epoch == 0:
+            for i, lp in zip(mb, logp_list):
+                old[i] = lp.detach()
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    for i, lp in zip(mb, self._logprobs(self.ref_model, batch, mb)[0]):
+                        ref[i] = lp
+            sums["entropy"] += entropy.item()
+        logp, mask = _stack(logp_list), _pad([batch.completion_ids[i] for i in mb], self.device)[1]
+        old_lp = _stack([old[i] for i in mb])
+        samp = _pad([batch.sampler_logprobs[i] for i in mb], self.device)[0]
+        if epoch == 0:
+            sums["k3"] += grpo.k3(samp, old_lp)[mask.bool()].sum().item()  # KL(sampler || trainer)
+            gap = (samp - old_lp).abs()[mask.bool()]
+            sums["max_abs"] = max(sums["max_abs"], gap.max().item() if gap.numel() else 0.0)
+        adv = to_device(torch.tensor([batch.advantages[i] for i in mb]), self.device)
+        return grpo.ppo_clip_loss(logp, old_lp, adv, mask, clip_eps=rl.clip_eps, agg=rl.loss_agg, sampler_logp=samp,
+                                  ref_logp=_stack([ref[i] for i in mb]) if ref else None, kl_coef=rl.kl_coef,
+                                  **loss_kw)
 
     def _dummy_microbatch(self, epoch: int) -> None:
         """A one-token forward/backward with zero loss weight: this rank joins the micro-batch's FSDP collectives."""
