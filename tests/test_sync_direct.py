@@ -1,7 +1,7 @@
 """The direct (in-process) weight sync: bitwise the bucket sync's served weights and rollouts, fail-stop on a bad
 update, and the path the driver takes in local mode (a real run, compared metric by metric with a bucket run).
 
-Run: /work/venv-probe/bin/python -P -m pytest tests/test_sync_direct.py -q
+Run: .venv/bin/python -P -m pytest tests/test_sync_direct.py -q
 """
 
 import dataclasses
