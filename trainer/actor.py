@@ -528,7 +528,8 @@ class Trainer:
         return out if self.rank == 0 else None
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Everything to resume: tensors (model, AdamW moments, torch RNG) and JSON-able metadata.
+        """Everything to resume: tensors (model, AdamW moments, torch RNG, the KL reference model when there is
+        one) and JSON-able metadata.
 
         Sharded (world > 1): this rank's pieces, and meta["global_shapes"] of the sharded ones.
         """
@@ -540,6 +541,9 @@ class Trainer:
             ep_shapes = {}  # the expert slices and their AdamW moments are Shard(0) pieces of the global [E, ...]
             for n, (p, shape) in expert_params(self.model).items():
                 ep_shapes[f"model.{n}"] = ep_shapes[f"optim.{n}.exp_avg"] = ep_shapes[f"optim.{n}.exp_avg_sq"] = list(shape)
+            if self.ref_model is not None:
+                for n, (p, shape) in expert_params(self.ref_model).items():
+                    ep_shapes[f"ref.{n}"] = list(shape)
 
             def cpu(name, v):
                 if is_sharded(v):
@@ -551,6 +555,8 @@ class Trainer:
             def cpu(name, v):
                 return v.detach().to("cpu", copy=True)
         tensors = {f"model.{k}": cpu(f"model.{k}", v) for k, v in self.model.state_dict().items()}
+        if self.ref_model is not None:  # the KL reference: the policy at RL start, which a resume cannot rebuild
+            tensors |= {f"ref.{k}": cpu(f"ref.{k}", v) for k, v in self.ref_model.state_dict().items()}
         names = {id(p): n for n, p in self.model.named_parameters()}
         for p, st in self.optimizer.state.items():
             for k, v in st.items():
@@ -578,7 +584,17 @@ class Trainer:
         if self.world == 1:
             self.model.load_state_dict(model_sd, strict=True)
         else:
-            self._load_local_pieces(model_sd)
+            self._load_local_pieces(self.model, model_sd)
+        if self.ref_model is not None:
+            ref_sd = {k[len("ref."):]: v for k, v in tensors.items() if k.startswith("ref.")}
+            if not ref_sd:
+                raise ValueError("checkpoint holds no KL reference model (written with rl.kl_coef=0, or by an rl4bit "
+                                 "that did not save it), so rl.kl_coef > 0 cannot resume against the run's reference; "
+                                 "resume with -o rl.kl_coef=0 or start a new run")
+            if self.world == 1:
+                self.ref_model.load_state_dict(ref_sd, strict=True)
+            else:
+                self._load_local_pieces(self.ref_model, ref_sd)
         for name, p in self.model.named_parameters():
             st = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
             if st:
@@ -600,10 +616,10 @@ class Trainer:
 
         return DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
 
-    def _load_local_pieces(self, model_sd: dict[str, torch.Tensor]) -> None:
+    def _load_local_pieces(self, model, model_sd: dict[str, torch.Tensor]) -> None:
         from rl4bit.trainer.sharding import local
 
-        targets = dict(self.model.named_parameters()) | dict(self.model.named_buffers())
+        targets = dict(model.named_parameters()) | dict(model.named_buffers())
         with torch.no_grad():
             for k, v in model_sd.items():
                 dst = local(targets[k])

@@ -87,8 +87,12 @@ def test_a_broken_reward_fails_fast_with_its_name(tmp_path, small):
 
 
 @pytest.mark.slow
-def test_resumed_run_matches_an_uninterrupted_one(tmp_path, small, deadline):
+@pytest.mark.parametrize("kl_coef", [0.0, 0.05])
+def test_resumed_run_matches_an_uninterrupted_one(tmp_path, small, deadline, kl_coef):
+    """With kl_coef > 0 the KL reference (the warm-started policy) travels in the checkpoint: a resume that rebuilt
+    it would anchor the KL to the untrained model and `kl/ref` would differ."""
     cfg = small + ["ray.mode=local", "run.tensorboard=false", "rl.steps=4", "run.checkpoint_every=2",
+                   f"rl.kl_coef={kl_coef}",
                    "rewards.functions=[{fn: 'rl4bit.rewards:length_penalty'}]"]  # spread from step 1: something trains
     full = tmp_path / "full"
     driver.main(QUICKSTART, out=str(full), overrides=cfg)
