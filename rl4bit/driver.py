@@ -146,9 +146,8 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         trainer = TrainerGroup(cfg, world, cluster=cluster) if world > 1 else cluster.actor(Trainer, cfg, num_gpus=gpu)
         builder = functools.partial(build_policy_model, cfg)
         restarts = int(getattr(cfg.ray, "sampler_restarts", 3))
-        autocast = cfg.model.dtype if autocast_dtype(cfg.model) is not None else None  # the trainer's compute dtype
         samplers = [cluster.actor(Sampler, builder, tokenizer, cfg.sampler, device=device, max_seq_len=cfg.model.max_seq_len,
-                                  autocast=autocast, num_gpus=gpu, restarts=restarts) for _ in range(cfg.sampler.replicas)]
+                                  autocast=autocast_dtype(cfg.model), num_gpus=gpu, restarts=restarts) for _ in range(cfg.sampler.replicas)]
         pool = cluster.actor(RewardPool, specs, [r.weight for r in cfg.rewards.functions], workers=cfg.rewards.workers,
                              max_error_fraction=cfg.rewards.max_error_fraction, **limits)
         recover = SamplerRecovery(trainer, samplers, restarts)

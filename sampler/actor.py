@@ -44,7 +44,6 @@ import time
 import torch
 
 from rl4bit.config import SamplerConfig
-from rl4bit.models import DTYPES
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
 from rl4bit.trainer.surgery import load_quantized, quantized_weights
@@ -64,9 +63,9 @@ class Sampler:
     """One rollout engine replica: generate, update_weights, health."""
 
     def __init__(self, model_builder_or_model, tokenizer, config: SamplerConfig, *, device: str = "auto",
-                 max_seq_len: int | None = None, workdir: str | None = None, autocast: str | None = None):
-        """autocast: a `model.dtype` name ("bfloat16") whose autocast the embedded engine's forward runs under,
-        as the trainer's does (`rl4bit.models.autocast_dtype`); None: the model's own dtype."""
+                 max_seq_len: int | None = None, workdir: str | None = None, autocast: torch.dtype | None = None):
+        """autocast: the dtype the embedded engine's forward runs under autocast in, the trainer's
+        (`rl4bit.models.autocast_dtype`); None: the model's own dtype, no autocast."""
         if config.backend not in ("embedded", "vllm"):
             raise ValueError(f"sampler.backend={config.backend!r}: use embedded or vllm")
         model = model_builder_or_model
@@ -79,7 +78,7 @@ class Sampler:
             self.engine = _vllm_engine(model, tokenizer, config, max_seq_len, workdir)
         else:
             self.engine = EmbeddedEngine(model, tokenizer, max_batch_size=config.max_batch_size, device=device,
-                                         max_seq_len=max_seq_len, autocast=DTYPES[autocast] if autocast else None)
+                                         max_seq_len=max_seq_len, autocast=autocast)
             with torch.no_grad():  # serving mode: the QTensors the forward would quantize now; masters dropped
                 load_quantized(self.engine.model, quantized_weights(self.engine.model))
         self.receiver = WeightReceiver(self.engine)

@@ -3,7 +3,7 @@ must compute under the same autocast, or sampler and trainer logprobs differ (th
 FP32 from their FP32 copies, a mismatch that grew to k3 ~0.1 on the H200 once the weights moved off the BF16 grid).
 
 A real local-mode run per recipe and sync path: every step's sampler logprobs equal the trainer's bitwise
-(`mismatch/k3` and `mismatch/max_abs` exactly 0), and the samplers' KV cache holds BF16.
+(`mismatch/k3` and `mismatch/max_abs` exactly 0).
 """
 
 import pytest
