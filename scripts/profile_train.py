@@ -8,7 +8,8 @@ untimed train steps (compiles, allocator), then one under torch.profiler. Prints
 per recipe the step's wall time, its device time split into kernel families
 (NVFP4 GEMM, MXFP8 GEMMs, format kernels, cuBLAS/cutlass GEMMs, attention
 softmax, elementwise/other), the top kernels, and the host side (sync-like
-calls, top ops by self host time: the step is host-bound), so the train
+calls, top ops by self host time: the step is host-bound; `--cprofile`: the
+Python functions by host time), so the train
 phase's overhead of nvfp4 over bf16 can be put on named kernels and calls.
 
 Leaves out: the sampler and weight sync (`profile_decode.py`, `bench step`).
@@ -17,6 +18,8 @@ Leaves out: the sampler and weight sync (`profile_decode.py`, `bench step`).
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -57,6 +60,9 @@ def main() -> None:
     a.add_argument("--seqs", type=int, default=256)
     a.add_argument("--new", type=int, default=64)
     a.add_argument("--rows", type=int, default=15)
+    a.add_argument("--cprofile", action="store_true",
+                   help="also run one step under cProfile and print the top functions by cumulative host time "
+                        "(meaningful on the GPU, where kernels run asynchronously)")
     a.add_argument("-o", "--override", action="append", default=[])
     args = a.parse_args()
     for recipe in args.recipes.split(","):
@@ -89,6 +95,17 @@ def main() -> None:
         print(f"  host: {syncs} sync-like calls (synchronize / host reads of a value); top {args.rows} ops by self host time:")
         for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[: args.rows]:
             print(f"  {e.self_cpu_time_total / 1e3:>10.1f} ms  {e.count:>6}x  {e.key[:90]}")
+        if args.cprofile:
+            torch.cuda.synchronize()
+            prof_py = cProfile.Profile()
+            prof_py.enable()
+            trainer.train_step(b)
+            torch.cuda.synchronize()
+            prof_py.disable()
+            print(f"  cProfile ({recipe}): top {3 * args.rows} functions by cumulative host time")
+            stats = pstats.Stats(prof_py)
+            stats.sort_stats("cumulative").print_stats(3 * args.rows)
+            stats.sort_stats("tottime").print_stats(2 * args.rows)
         del trainer
         torch.cuda.empty_cache()
 
