@@ -86,7 +86,8 @@ def bench_engine(model, prompts: torch.Tensor, new: int, device) -> dict:
                             max_prefill_tokens=max(4096, b * p))
     reqs = [Request(str(i), row.tolist(), SamplingParams(temperature=0.0, max_new_tokens=new))
             for i, row in enumerate(prompts)]
-    engine.generate(reqs[:1])  # warm-up
+    # warm-up at the full batch: compiles, and captures the decode graph of this batch size (CUDA)
+    engine.generate([Request(r.id, r.prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=3)) for r in reqs])
     engine.prefill_s = engine.decode_s = 0.0
     engine.decode_steps = 0
     _sync(device)

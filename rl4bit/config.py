@@ -104,6 +104,9 @@ class SamplerConfig:
     """Most sequences decoded together."""
     ignore_eos: bool = False
     """Keep sampling past eos (to max_new_tokens): decode-heavy throughput benchmarks, not learning runs."""
+    cuda_graphs: bool = True
+    """Embedded engine on CUDA: run decode steps as CUDA graphs (one per bucket of batch sizes; same bits as
+    op by op, tests/sampler/test_decode_graph.py). False: op by op (debugging, profiling single kernels)."""
     gpu_memory_utilization: float = 0.5
     """vLLM only: fraction of GPU memory vLLM may take."""
 

@@ -78,7 +78,8 @@ class Sampler:
             self.engine = _vllm_engine(model, tokenizer, config, max_seq_len, workdir)
         else:
             self.engine = EmbeddedEngine(model, tokenizer, max_batch_size=config.max_batch_size, device=device,
-                                         max_seq_len=max_seq_len, autocast=autocast)
+                                         max_seq_len=max_seq_len, autocast=autocast,
+                                         decode_graphs="auto" if config.cuda_graphs else "off")
             with torch.no_grad():  # serving mode: the QTensors the forward would quantize now; masters dropped
                 load_quantized(self.engine.model, quantized_weights(self.engine.model))
         self.receiver = WeightReceiver(self.engine)

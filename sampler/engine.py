@@ -31,8 +31,12 @@ trainer's NVFP4 modules frozen by `rl4bit.trainer.surgery.load_quantized`
 swaps their QTensors in the same all-or-nothing step as the dense tensors
 (what `rl4bit.weight_sync.WeightReceiver` calls).
 
+Pure decode steps (one new token per sequence) run as CUDA graphs on a CUDA
+device, one per bucket of batch sizes, from static buffers (decode_graph.py);
+prefill and mixed steps run op by op.
+
 Leaves out: prefix sharing between the n samples of a prompt (each prefills
-its own copy), chunked prefill, CUDA graphs, an NVFP4 decode GEMM kernel.
+its own copy), chunked prefill, graphs for prefill steps.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import torch
 
 from rl4bit.kernels import deferred_checks
 from rl4bit.kernels.philox import derive_seed
+from rl4bit.sampler.decode_graph import DecodeGraphs
 from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_implementations, pad_rows
 from rl4bit.sampler.sampling import policy_logprobs, sample_rows
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, request_error
@@ -77,13 +82,19 @@ class EmbeddedEngine:
     """Batched, batch-invariant generation over `model` (a HF causal LM), in-process."""
 
     def __init__(self, model, tokenizer, *, max_batch_size: int = 64, device="cpu", max_seq_len: int | None = None,
-                 max_prefill_tokens: int = 4096, min_rows: int = MIN_ROWS, autocast: torch.dtype | None = None):
+                 max_prefill_tokens: int = 4096, min_rows: int = MIN_ROWS, autocast: torch.dtype | None = None,
+                 decode_graphs: str = "auto"):
         """autocast: run every forward under `torch.autocast(device, autocast)`, as the trainer runs its own
         (`model.dtype: bfloat16`: FP32 master weights, BF16 compute; `rl4bit.models.autocast_dtype`), so the
         two compute the same ops on the same values; the KV cache then holds that dtype. None: the model's
-        own parameter dtype, no autocast."""
+        own parameter dtype, no autocast.
+        decode_graphs: how pure decode steps run (decode_graph.py): "cuda" (CUDA graphs, one per bucket of
+        batch sizes), "static" (the graphs' static-shape forward run eagerly: the CPU check of that path),
+        "off" (op by op, like prefill), "auto" ("cuda" on a CUDA device, else "off")."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: {max_batch_size} must be >= 1")
+        if decode_graphs == "auto":
+            decode_graphs = "cuda" if torch.device(device).type == "cuda" else "off"
         self.autocast = autocast
         self.model = model.to(device).eval()
         self.tokenizer = tokenizer
@@ -96,8 +107,10 @@ class EmbeddedEngine:
         self.vocab_size = model.get_output_embeddings().weight.shape[0]
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         dtype = autocast or next(model.parameters()).dtype
-        self.cache = KVCache(cfg.num_hidden_layers, max_batch_size, cfg.num_key_value_heads, self.max_seq_len,
+        slots = max_batch_size + (decode_graphs != "off")  # + the decode graphs' scratch slot
+        self.cache = KVCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, self.max_seq_len,
                              head_dim, dtype, self.device)
+        self.graphs = DecodeGraphs(self, decode_graphs) if decode_graphs != "off" else None
         self.eos_ids = _eos_ids(model, tokenizer)
         self._version = 0
         self._rng = random.Random()
@@ -196,7 +209,10 @@ class EmbeddedEngine:
         for t in toks:
             at += len(t)
             rows.append(at - 1)
-        logits = self._forward(seqs, toks, starts, rows)
+        if not prefill and self.graphs is not None and all(len(t) == 1 for t in toks):
+            logits = self.graphs.logits([t[0] for t in toks], starts, [s.slot for s in seqs])
+        else:
+            logits = self._forward(seqs, toks, starts, rows)
         if not prefill:
             self.decode_steps += 1
         tokens, lps, plps = sample_rows(logits, [s.params for s in seqs], [s.noise_key for s in seqs],
@@ -289,6 +305,8 @@ class EmbeddedEngine:
                 dst.copy_(src)
             for module, qweights in loads:
                 module.load_quantized({p: _to_device(q, self.device) for p, q in qweights.items()})
+        if loads and self.graphs is not None:
+            self.graphs.reset()  # new QTensor storage: graphs captured before would read the old one
         self._version = update.version
 
     def _plan_quantized(self, quantized: dict, problems: list[str]):

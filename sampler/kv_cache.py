@@ -29,7 +29,7 @@ never mix in a GEMM, softmax or norm, so with fixed per-row shapes the whole
 forward is row-local.
 
 Leaves out: paged blocks (one contiguous slot per sequence), prefix sharing,
-sliding-window attention, CUDA graphs.
+sliding-window attention.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.moe import ExpertsInterface
+
+from rl4bit.trainer.qgemm import bf16_grouped
 
 ENGINE_IMPL = "rl4bit_engine"
 MIN_ROWS = 16
@@ -64,6 +66,12 @@ class KVCache:
         for k, v in zip(self.k, self.v):
             k[slot].zero_()
             v[slot].zero_()
+        return slot
+
+    def reserve_scratch(self) -> int:
+        """Take the highest slot out of circulation for good: rows that only pad a batch write their K/V there."""
+        slot = max(self.free)
+        self.free.remove(slot)
         return slot
 
     def release(self, slot: int) -> None:
@@ -164,10 +172,22 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
 
 
 def engine_experts(self, hidden_states, top_k_index, top_k_weights):
-    """HF's eager experts loop (expert index order), each expert's rows padded to MIN_ROWS."""
+    """HF's eager experts loop (expert index order), each expert's rows padded to MIN_ROWS.
+
+    BF16 on CUDA: one grouped GEMM per projection instead (`bf16_grouped`, the
+    bf16 recipe's product), with the per-expert counts left on the device: no
+    host sync, so the decode step can be captured in a CUDA graph.
+    """
     out = torch.zeros_like(hidden_states)
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, token order kept
+    if hidden_states.is_cuda and hidden_states.dtype == self.gate_up_proj.dtype == torch.bfloat16:
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        tok = order // top_k_index.shape[1]
+        h = self._apply_gate(bf16_grouped(hidden_states[tok], self.gate_up_proj, counts))
+        y = bf16_grouped(h, self.down_proj, counts) * top_k_weights.reshape(-1)[order, None]
+        return out.index_add_(0, tok, y.to(out.dtype))
     counts = torch.bincount(flat, minlength=self.num_experts).tolist()
     tok_all, kpos_all = order // top_k_index.shape[1], order % top_k_index.shape[1]
     at = 0

@@ -24,6 +24,7 @@ def main() -> None:
     a.add_argument("--prompt", type=int, default=128)
     a.add_argument("--new", type=int, default=16)
     a.add_argument("--rows", type=int, default=25)
+    a.add_argument("--graphs", default="auto", help="decode steps: auto (CUDA graphs on CUDA), off, static")
     a.add_argument("--temperature", type=float, default=0.0, help="0: greedy; RL samples at 1.0")
     args = a.parse_args()
     model = build_model(args.model, args.prompt + args.new + 1, torch.bfloat16, args.device)
@@ -31,8 +32,9 @@ def main() -> None:
     reqs = [Request(str(i), r.tolist(), SamplingParams(temperature=args.temperature, max_new_tokens=args.new, seed=i)) for i, r in enumerate(prompts)]
     for name, m in (("bf16", model), ("nvfp4", nvfp4_model(model))):
         eng = EmbeddedEngine(m, _NullTokenizer(), max_batch_size=args.batch, device=args.device,
-                             max_seq_len=args.prompt + args.new + 1, max_prefill_tokens=args.batch * args.prompt)
-        eng.generate(reqs[:2])
+                             max_seq_len=args.prompt + args.new + 1, max_prefill_tokens=args.batch * args.prompt,
+                             decode_graphs=args.graphs)
+        eng.generate([Request(r.id, r.prompt_ids, SamplingParams(max_new_tokens=3)) for r in reqs])  # compiles, graphs
         eng.prefill_s = eng.decode_s = 0.0
         eng.decode_steps = 0
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device.startswith("cuda") else [])

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rl4bit.trainer.qgemm import GemmSpec, compute_dtype, grouped_forward, grouped_gemm
+from rl4bit.trainer.qgemm import GemmSpec, bf16_grouped, compute_dtype, grouped_forward, grouped_gemm
 from rl4bit.trainer.qgemm import quantize_activation, quantize_weight
 
 
@@ -87,9 +87,11 @@ class QuantExperts(_QuantMixin, nn.Module):
         flat = top_k_index.reshape(-1)
         with torch.no_grad():
             order = torch.argsort(flat, stable=True)
-            if self.served is not None and flat.is_cuda:
-                # Serving on CUDA: counts stay on the device (the Triton GEMM reads them there), so the
-                # step makes no host sync here; serving modules never hold the EP sentinel.
+            if flat.is_cuda and (self.served is not None or (self.spec.fmt == "bf16" and torch.is_inference_mode_enabled())):
+                # Serving on CUDA (quantized modules in serving mode; bf16 ones under the engine's inference
+                # mode): counts stay on the device (the Triton GEMM / torch._grouped_mm read them there), so the
+                # step makes no host sync here and can be captured in a CUDA graph; the engine never runs expert
+                # parallelism, so no EP sentinel index reaches this branch.
                 counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
                 counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
             else:
@@ -112,6 +114,8 @@ class QuantExperts(_QuantMixin, nn.Module):
         if self.served is not None:
             with torch.no_grad():
                 return grouped_forward(quantize_activation(x, self.spec), self.served[name], counts, x.dtype)
+        if isinstance(counts, torch.Tensor):  # bf16 serving (see forward): no autograd, same product as training
+            return bf16_grouped(x, getattr(self, name).to(x.dtype), counts)
         return grouped_gemm(x, getattr(self, name), counts, self.spec, self._keys(gemm))
 
     def extra_repr(self) -> str:

@@ -102,7 +102,7 @@ def _unscaled(q: QTensor) -> torch.Tensor:
 
 
 def rowblock_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """a [m, K] @ b_t [K, N] in FP32 as a bmm over fixed ROW_BLOCK-row blocks (row results independent of m)."""
+    """a [m, K] @ b_t [K, N] (a's dtype) as a bmm over fixed ROW_BLOCK-row blocks (row results independent of m)."""
     m = a.shape[0]
     pad = (-m) % ROW_BLOCK
     if pad:
@@ -276,13 +276,7 @@ class GroupedQGemm(torch.autograd.Function):
         if spec.fmt == "bf16":
             ctx.save_for_backward(x, w)
             _count(x.nbytes, x.shape[0])
-            wc = w.to(x.dtype)
-            y = x.new_empty(x.shape[0], w.shape[1])
-            start = 0
-            for e, m in enumerate(counts):
-                y[start : start + m] = x[start : start + m] @ wc[e].t()
-                start += m
-            return y
+            return bf16_grouped(x, w.to(x.dtype), counts)
         if qx is None:
             qx = quantize_activation(x, spec)
         qw = quantize_weight(w, spec)
@@ -333,6 +327,34 @@ class GroupedQGemm(torch.autograd.Function):
             wt = quantize(w.detach().transpose(-1, -2).contiguous(), "mxfp8")
         dx, dw = _mxfp8_backward(dy, xt, wt, lay, spec, seeds)
         return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None
+
+
+def bf16_grouped(x: torch.Tensor, wc: torch.Tensor, counts) -> torch.Tensor:
+    """The `bf16` recipe's grouped product x [R, K] @ wc[e]ᵀ per expert's rows -> [R, N], in x's dtype.
+
+    BF16 on CUDA: one `torch._grouped_mm` with the group offsets on the device,
+    a grouped kernel that never reads the counts on the host, so the engine's
+    decode step can be captured in a CUDA graph. Elsewhere (the CPU, FP32): a
+    loop over experts of `rowblock_mm`, whose row results do not depend on how
+    many rows an expert got (a plain matmul's do on the CPU for small M), so
+    sampling stays batch-invariant. Training, the trainer's no-grad passes and
+    serving all take it, so they compute the same bits. counts: a list of ints
+    or an int tensor [E].
+    """
+    if not (x.is_cuda and x.dtype == wc.dtype == torch.bfloat16):
+        counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
+        y = x.new_empty(x.shape[0], wc.shape[1])
+        start = 0
+        for e, m in enumerate(counts):
+            if m:
+                y[start : start + m] = rowblock_mm(x[start : start + m], wc[e].t())
+            start += m
+        return y
+    if isinstance(counts, torch.Tensor):
+        offs = counts.to(device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    else:
+        offs = to_device(torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), x.device)
+    return torch._grouped_mm(x, wc.transpose(1, 2), offs=offs)
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: list[int], spec: GemmSpec, keys=(0, 0, 0, 0),

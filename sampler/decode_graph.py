@@ -1,0 +1,155 @@
+"""The embedded engine's decode step as static-shape forwards, captured as CUDA graphs.
+
+A decode step (every active sequence feeds exactly one token) is launch-bound
+when run op by op: ~2,000 kernel launches a step for a 16-layer MoE. Here it
+runs at a fixed row count P (the next bucket >= the batch, at least the
+engine's min_rows) from static device buffers:
+
+- `inputs` int64 [3, P]: token ids, cache positions and cache slots of the
+  rows; rows past the batch are padding (token 0, position 0, the cache's
+  scratch slot, which no sequence ever holds, so their K/V writes land
+  nowhere that is read);
+- `logits` float32 [P, V]: the rows' next-token logits.
+
+The forward is the engine's own (HF module tree, the engine's attention and
+experts, the model's quantized modules) with a `DecodeLayout` whose attention
+index tensors are computed on the device from `inputs`, so nothing in it reads
+the host. On CUDA each bucket's forward is captured once in a CUDA graph
+(shared memory pool) and replayed per step; on the CPU (mode "static") the
+same static forward runs eagerly, which is how the CPU tests check it.
+
+Numerics: the same ops on the same rows as the eager step, with the batch
+padded to P instead of min_rows rows. Rows never mix and every GEMM's row
+results do not depend on the row count above min_rows (kv_cache.py), so a
+request's tokens and logprobs are the eager path's bitwise (tested on the
+CPU; on the GPU by tests/sampler/test_decode_graph.py, which needs CUDA).
+
+Graphs read the model's weights and the KV cache by address: weight updates
+copy in place (`EmbeddedEngine.update_weights`), and anything that replaces a
+tensor (a module put into serving mode) must call `reset()`. Autocast's
+weight-cast cache is off inside the graphed forward: a cast cached outside the
+capture would be frozen into the graph.
+
+Leaves out: graphs for prefill or mixed prefill/decode steps (those run eagerly),
+sampling (eager after the replay: per-row parameters vary), multiple streams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from rl4bit.sampler.kv_cache import StepLayout, pad_rows
+
+MODES = ("off", "static", "cuda")
+
+
+@dataclass
+class DecodeLayout(StepLayout):
+    """A StepLayout for P one-token rows whose index tensors are device ops on `token_slot`/`token_pos`.
+
+    Same tensors, same values as `StepLayout.groups` builds for a decode step
+    (one group, n = 1), but without host lists, so a CUDA graph can hold it.
+    """
+
+    def groups(self, g: int, device) -> list[tuple]:
+        if self._groups is None:
+            self._groups = {}
+        if g not in self._groups:
+            rows = self.token_slot.numel()
+            keys_pos = torch.arange(self.cache.max_len, device=device)
+            tok = torch.arange(rows, device=device)[:, None]
+            q_pos = self.token_pos[:, None].repeat(1, g)  # [P, g]
+            allowed = pad_rows(keys_pos[None, None, :] <= q_pos[:, :, None], max(g, self.min_rows))
+            self._groups[g] = [(1, tok, self.token_slot, ~allowed)]
+        return self._groups[g]
+
+
+class _Bucket:
+    """Static buffers of one row count P, and its graph once captured."""
+
+    def __init__(self, rows: int, vocab: int, device):
+        self.rows = rows
+        self.inputs = torch.zeros(3, rows, dtype=torch.long, device=device)
+        self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.graph = None
+
+
+class DecodeGraphs:
+    """Per-bucket static decode forwards of one EmbeddedEngine; `logits(...)` runs one step."""
+
+    def __init__(self, engine, mode: str):
+        if mode not in MODES:
+            raise ValueError(f"decode graphs mode {mode!r}: use one of {MODES}")
+        if mode == "cuda" and engine.device.type != "cuda":
+            raise ValueError(f"decode graphs mode 'cuda' needs a CUDA engine, this one runs on {engine.device}")
+        self.engine = engine
+        self.mode = mode
+        self.scratch_slot = engine.cache.reserve_scratch()
+        top = max(engine.max_batch_size, engine.min_rows)
+        sizes, p = [], engine.min_rows
+        while p < top:
+            sizes.append(p)
+            p *= 2
+        self.sizes = sizes + [top]
+        """Row counts with a static forward: min_rows doubling up to the batch capacity."""
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = None
+        self.captures = 0
+        self.replays = 0
+
+    def reset(self) -> None:
+        """Drop every captured graph (their buffers and memory pool): the next step captures again."""
+        self._buckets.clear()
+        self._pool = None
+
+    def bucket_rows(self, batch: int) -> int:
+        return next(p for p in self.sizes if p >= batch)
+
+    def logits(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+        """float32 [B, V] next-token logits of B one-token rows (token, cache position, cache slot per row).
+
+        The result is a view of the bucket's static output, valid until the next call.
+        """
+        b = len(tokens)
+        rows = self.bucket_rows(b)
+        bucket = self._buckets.get(rows)
+        if bucket is None:
+            bucket = self._buckets[rows] = _Bucket(rows, self.engine.vocab_size, self.engine.device)
+        pad = rows - b
+        host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad],
+                            dtype=torch.long)
+        bucket.inputs.copy_(host)
+        if self.mode == "static":
+            bucket.logits.copy_(self._forward(bucket))
+        elif bucket.graph is None:
+            self._capture(bucket)  # the warm-up runs this step's rows; the replay below recomputes the same values
+        if bucket.graph is not None:
+            bucket.graph.replay()
+            self.replays += 1
+        return bucket.logits[:b]
+
+    def _forward(self, bucket: _Bucket) -> torch.Tensor:
+        eng = self.engine
+        ids, pos, slot = bucket.inputs[0:1], bucket.inputs[1:2], bucket.inputs[2]
+        layout = DecodeLayout(eng.cache, [], [], [], slot, pos[0], eng.min_rows)
+        base = getattr(eng.model, eng.model.base_model_prefix)
+        with torch.autocast(eng.device.type, eng.autocast or torch.bfloat16, enabled=eng.autocast is not None,
+                            cache_enabled=False):
+            hidden = base(input_ids=ids, position_ids=pos, use_cache=False, rl4bit_step=layout).last_hidden_state[0]
+            return eng.model.get_output_embeddings()(hidden).float()
+
+    def _capture(self, bucket: _Bucket) -> None:
+        """Warm up on a side stream (Triton compiles, allocator), then capture the forward into `bucket.graph`."""
+        side = torch.cuda.Stream(self.engine.device)
+        side.wait_stream(torch.cuda.current_stream(self.engine.device))
+        with torch.cuda.stream(side):
+            bucket.logits.copy_(self._forward(bucket))
+        torch.cuda.current_stream(self.engine.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            bucket.logits.copy_(self._forward(bucket))
+        self._pool = graph.pool()
+        bucket.graph = graph
+        self.captures += 1

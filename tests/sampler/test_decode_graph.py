@@ -1,0 +1,91 @@
+"""Decode steps from static buffers (`decode_graphs`): the same tokens and logprobs as op-by-op decode, bitwise.
+
+CPU: mode "static" runs the graphs' static-shape forward (padded bucket rows,
+scratch cache slot, device-built attention indices) eagerly and must equal mode
+"off" for the plain model and the quantized serving modules, across bucket
+sizes and with sequences leaving mid-decode. CUDA (marked gpu): mode "cuda"
+(captured graphs, replayed) against "off", and a weight update copied in place
+reaching the captured graphs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl4bit.sampler.engine import EmbeddedEngine
+from rl4bit.sampler.types import Request, SamplingParams, WeightUpdate
+
+from .conftest import make_model, prompts
+
+
+def _requests(n: int, seed: int):
+    return [Request(str(i), p, SamplingParams(temperature=1.0 if i % 3 else 0.0, seed=50 + i,
+                                              max_new_tokens=4 + i % 7, n=1 + i % 2))
+            for i, p in enumerate(prompts(n, seed=seed))]
+
+
+def _same(a, b) -> str | None:
+    for x, y in zip(a, b, strict=True):
+        if (x.completion_ids, x.logprobs, x.finish_reason) != (y.completion_ids, y.logprobs, y.finish_reason):
+            return f"request {x.request_id}/{x.sample_index}: {x.completion_ids} {x.logprobs[:2]} vs " \
+                   f"{y.completion_ids} {y.logprobs[:2]}"
+    return None
+
+
+def _serving(recipe: str, dtype=torch.float32, seed: int = 4):
+    model = make_model(dtype, seed=seed)
+    if recipe != "plain":
+        from rl4bit.trainer.recipe import RecipeConfig
+        from rl4bit.trainer.surgery import convert_model, load_quantized, quantized_weights
+
+        convert_model(model, RecipeConfig(name=recipe, high_precision_tail=0.0, scope="all_linear"))
+        load_quantized(model, quantized_weights(model))
+    return model
+
+
+@pytest.mark.parametrize("recipe", ["plain", "bf16", "nvfp4", "mxfp8"])
+def test_static_decode_equals_op_by_op(tokenizer, recipe):
+    reqs = _requests(14, seed=21)  # 21 samples: buckets 16 and 32 (max_batch_size 24 -> sizes 16, 24)
+    model = _serving(recipe)
+    off = EmbeddedEngine(model, tokenizer, max_batch_size=24, decode_graphs="off").generate(reqs)
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=24, decode_graphs="static")
+    static = engine.generate(reqs)
+    assert _same(off, static) is None, f"{recipe}: {_same(off, static)}"
+    assert engine.graphs.sizes == [16, 24]
+    assert engine.decode_steps > 0 and engine.graphs.captures == 0  # static mode captures nothing
+    assert engine.graphs.scratch_slot == 24 and engine.graphs.scratch_slot not in engine.cache.free
+    small = EmbeddedEngine(model, tokenizer, max_batch_size=3, decode_graphs="static").generate(reqs)
+    assert _same(off, small) is None, f"{recipe} max_batch_size=3: {_same(off, small)}"
+
+
+def test_graph_modes_are_checked(tokenizer):
+    with pytest.raises(ValueError, match="needs a CUDA engine"):
+        EmbeddedEngine(make_model(), tokenizer, max_batch_size=2, decode_graphs="cuda")
+    with pytest.raises(ValueError, match="use one of"):
+        EmbeddedEngine(make_model(), tokenizer, max_batch_size=2, decode_graphs="always")
+    assert EmbeddedEngine(make_model(), tokenizer, max_batch_size=2).graphs is None  # auto on the CPU: off
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("recipe", ["plain", "bf16", "nvfp4"])
+def test_cuda_graphs_equal_op_by_op(tokenizer, recipe):
+    """BF16 compute (the GPU jobs' dtype); replayed graphs give op-by-op decode's bits, also after an in-place update."""
+    reqs = _requests(14, seed=22)
+    model = _serving(recipe, torch.bfloat16).cuda()
+    off = EmbeddedEngine(model, tokenizer, max_batch_size=24, device="cuda", decode_graphs="off")
+    graphs = EmbeddedEngine(model, tokenizer, max_batch_size=24, device="cuda", decode_graphs="cuda")
+    a_off, a_graph = off.generate(reqs), graphs.generate(reqs)
+    assert graphs.graphs.captures >= 1 and graphs.graphs.replays > 0
+    assert _same(a_off, a_graph) is None, f"{recipe}: {_same(a_off, a_graph)}"
+    # weights B copied in place: the captured graphs must follow
+    other = {k: v.cuda() for k, v in _serving(recipe, torch.bfloat16, seed=9).state_dict().items()}
+    dense = {k: v for k, v in other.items() if k in model.state_dict()}
+    captures = graphs.graphs.captures
+    for eng in (off, graphs):
+        eng.update_weights(WeightUpdate(version=1, tensors=dense))
+    b_off, b_graph = off.generate(reqs), graphs.generate(reqs)
+    assert graphs.graphs.captures == captures  # replayed, not recaptured
+    assert _same(b_off, b_graph) is None, f"{recipe} after update: {_same(b_off, b_graph)}"
+    assert _same(a_graph, b_graph) is not None  # the update changed the outputs
