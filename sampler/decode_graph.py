@@ -24,6 +24,10 @@ results do not depend on the row count above min_rows (kv_cache.py), so a
 request's tokens and logprobs are the eager path's bitwise (tested on the
 CPU; on the GPU by tests/sampler/test_decode_graph.py, which needs CUDA).
 
+A forward that cannot be captured (a host read inside it, e.g. an FP32 model's
+experts on CUDA, which have no grouped kernel) fails the first capture; the
+engine then decodes op by op, with a warning, and `error` says why.
+
 Graphs read the model's weights and the KV cache by address: weight updates
 copy in place (`EmbeddedEngine.update_weights`), and anything that replaces a
 tensor (a module put into serving mode) must call `reset()`. Autocast's
@@ -36,6 +40,7 @@ sampling (eager after the replay: per-row parameters vary), multiple streams.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -98,6 +103,8 @@ class DecodeGraphs:
         self._pool = None
         self.captures = 0
         self.replays = 0
+        self.error: str | None = None
+        """Why capturing failed (a host read or CPU tensor inside the model's forward); decode then runs op by op."""
 
     def reset(self) -> None:
         """Drop every captured graph (their buffers and memory pool): the next step captures again."""
@@ -107,11 +114,15 @@ class DecodeGraphs:
     def bucket_rows(self, batch: int) -> int:
         return next(p for p in self.sizes if p >= batch)
 
-    def logits(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor:
+    def logits(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor | None:
         """float32 [B, V] next-token logits of B one-token rows (token, cache position, cache slot per row).
 
-        The result is a view of the bucket's static output, valid until the next call.
+        The result is a view of the bucket's static output, valid until the next
+        call. None when this model's forward cannot be captured (`error` says
+        why): the caller runs the step op by op.
         """
+        if self.error is not None:
+            return None
         b = len(tokens)
         rows = self.bucket_rows(b)
         bucket = self._buckets.get(rows)
@@ -124,7 +135,14 @@ class DecodeGraphs:
         if self.mode == "static":
             bucket.logits.copy_(self._forward(bucket))
         elif bucket.graph is None:
-            self._capture(bucket)  # the warm-up runs this step's rows; the replay below recomputes the same values
+            try:  # the warm-up runs this step's rows; the replay below recomputes the same values
+                self._capture(bucket)
+            except RuntimeError as e:
+                self.error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                self.reset()
+                warnings.warn(f"decode steps run op by op: this model's decode forward cannot be captured in a "
+                              f"CUDA graph ({self.error}); sampler.cuda_graphs=false silences this", stacklevel=2)
+                return None
         if bucket.graph is not None:
             bucket.graph.replay()
             self.replays += 1

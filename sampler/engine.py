@@ -209,9 +209,10 @@ class EmbeddedEngine:
         for t in toks:
             at += len(t)
             rows.append(at - 1)
+        logits = None
         if not prefill and self.graphs is not None and all(len(t) == 1 for t in toks):
             logits = self.graphs.logits([t[0] for t in toks], starts, [s.slot for s in seqs])
-        else:
+        if logits is None:
             logits = self._forward(seqs, toks, starts, rows)
         if not prefill:
             self.decode_steps += 1

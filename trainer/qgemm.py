@@ -299,16 +299,8 @@ class GroupedQGemm(torch.autograd.Function):
         spec, counts = ctx.spec, ctx.counts
         if spec.fmt == "bf16":
             x, w = ctx.saved_tensors
-            wc = w.to(dy.dtype)
-            dx = torch.zeros_like(x)
-            dw = torch.zeros(w.shape, dtype=dy.dtype, device=dy.device)
-            start = 0
-            for e, m in enumerate(counts):
-                if m:
-                    dx[start : start + m] = dy[start : start + m] @ wc[e]
-                    dw[e] = dy[start : start + m].t() @ x[start : start + m].to(dy.dtype)
-                start += m
-            return dx, dw.to(ctx.w_dtype), None, None, None, None
+            dx, dw = bf16_grouped_backward(dy, x.to(dy.dtype), w.to(dy.dtype), counts)
+            return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None
         _check_finite(dy, "an output gradient of a quantized GEMM")
         seed, step, layer, call = ctx.keys
         seeds = [derive_seed(seed, step, layer, t, call) for t in range(4)]
@@ -355,6 +347,31 @@ def bf16_grouped(x: torch.Tensor, wc: torch.Tensor, counts) -> torch.Tensor:
     else:
         offs = to_device(torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), x.device)
     return torch._grouped_mm(x, wc.transpose(1, 2), offs=offs)
+
+
+def bf16_grouped_backward(dy: torch.Tensor, x: torch.Tensor, wc: torch.Tensor, counts: list[int]):
+    """(dx [R, K], dw [E, N, K]) of `bf16_grouped` for output gradient dy [R, N], all in dy's dtype.
+
+    Two `torch._grouped_mm` calls (dx grouped over rows; dw grouped along the
+    reduction over each expert's rows, an expert without rows getting zeros),
+    on the CPU too, where they give a per-expert matmul loop's bits (tested).
+    FP32 on CUDA, which has no grouped kernel: that loop.
+    """
+    if dy.is_cuda and not dy.dtype == x.dtype == wc.dtype == torch.bfloat16:
+        dx = torch.zeros_like(x)
+        dw = torch.zeros(wc.shape, dtype=dy.dtype, device=dy.device)
+        start = 0
+        for e, m in enumerate(counts):
+            if m:
+                dx[start : start + m] = dy[start : start + m] @ wc[e]
+                dw[e] = dy[start : start + m].t() @ x[start : start + m]
+            start += m
+        return dx, dw
+    offs = to_device(torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), dy.device)
+    dx = torch._grouped_mm(dy, wc, offs=offs)
+    dw = torch._grouped_mm(dy.t(), x, offs=offs)
+    empty = to_device(torch.tensor([m == 0 for m in counts]), dy.device)
+    return dx, dw.masked_fill(empty[:, None, None], 0.0)  # no rows: zero, whatever the kernel left there
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: list[int], spec: GemmSpec, keys=(0, 0, 0, 0),

@@ -5,7 +5,8 @@ scratch cache slot, device-built attention indices) eagerly and must equal mode
 "off" for the plain model and the quantized serving modules, across bucket
 sizes and with sequences leaving mid-decode. CUDA (marked gpu): mode "cuda"
 (captured graphs, replayed) against "off", and a weight update copied in place
-reaching the captured graphs.
+reaching the captured graphs; an FP32 model's experts (no grouped kernel on
+CUDA) make the capture fail, and decode falls back to op by op with a warning.
 """
 
 from __future__ import annotations
@@ -74,10 +75,11 @@ def test_cuda_graphs_equal_op_by_op(tokenizer, recipe):
     """BF16 compute (the GPU jobs' dtype); replayed graphs give op-by-op decode's bits, also after an in-place update."""
     reqs = _requests(14, seed=22)
     model = _serving(recipe, torch.bfloat16).cuda()
-    off = EmbeddedEngine(model, tokenizer, max_batch_size=24, device="cuda", decode_graphs="off")
-    graphs = EmbeddedEngine(model, tokenizer, max_batch_size=24, device="cuda", decode_graphs="cuda")
+    kw = dict(max_batch_size=24, device="cuda", autocast=torch.bfloat16)  # FP32 masters, BF16 compute: the GPU job
+    off = EmbeddedEngine(model, tokenizer, decode_graphs="off", **kw)
+    graphs = EmbeddedEngine(model, tokenizer, decode_graphs="cuda", **kw)
     a_off, a_graph = off.generate(reqs), graphs.generate(reqs)
-    assert graphs.graphs.captures >= 1 and graphs.graphs.replays > 0
+    assert graphs.graphs.error is None and graphs.graphs.captures >= 1 and graphs.graphs.replays > 0
     assert _same(a_off, a_graph) is None, f"{recipe}: {_same(a_off, a_graph)}"
     # weights B copied in place: the captured graphs must follow
     other = {k: v.cuda() for k, v in _serving(recipe, torch.bfloat16, seed=9).state_dict().items()}
@@ -89,3 +91,16 @@ def test_cuda_graphs_equal_op_by_op(tokenizer, recipe):
     assert graphs.graphs.captures == captures  # replayed, not recaptured
     assert _same(b_off, b_graph) is None, f"{recipe} after update: {_same(b_off, b_graph)}"
     assert _same(a_graph, b_graph) is not None  # the update changed the outputs
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_uncapturable_forward_falls_back_with_a_warning(tokenizer):
+    model = _serving("bf16", torch.float32).cuda()  # FP32 experts on CUDA: counts read on the host
+    reqs = _requests(4, seed=23)
+    off = EmbeddedEngine(model, tokenizer, max_batch_size=8, device="cuda", decode_graphs="off").generate(reqs)
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=8, device="cuda", decode_graphs="cuda")
+    with pytest.warns(UserWarning, match="cannot be captured"):
+        out = engine.generate(reqs)
+    assert engine.graphs.error is not None and engine.graphs.replays == 0
+    assert _same(off, out) is None
