@@ -148,8 +148,16 @@ class Sampler:
             "backend": self.config.backend,
             "device": str(getattr(e, "device", "vllm")),
             "kv_cache_bytes": e.cache.nbytes if hasattr(e, "cache") else None,
+            "decode_graphs": _graph_stats(getattr(e, "graphs", None)),
             "time": time.time(),
         }
+
+
+def _graph_stats(graphs) -> dict | None:
+    """The embedded engine's CUDA-graph decode: mode, captures, replays, and why capture failed (if it did)."""
+    if graphs is None:
+        return None
+    return {"mode": graphs.mode, "captures": graphs.captures, "replays": graphs.replays, "error": graphs.error}
 
 
 def _vllm_engine(model, tokenizer, config: SamplerConfig, max_seq_len: int | None, workdir: str | None):

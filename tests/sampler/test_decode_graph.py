@@ -34,8 +34,8 @@ def _same(a, b) -> str | None:
     return None
 
 
-def _serving(recipe: str, dtype=torch.float32, seed: int = 4):
-    model = make_model(dtype, seed=seed)
+def _serving(recipe: str, dtype=torch.float32, seed: int = 4, device="cpu"):
+    model = make_model(dtype, seed=seed).to(device)  # before serving: .to() does not move served QTensors
     if recipe != "plain":
         from rl4bit.trainer.recipe import RecipeConfig
         from rl4bit.trainer.surgery import convert_model, load_quantized, quantized_weights
@@ -60,6 +60,27 @@ def test_static_decode_equals_op_by_op(tokenizer, recipe):
     assert _same(off, small) is None, f"{recipe} max_batch_size=3: {_same(off, small)}"
 
 
+def test_a_module_put_into_serving_drops_the_graphs(tokenizer):
+    """update_weights that loads a not-yet-serving module replaces its weight tensors: graphs must be recaptured."""
+    from rl4bit.trainer.recipe import RecipeConfig
+    from rl4bit.trainer.surgery import convert_model, quantized_weights
+
+    model = make_model(seed=5)
+    convert_model(model, RecipeConfig(name="nvfp4", high_precision_tail=0.0))
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=4, decode_graphs="static")
+    reqs = _requests(3, seed=24)
+    engine.generate(reqs)
+    assert engine.graphs._buckets  # a bucket built
+    dense = {k: v.clone() for k, v in model.state_dict().items()}
+    engine.update_weights(WeightUpdate(version=1, tensors={}), quantized_weights(model))  # loads: new storage
+    assert not engine.graphs._buckets
+    engine.generate(reqs)
+    assert engine.graphs._buckets
+    engine.update_weights(WeightUpdate(version=2, tensors={k: v for k, v in dense.items()
+                                                           if k in model.state_dict()}))  # in place: kept
+    assert engine.graphs._buckets
+
+
 def test_graph_modes_are_checked(tokenizer):
     with pytest.raises(ValueError, match="needs a CUDA engine"):
         EmbeddedEngine(make_model(), tokenizer, max_batch_size=2, decode_graphs="cuda")
@@ -74,7 +95,7 @@ def test_graph_modes_are_checked(tokenizer):
 def test_cuda_graphs_equal_op_by_op(tokenizer, recipe):
     """BF16 compute (the GPU jobs' dtype); replayed graphs give op-by-op decode's bits, also after an in-place update."""
     reqs = _requests(14, seed=22)
-    model = _serving(recipe, torch.bfloat16).cuda()
+    model = _serving(recipe, torch.bfloat16, device="cuda")
     kw = dict(max_batch_size=24, device="cuda", autocast=torch.bfloat16)  # FP32 masters, BF16 compute: the GPU job
     off = EmbeddedEngine(model, tokenizer, decode_graphs="off", **kw)
     graphs = EmbeddedEngine(model, tokenizer, decode_graphs="cuda", **kw)
@@ -82,7 +103,7 @@ def test_cuda_graphs_equal_op_by_op(tokenizer, recipe):
     assert graphs.graphs.error is None and graphs.graphs.captures >= 1 and graphs.graphs.replays > 0
     assert _same(a_off, a_graph) is None, f"{recipe}: {_same(a_off, a_graph)}"
     # weights B copied in place: the captured graphs must follow
-    other = {k: v.cuda() for k, v in _serving(recipe, torch.bfloat16, seed=9).state_dict().items()}
+    other = {k: v.cuda() for k, v in _serving(recipe, torch.bfloat16, seed=9, device="cuda").state_dict().items()}
     dense = {k: v for k, v in other.items() if k in model.state_dict()}
     captures = graphs.graphs.captures
     for eng in (off, graphs):
@@ -96,7 +117,7 @@ def test_cuda_graphs_equal_op_by_op(tokenizer, recipe):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 def test_uncapturable_forward_falls_back_with_a_warning(tokenizer):
-    model = _serving("bf16", torch.float32).cuda()  # FP32 experts on CUDA: counts read on the host
+    model = _serving("bf16", torch.float32, device="cuda")  # FP32 experts on CUDA: counts read on the host
     reqs = _requests(4, seed=23)
     off = EmbeddedEngine(model, tokenizer, max_batch_size=8, device="cuda", decode_graphs="off").generate(reqs)
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=8, device="cuda", decode_graphs="cuda")
