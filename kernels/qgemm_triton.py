@@ -173,8 +173,9 @@ def tile_map(counts, rows: int, block_m: int, device=None) -> torch.Tensor:
 
     Expert e gets cdiv(counts[e], block_m) consecutive tiles over its own rows;
     the tiles past the last one get -1. counts as a device tensor: one small
-    kernel, no host sync (CUDA-graph safe). counts as a list: built on the host
-    and cached per (counts, block_m, device), so a dense layer's map is uploaded once.
+    kernel, no host sync (CUDA-graph safe). counts as a list: built on the host,
+    copied without a host wait (pinned, non-blocking) and cached per (counts,
+    block_m, device), so a dense layer's map is uploaded once.
     """
     if isinstance(counts, torch.Tensor):
         groups = counts.numel()
@@ -196,7 +197,9 @@ def tile_map(counts, rows: int, block_m: int, device=None) -> torch.Tensor:
                 host[0][t], host[1][t], host[2][t] = e, r0, start + m
                 t += 1
             start += m
-        cmap = torch.tensor(host, dtype=torch.int32, device=device)
+        cmap = torch.tensor(host, dtype=torch.int32)
+        if device is not None and torch.device(device).type == "cuda":  # a pageable copy would wait for the GPU
+            cmap = cmap.pin_memory().to(device, non_blocking=True)
         if len(_MAP_CACHE) >= _MAP_CACHE_SIZE:
             _MAP_CACHE.clear()
         _MAP_CACHE[key] = cmap
