@@ -101,6 +101,9 @@ class DecodeGraphs:
         """Row counts with a static forward: min_rows doubling up to the batch capacity."""
         self._buckets: dict[int, _Bucket] = {}
         self._pool = None
+        self._side = None
+        """The warm-ups' stream: one for every capture (the allocator caches blocks per stream, so a new stream
+        per capture would strand each warm-up's freed memory)."""
         self.captures = 0
         self.replays = 0
         self.error: str | None = None
@@ -160,7 +163,9 @@ class DecodeGraphs:
 
     def _capture(self, bucket: _Bucket) -> None:
         """Warm up on a side stream (Triton compiles, allocator), then capture the forward into `bucket.graph`."""
-        side = torch.cuda.Stream(self.engine.device)
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.engine.device)
+        side = self._side
         side.wait_stream(torch.cuda.current_stream(self.engine.device))
         with torch.cuda.stream(side):
             bucket.logits.copy_(self._forward(bucket))
