@@ -19,10 +19,17 @@ the host. On CUDA each bucket's forward is captured once in a CUDA graph
 same static forward runs eagerly, which is how the CPU tests check it.
 
 Numerics: the same ops on the same rows as the eager step, with the batch
-padded to P instead of min_rows rows. Rows never mix and every GEMM's row
-results do not depend on the row count above min_rows (kv_cache.py), so a
-request's tokens and logprobs are the eager path's bitwise (tested on the
-CPU; on the GPU by tests/sampler/test_decode_graph.py, which needs CUDA).
+padded to P instead of min_rows rows. Rows never mix, and on the CPU every
+GEMM's row results do not depend on the row count above min_rows (kv_cache.py),
+so a request's tokens and logprobs are the eager path's bitwise (tested). On
+CUDA the same holds for the tiny test model (tests/sampler/test_decode_graph.py,
+run on the H200); at real sizes cuBLAS may pick another kernel for M = P than
+for M = max(B, min_rows), which is not checked.
+
+Every tensor a graph reads is owned by the model, the cache, the bucket or the
+graph's pool: quantized serving modules pass their row counts as device tensors
+(their tile maps are built inside the graph), never a cached map that could be
+freed behind the graph's back.
 
 A forward that cannot be captured (a host read inside it, e.g. an FP32 model's
 experts on CUDA, which have no grouped kernel) fails the first capture; the
@@ -41,6 +48,7 @@ sampling (eager after the replay: per-row parameters vary), multiple streams.
 from __future__ import annotations
 
 import warnings
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -89,7 +97,7 @@ class DecodeGraphs:
             raise ValueError(f"decode graphs mode {mode!r}: use one of {MODES}")
         if mode == "cuda" and engine.device.type != "cuda":
             raise ValueError(f"decode graphs mode 'cuda' needs a CUDA engine, this one runs on {engine.device}")
-        self.engine = engine
+        self._engine = weakref.ref(engine)  # no reference cycle: deleting the engine frees its cache and graphs
         self.mode = mode
         self.scratch_slot = engine.cache.reserve_scratch()
         top = max(engine.max_batch_size, engine.min_rows)
@@ -109,12 +117,20 @@ class DecodeGraphs:
         self.error: str | None = None
         """Why capturing failed (a host read or CPU tensor inside the model's forward); decode then runs op by op."""
 
+    @property
+    def engine(self):
+        return self._engine()
+
     def reset(self) -> None:
-        """Drop every captured graph (their buffers and memory pool): the next step captures again."""
+        """Drop every captured graph (their buffers and memory pool) and a past capture failure: the next step
+        captures again (after a module was put into serving mode, whose forward may now be capturable)."""
         self._buckets.clear()
         self._pool = None
+        self.error = None
 
     def bucket_rows(self, batch: int) -> int:
+        if batch > self.sizes[-1]:
+            raise ValueError(f"a decode step of {batch} rows exceeds the engine's batch capacity {self.sizes[-1]}")
         return next(p for p in self.sizes if p >= batch)
 
     def logits(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor | None:
@@ -140,9 +156,12 @@ class DecodeGraphs:
         elif bucket.graph is None:
             try:  # the warm-up runs this step's rows; the replay below recomputes the same values
                 self._capture(bucket)
+            except torch.OutOfMemoryError:
+                raise  # not a property of the model: do not turn graphs off for good
             except RuntimeError as e:
-                self.error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+                cause = e.__context__ if isinstance(e.__context__, Exception) else e  # capture_end's error hides it
                 self.reset()
+                self.error = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
                 warnings.warn(f"decode steps run op by op: this model's decode forward cannot be captured in a "
                               f"CUDA graph ({self.error}); sampler.cuda_graphs=false silences this", stacklevel=2)
                 return None
@@ -162,17 +181,25 @@ class DecodeGraphs:
             return eng.model.get_output_embeddings()(hidden).float()
 
     def _capture(self, bucket: _Bucket) -> None:
-        """Warm up on a side stream (Triton compiles, allocator), then capture the forward into `bucket.graph`."""
+        """Warm up on a side stream (Triton compiles, allocator), then capture the forward into `bucket.graph`.
+
+        The caller's stream is current again afterwards, also when the capture
+        fails (a failing `capture_end` leaves torch.cuda.graph's stream current).
+        """
+        device = self.engine.device
         if self._side is None:
-            self._side = torch.cuda.Stream(self.engine.device)
-        side = self._side
-        side.wait_stream(torch.cuda.current_stream(self.engine.device))
-        with torch.cuda.stream(side):
-            bucket.logits.copy_(self._forward(bucket))
-        torch.cuda.current_stream(self.engine.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            bucket.logits.copy_(self._forward(bucket))
+            self._side = torch.cuda.Stream(device)
+        side, caller = self._side, torch.cuda.current_stream(device)
+        try:
+            side.wait_stream(caller)
+            with torch.cuda.stream(side):
+                bucket.logits.copy_(self._forward(bucket))
+            caller.wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                bucket.logits.copy_(self._forward(bucket))
+        finally:
+            torch.cuda.set_stream(caller)
         self._pool = graph.pool()
         bucket.graph = graph
         self.captures += 1

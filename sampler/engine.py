@@ -93,6 +93,8 @@ class EmbeddedEngine:
         "off" (op by op, like prefill), "auto" ("cuda" on a CUDA device, else "off")."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: {max_batch_size} must be >= 1")
+        if min_rows < 1:
+            raise ValueError(f"min_rows: {min_rows} must be >= 1 (GEMMs are padded to at least this many rows)")
         if decode_graphs == "auto":
             decode_graphs = "cuda" if torch.device(device).type == "cuda" else "off"
         self.autocast = autocast
@@ -304,10 +306,10 @@ class EmbeddedEngine:
                 live[name].copy_(t)
             for dst, src in copies:
                 dst.copy_(src)
+            if loads and self.graphs is not None:
+                self.graphs.reset()  # new QTensor storage: graphs captured before would read the old one
             for module, qweights in loads:
                 module.load_quantized({p: _to_device(q, self.device) for p, q in qweights.items()})
-        if loads and self.graphs is not None:
-            self.graphs.reset()  # new QTensor storage: graphs captured before would read the old one
         self._version = update.version
 
     def _plan_quantized(self, quantized: dict, problems: list[str]):

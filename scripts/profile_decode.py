@@ -24,7 +24,7 @@ def main() -> None:
     a.add_argument("--prompt", type=int, default=128)
     a.add_argument("--new", type=int, default=16)
     a.add_argument("--rows", type=int, default=25)
-    a.add_argument("--graphs", default="auto", help="decode steps: auto (CUDA graphs on CUDA), off, static")
+    a.add_argument("--graphs", default="auto", help="decode steps: auto (cuda on a CUDA device), cuda (CUDA graphs), static, off")
     a.add_argument("--temperature", type=float, default=0.0, help="0: greedy; RL samples at 1.0")
     args = a.parse_args()
     model = build_model(args.model, args.prompt + args.new + 1, torch.bfloat16, args.device)

@@ -88,8 +88,8 @@ class QuantExperts(_QuantMixin, nn.Module):
         with torch.no_grad():
             order = torch.argsort(flat, stable=True)
             if flat.is_cuda and (self.served is not None or (self.spec.fmt == "bf16" and torch.is_inference_mode_enabled())):
-                # Serving on CUDA (quantized modules in serving mode; bf16 ones under the engine's inference
-                # mode): counts stay on the device (the Triton GEMM / torch._grouped_mm read them there), so the
+                # Serving on CUDA (quantized modules in serving mode; bf16 ones under inference mode, which
+                # only the engine uses; the trainer's passes run under no_grad): counts stay on the device (the Triton GEMM / torch._grouped_mm read them there), so the
                 # step makes no host sync here and can be captured in a CUDA graph; the engine never runs expert
                 # parallelism, so no EP sentinel index reaches this branch.
                 counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
@@ -146,6 +146,8 @@ class QuantLinear(_QuantMixin, nn.Linear):
         x2 = x.reshape(-1, self.in_features).to(dt)
         counts = [x2.shape[0]]
         if self.served is not None:
+            if x2.is_cuda:  # a device count: the tile map is built on the device (inside a CUDA graph, too)
+                counts = torch.full((1,), x2.shape[0], dtype=torch.int32, device=x2.device)
             with torch.no_grad():
                 y = grouped_forward(quantize_activation(x2, self.spec), self.served["weight"], counts, dt)
         else:

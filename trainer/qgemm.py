@@ -325,15 +325,19 @@ def bf16_grouped(x: torch.Tensor, wc: torch.Tensor, counts) -> torch.Tensor:
     """The `bf16` recipe's grouped product x [R, K] @ wc[e]ᵀ per expert's rows -> [R, N], in x's dtype.
 
     BF16 on CUDA: one `torch._grouped_mm` with the group offsets on the device,
-    a grouped kernel that never reads the counts on the host, so the engine's
-    decode step can be captured in a CUDA graph. Elsewhere (the CPU, FP32): a
-    loop over experts of `rowblock_mm`, whose row results do not depend on how
-    many rows an expert got (a plain matmul's do on the CPU for small M), so
-    sampling stays batch-invariant. Training, the trainer's no-grad passes and
-    serving all take it, so they compute the same bits. counts: a list of ints
-    or an int tensor [E].
+    a grouped kernel that (on sm90/sm100) never reads the counts on the host, so
+    the engine's decode step can be captured in a CUDA graph. Elsewhere (the
+    CPU, FP32, rows not 16-byte aligned): a loop over experts of `rowblock_mm`,
+    whose row results do not depend on how many rows an expert got (a plain
+    matmul's do on the CPU for small M), so sampling stays batch-invariant.
+    Training, the trainer's no-grad passes and serving all take this function.
+    On the CPU they therefore compute the same bits (tested). On CUDA,
+    `_grouped_mm` may pick its kernel from the rows per expert, so a training
+    micro-batch and a decode step can run different kernels; row results were
+    checked to be independent of the row counts only at small sizes
+    (tests/trainer/test_bf16_grouped.py). counts: a list of ints or an int tensor [E].
     """
-    if not (x.is_cuda and x.dtype == wc.dtype == torch.bfloat16):
+    if not (x.is_cuda and x.dtype == wc.dtype == torch.bfloat16 and _aligned(x, wc)):
         counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         y = x.new_empty(x.shape[0], wc.shape[1])
         start = 0
@@ -355,9 +359,10 @@ def bf16_grouped_backward(dy: torch.Tensor, x: torch.Tensor, wc: torch.Tensor, c
     Two `torch._grouped_mm` calls (dx grouped over rows; dw grouped along the
     reduction over each expert's rows, an expert without rows getting zeros),
     on the CPU too, where they give a per-expert matmul loop's bits (tested).
-    FP32 on CUDA, which has no grouped kernel: that loop.
+    FP32 on CUDA, which has no grouped kernel, or rows not 16-byte aligned: that loop.
     """
-    if dy.is_cuda and not dy.dtype == x.dtype == wc.dtype == torch.bfloat16:
+    dy = dy.contiguous()  # e.g. the stride-0 gradient of a sum
+    if (dy.is_cuda and not dy.dtype == x.dtype == wc.dtype == torch.bfloat16) or not _aligned(dy, x, wc):
         dx = torch.zeros_like(x)
         dw = torch.zeros(wc.shape, dtype=dy.dtype, device=dy.device)
         start = 0
@@ -372,6 +377,12 @@ def bf16_grouped_backward(dy: torch.Tensor, x: torch.Tensor, wc: torch.Tensor, c
     dw = torch._grouped_mm(dy.t(), x, offs=offs)
     empty = to_device(torch.tensor([m == 0 for m in counts]), dy.device)
     return dx, dw.masked_fill(empty[:, None, None], 0.0)  # no rows: zero, whatever the kernel left there
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    """K and N (the last dim of each operand, both of a weight [E, N, K]) multiples of 16 bytes, as
+    `torch._grouped_mm` requires (multiples of 8 in BF16); the row count is free."""
+    return all(n * t.element_size() % 16 == 0 for t in ts for n in t.shape[-2 if t.ndim == 3 else -1:])
 
 
 def grouped_gemm(x: torch.Tensor, w: torch.Tensor, counts: list[int], spec: GemmSpec, keys=(0, 0, 0, 0),

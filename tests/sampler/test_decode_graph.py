@@ -5,7 +5,9 @@ scratch cache slot, device-built attention indices) eagerly and must equal mode
 "off" for the plain model and the quantized serving modules, across bucket
 sizes and with sequences leaving mid-decode. CUDA (marked gpu): mode "cuda"
 (captured graphs, replayed) against "off", and a weight update copied in place
-reaching the captured graphs; an FP32 model's experts (no grouped kernel on
+reaching the captured graphs (dense tensors and, for nvfp4, the served
+QTensors; that last part added after the session's GPU runs, not yet run on a
+GPU); an FP32 model's experts (no grouped kernel on
 CUDA) make the capture fail, and decode falls back to op by op with a warning.
 """
 
@@ -47,7 +49,7 @@ def _serving(recipe: str, dtype=torch.float32, seed: int = 4, device="cpu"):
 
 @pytest.mark.parametrize("recipe", ["plain", "bf16", "nvfp4", "mxfp8"])
 def test_static_decode_equals_op_by_op(tokenizer, recipe):
-    reqs = _requests(14, seed=21)  # 21 samples: buckets 16 and 32 (max_batch_size 24 -> sizes 16, 24)
+    reqs = _requests(14, seed=21)  # 21 samples; max_batch_size 24 -> buckets of 16 and 24 rows
     model = _serving(recipe)
     off = EmbeddedEngine(model, tokenizer, max_batch_size=24, decode_graphs="off").generate(reqs)
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=24, decode_graphs="static")
@@ -81,7 +83,19 @@ def test_a_module_put_into_serving_drops_the_graphs(tokenizer):
     assert engine.graphs._buckets
 
 
+def test_deleting_the_engine_frees_it(tokenizer):
+    """No reference cycle between the engine and its graphs: the KV cache goes with the last reference."""
+    import weakref
+
+    engine = EmbeddedEngine(make_model(), tokenizer, max_batch_size=2, decode_graphs="static")
+    cache = weakref.ref(engine.cache)
+    del engine
+    assert cache() is None
+
+
 def test_graph_modes_are_checked(tokenizer):
+    with pytest.raises(ValueError, match="min_rows"):
+        EmbeddedEngine(make_model(), tokenizer, max_batch_size=2, min_rows=0)
     with pytest.raises(ValueError, match="needs a CUDA engine"):
         EmbeddedEngine(make_model(), tokenizer, max_batch_size=2, decode_graphs="cuda")
     with pytest.raises(ValueError, match="use one of"):
@@ -103,11 +117,16 @@ def test_cuda_graphs_equal_op_by_op(tokenizer, recipe):
     assert graphs.graphs.error is None and graphs.graphs.captures >= 1 and graphs.graphs.replays > 0
     assert _same(a_off, a_graph) is None, f"{recipe}: {_same(a_off, a_graph)}"
     # weights B copied in place: the captured graphs must follow
-    other = {k: v.cuda() for k, v in _serving(recipe, torch.bfloat16, seed=9, device="cuda").state_dict().items()}
-    dense = {k: v for k, v in other.items() if k in model.state_dict()}
+    other = _serving(recipe, torch.bfloat16, seed=9, device="cuda")
+    dense = {k: v for k, v in other.state_dict().items() if k in model.state_dict()}
+    quantized = None
+    if recipe == "nvfp4":  # the served QTensors are overwritten in place too
+        from rl4bit.trainer.surgery import quantized_weights
+
+        quantized = quantized_weights(other)
     captures = graphs.graphs.captures
     for eng in (off, graphs):
-        eng.update_weights(WeightUpdate(version=1, tensors=dense))
+        eng.update_weights(WeightUpdate(version=1, tensors=dense), quantized)
     b_off, b_graph = off.generate(reqs), graphs.generate(reqs)
     assert graphs.graphs.captures == captures  # replayed, not recaptured
     assert _same(b_off, b_graph) is None, f"{recipe} after update: {_same(b_off, b_graph)}"
@@ -121,7 +140,9 @@ def test_uncapturable_forward_falls_back_with_a_warning(tokenizer):
     reqs = _requests(4, seed=23)
     off = EmbeddedEngine(model, tokenizer, max_batch_size=8, device="cuda", decode_graphs="off").generate(reqs)
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=8, device="cuda", decode_graphs="cuda")
+    stream = torch.cuda.current_stream()
     with pytest.warns(UserWarning, match="cannot be captured"):
         out = engine.generate(reqs)
     assert engine.graphs.error is not None and engine.graphs.replays == 0
+    assert torch.cuda.current_stream() == stream  # the failed capture left the caller's stream current
     assert _same(off, out) is None

@@ -1,8 +1,9 @@
 """The bf16 recipe's grouped expert product (`qgemm.bf16_grouped`, `bf16_grouped_backward`).
 
 CPU: bitwise equal to a plain per-expert matmul loop (backward), row results
-independent of the other experts' row counts (forward: what keeps the engine
-batch-invariant), empty experts give zero weight gradients. CUDA (gpu): the
+independent of the row counts (forward: what keeps the engine batch-invariant),
+empty experts give zero weight gradients, unaligned shapes and stride-0
+gradients take the loop. CUDA (gpu): the
 grouped kernels (`torch._grouped_mm`) against the loop in FP32 to BF16
 tolerance, the same row-independence, zeros for empty experts.
 """
@@ -47,19 +48,29 @@ def test_cpu_backward_is_the_loop_bitwise(dtype):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_rows_do_not_depend_on_other_experts(device):
+def test_rows_do_not_depend_on_the_row_counts(device):
+    """What batch invariance needs: a row's result is the same whether its expert got 3 rows or 37, and
+    whatever the other experts got (a plain FP32 matmul on the CPU fails the first: small-M kernels)."""
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     x, w, _ = _operands(dtype, device)
     full = bf16_grouped(x, w, COUNTS)
-    # expert 2's rows alone (other experts empty), and with a device-side count tensor
-    alone = [0, 0, COUNTS[2], 0, 0, 0, 0, 0]
-    rows = slice(sum(COUNTS[:2]), sum(COUNTS[:3]))
-    y_alone = bf16_grouped(x[rows], w, alone)
+    first = sum(COUNTS[:2])  # expert 2's rows start here
+    for m in (1, 3, 20):
+        few = bf16_grouped(x[first : first + m], w, [0, 0, m, 0, 0, 0, 0, 0])
+        assert torch.equal(few, full[first : first + m]), f"expert 2's first rows changed when it got {m} rows"
     y_dev = bf16_grouped(x, w, torch.tensor(COUNTS, dtype=torch.int32, device=device))
-    assert torch.equal(y_alone, full[rows]), "a row's result changed with the other experts' row counts"
     assert torch.equal(y_dev, full)
+
+
+def test_unaligned_or_strided_operands_take_the_loop():
+    """torch._grouped_mm needs 16-byte rows and dense strides; other shapes still work (the per-expert loop)."""
+    x, w, _ = _operands(torch.float32, "cpu", k=13, n=6)
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    grouped_gemm(xg, wg, COUNTS, GemmSpec(fmt="bf16")).sum().backward()  # stride-0 output gradient
+    _, dx_ref, dw_ref = _loop(x, w, torch.ones(sum(COUNTS), 6), COUNTS)
+    assert torch.equal(xg.grad, dx_ref) and torch.equal(wg.grad, dw_ref)
 
 
 @pytest.mark.gpu
