@@ -9,7 +9,8 @@ engine's min_rows) from static device buffers:
   rows; rows past the batch are padding (token 0, position 0, the cache's
   scratch slot, which no sequence ever holds, so their K/V writes land
   nowhere that is read);
-- `logits` float32 [P, V]: the rows' next-token logits.
+- `logits` float32 [P, V]: the rows' next-token logits (the first P rows of
+  one buffer all buckets share: a step's logits are read before the next step).
 
 The forward is the engine's own (HF module tree, the engine's attention and
 experts, the model's quantized modules) with a `DecodeLayout` whose attention
@@ -82,10 +83,11 @@ class DecodeLayout(StepLayout):
 class _Bucket:
     """Static buffers of one row count P, and its graph once captured."""
 
-    def __init__(self, rows: int, vocab: int, device):
+    def __init__(self, rows: int, logits: torch.Tensor):
         self.rows = rows
-        self.inputs = torch.zeros(3, rows, dtype=torch.long, device=device)
-        self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.inputs = torch.zeros(3, rows, dtype=torch.long, device=logits.device)
+        self.logits = logits[:rows]
+        """The first `rows` rows of the output buffer every bucket shares (one step at a time reads it)."""
         self.graph = None
 
 
@@ -108,6 +110,7 @@ class DecodeGraphs:
         self.sizes = sizes + [top]
         """Row counts with a static forward: min_rows doubling up to the batch capacity."""
         self._buckets: dict[int, _Bucket] = {}
+        self._logits: torch.Tensor | None = None
         self._pool = None
         self._side = None
         """The warm-ups' stream: one for every capture (the allocator caches blocks per stream, so a new stream
@@ -146,7 +149,10 @@ class DecodeGraphs:
         rows = self.bucket_rows(b)
         bucket = self._buckets.get(rows)
         if bucket is None:
-            bucket = self._buckets[rows] = _Bucket(rows, self.engine.vocab_size, self.engine.device)
+            if self._logits is None:
+                self._logits = torch.zeros(self.sizes[-1], self.engine.vocab_size, dtype=torch.float32,
+                                           device=self.engine.device)
+            bucket = self._buckets[rows] = _Bucket(rows, self._logits)
         pad = rows - b
         host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad],
                             dtype=torch.long)
