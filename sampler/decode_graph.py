@@ -27,8 +27,9 @@ CUDA the same holds for the tiny test model (tests/sampler/test_decode_graph.py,
 run on the H200); at real sizes cuBLAS may pick another kernel for M = P than
 for M = max(B, min_rows), which is not checked.
 
-Every tensor a graph reads is owned by the model, the cache, the bucket or the
-graph's pool: quantized serving modules pass their row counts as device tensors
+Every tensor a graph reads is owned by the model, the cache, this object's
+buffers, the graph's pool or the quantize kernels' per-device NaN flag (never
+freed): quantized serving modules pass their row counts as device tensors
 (their tile maps are built inside the graph), never a cached map that could be
 freed behind the graph's back.
 
