@@ -25,6 +25,10 @@ forward (SDPA attention, unpadded GEMMs) they agree to fp tolerance only.
 Bad input fails only its own request (finish_reason "error", `error` says why).
 `update_weights` is all-or-nothing and pointer-stable.
 
+Under autocast the weights the forward only reads through a cast (linears,
+the bf16 recipe's experts) are held in the autocast dtype, cast once
+(serving_dtype.py; same bits, no cast kernels per step, half the bytes).
+
 Quantized weights: the engine runs whatever modules the model holds, e.g. the
 trainer's NVFP4 modules frozen by `rl4bit.trainer.surgery.load_quantized`
 (serving mode: QTensors, no master weights); `update_weights(update, quantized)`
@@ -53,6 +57,7 @@ from rl4bit.kernels.philox import derive_seed
 from rl4bit.sampler.decode_graph import DecodeGraphs
 from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_implementations, pad_rows
 from rl4bit.sampler.sampling import policy_logprobs, sample_rows
+from rl4bit.sampler.serving_dtype import precast
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, request_error
 
 
@@ -99,6 +104,8 @@ class EmbeddedEngine:
             decode_graphs = "cuda" if torch.device(device).type == "cuda" else "off"
         self.autocast = autocast
         self.model = model.to(device).eval()
+        self.precast = precast(self.model, autocast)
+        """State-dict names held in the autocast dtype (serving_dtype.py); updates to them may come in FP32."""
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         cfg = model.config
@@ -296,7 +303,7 @@ class EmbeddedEngine:
                 close = [k for k in live if k.split(".")[-1] == name.split(".")[-1]][:3]
                 problems.append(f"unknown tensor {name!r} (not in model.state_dict(); similar: {close})")
                 continue
-            problems += _tensor_problems(name, t, live[name])
+            problems += _tensor_problems(name, t, live[name], cast_ok=name in self.precast)
         copies, loads = self._plan_quantized(quantized or {}, problems)
         if problems:
             raise ValueError(f"weight update v{update.version} rejected, v{self._version} keeps serving: "
@@ -345,12 +352,13 @@ class EmbeddedEngine:
         return copies, loads
 
 
-def _tensor_problems(name: str, t, dst: torch.Tensor) -> list[str]:
+def _tensor_problems(name: str, t, dst: torch.Tensor, cast_ok: bool = False) -> list[str]:
+    """cast_ok: a floating tensor of another dtype is fine (copied with a cast: a weight served pre-cast)."""
     if not isinstance(t, torch.Tensor):
         return [f"{name}: {type(t).__name__} is not a tensor"]
     if t.shape != dst.shape:
         return [f"{name}: shape {tuple(t.shape)} != model's {tuple(dst.shape)}"]
-    if t.dtype != dst.dtype:
+    if t.dtype != dst.dtype and not (cast_ok and t.is_floating_point()):
         return [f"{name}: dtype {t.dtype} != model's {dst.dtype}; cast it to {dst.dtype} before sending"]
     if t.is_floating_point() and t.element_size() > 1 and not bool(torch.isfinite(t).all()):
         return [f"{name}: holds NaN/Inf values"]

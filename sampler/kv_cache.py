@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.moe import ExpertsInterface
 
-from rl4bit.trainer.qgemm import bf16_grouped
+from rl4bit.trainer.qgemm import bf16_grouped, device_counts
 
 ENGINE_IMPL = "rl4bit_engine"
 MIN_ROWS = 16
@@ -182,8 +182,7 @@ def engine_experts(self, hidden_states, top_k_index, top_k_weights):
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, token order kept
     if hidden_states.is_cuda and hidden_states.dtype == self.gate_up_proj.dtype == torch.bfloat16:
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
-        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        counts = device_counts(flat, self.num_experts)
         tok = order // top_k_index.shape[1]
         h = self._apply_gate(bf16_grouped(hidden_states[tok], self.gate_up_proj, counts))
         y = bf16_grouped(h, self.down_proj, counts) * top_k_weights.reshape(-1)[order, None]

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rl4bit.trainer.qgemm import GemmSpec, bf16_grouped, compute_dtype, grouped_forward, grouped_gemm
+from rl4bit.trainer.qgemm import GemmSpec, bf16_grouped, compute_dtype, device_counts, grouped_forward
+from rl4bit.trainer.qgemm import grouped_gemm
 from rl4bit.trainer.qgemm import quantize_activation, quantize_weight
 
 
@@ -87,13 +88,13 @@ class QuantExperts(_QuantMixin, nn.Module):
         flat = top_k_index.reshape(-1)
         with torch.no_grad():
             order = torch.argsort(flat, stable=True)
-            if flat.is_cuda and (self.served is not None or (self.spec.fmt == "bf16" and torch.is_inference_mode_enabled())):
-                # Serving on CUDA (quantized modules in serving mode; bf16 ones under inference mode, which
-                # only the engine uses; the trainer's passes run under no_grad): counts stay on the device (the Triton GEMM / torch._grouped_mm read them there), so the
-                # step makes no host sync here and can be captured in a CUDA graph; the engine never runs expert
-                # parallelism, so no EP sentinel index reaches this branch.
-                counts = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
-                counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            serving = self.served is not None or (self.spec.fmt == "bf16" and torch.is_inference_mode_enabled())
+            if flat.is_cuda and serving:
+                # Serving on CUDA (quantized modules in serving mode; bf16 ones under inference mode, which only
+                # the engine uses: the trainer's passes run under no_grad): counts stay on the device (the Triton
+                # GEMM or torch._grouped_mm reads them there), so the step makes no host sync here and can be
+                # captured in a CUDA graph; the engine never runs expert parallelism (no EP sentinel index).
+                counts = device_counts(flat, self.num_experts)
             else:
                 counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts].tolist()
                 order = order[: sum(counts)]  # drops the EP sentinel index == num_experts, sorted last

@@ -379,6 +379,12 @@ def bf16_grouped_backward(dy: torch.Tensor, x: torch.Tensor, wc: torch.Tensor, c
     return dx, dw.masked_fill(empty[:, None, None], 0.0)  # no rows: zero, whatever the kernel left there
 
 
+def device_counts(flat_index: torch.Tensor, groups: int) -> torch.Tensor:
+    """int32 [groups]: how many entries of `flat_index` name each group, computed on its device (no host read)."""
+    counts = torch.zeros(groups, dtype=torch.int32, device=flat_index.device)
+    return counts.index_add_(0, flat_index, torch.ones_like(flat_index, dtype=torch.int32))
+
+
 def _aligned(*ts: torch.Tensor) -> bool:
     """K and N (the last dim of each operand, both of a weight [E, N, K]) multiples of 16 bytes, as
     `torch._grouped_mm` requires (multiples of 8 in BF16); the row count is free."""
