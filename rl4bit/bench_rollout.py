@@ -19,8 +19,11 @@ NVFP4 weights: the same model converted by the trainer's nvfp4 recipe and
 frozen into serving mode (`rl4bit.trainer.surgery.load_quantized`), run by
 the same engine; its column is the ratio to the BF16-weights engine.
 
-Leaves out: CUDA graphs, the vLLM backend, an NVFP4 decode GEMM kernel (the
-serving modules dequantize through the trainer's qgemm path).
+`--samples N`: also N samples a prompt (temperature 1), the engine sharing
+each prompt's prefill among its samples beside one prefill per sample.
+
+The engine runs its defaults: decode steps as CUDA graphs on CUDA. Leaves out:
+the vLLM backend.
 
     python -m rl4bit.bench_rollout --quick
     rl4bit bench rollout --quick --out /tmp/rollout
@@ -100,6 +103,30 @@ def bench_engine(model, prompts: torch.Tensor, new: int, device) -> dict:
                 decode_steps=engine.decode_steps, kv_cache_bytes=engine.cache.nbytes)
 
 
+def bench_shared_prefix(model, prompts: torch.Tensor, new: int, device, samples: int) -> dict:
+    """n samples a prompt (temperature 1): the engine sharing each prompt's prefill among its samples beside
+    the same engine prefilling every sample's copy (`share_prefix`); prefill and whole-generate seconds."""
+    from rl4bit.sampler.engine import EmbeddedEngine
+    from rl4bit.sampler.types import Request, SamplingParams
+
+    b, p = prompts.shape
+    reqs = [Request(str(i), row.tolist(), SamplingParams(temperature=1.0, seed=i, max_new_tokens=new, n=samples))
+            for i, row in enumerate(prompts)]
+    out = {}
+    for share in (True, False):
+        engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=b * samples, device=device,
+                                max_seq_len=p + new + 1, max_prefill_tokens=max(4096, b * p * samples),
+                                share_prefix=share)
+        engine.generate(reqs[:1])  # warm-up
+        engine.prefill_s = 0.0
+        _sync(device)
+        t0 = time.perf_counter()
+        engine.generate(reqs)
+        _sync(device)
+        out["shared" if share else "own"] = dict(prefill_s=engine.prefill_s, total_s=time.perf_counter() - t0)
+    return out
+
+
 def bench_hf(model, prompts: torch.Tensor, new: int, device) -> dict:
     ids = prompts.to(device)
     kw = dict(do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids))
@@ -153,10 +180,11 @@ def nvfp4_model(model):
 
 
 def run(device: str = "cpu", quick: bool = False, out: str | None = None, batches: list[int] | None = None,
-        new_tokens: int | None = None) -> dict:
+        new_tokens: int | None = None, samples: int = 1) -> dict:
     """Benchmark, print the table, write results.json under `out`; returns the results.
 
-    new_tokens: generated tokens a sequence (default: 512 on CUDA as issue 6 states, 128 on CPU, 32 quick)."""
+    new_tokens: generated tokens a sequence (default: 512 on CUDA as issue 6 states, 128 on CPU, 32 quick).
+    samples > 1: also n samples a prompt, shared prefill beside one prefill per sample (BF16 weights)."""
     cuda = torch.device(device).type == "cuda"
     if cuda and not quick:
         name, p, new, batches = "1b", 128, 512, batches or [1, 16, 64, 256]
@@ -178,6 +206,12 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
         rows.append(dict(batch=b, engine=e, hf=h, engine_nvfp4=q))
         print(f"batch {b}: engine {e['gen_tok_s']:.0f} tok/s, HF generate {h['gen_tok_s']:.0f} tok/s"
               + (f", engine NVFP4 weights {q['gen_tok_s']:.0f} tok/s" if q else ""), flush=True)
+        if samples > 1:
+            sp = rows[-1]["shared_prefix"] = bench_shared_prefix(model, prompts, new, device, samples)
+            print(f"batch {b} x {samples} samples: prefill {sp['shared']['prefill_s']:.3f} s shared / "
+                  f"{sp['own']['prefill_s']:.3f} s one per sample ({sp['own']['prefill_s'] / sp['shared']['prefill_s']:.2f}x), "
+                  f"whole generate {sp['shared']['total_s']:.3f} / {sp['own']['total_s']:.3f} s "
+                  f"({sp['own']['total_s'] / sp['shared']['total_s']:.2f}x)", flush=True)
     results = dict(device=device, model=name, params=n_params, dtype=str(dtype), prompt_len=p, new_tokens=new,
                    threads=torch.get_num_threads(), rows=rows,
                    nvfp4_weights=("trainer serving mode (surgery.load_quantized), experts NVFP4: the Triton grouped "
@@ -224,9 +258,11 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--out")
     a.add_argument("--batches", help="comma-separated batch sizes")
     a.add_argument("--new-tokens", type=int, help="generated tokens a sequence")
+    a.add_argument("--samples", type=int, default=1, help="> 1: also n samples a prompt, shared prefill vs not")
     args = a.parse_args(argv)
     run(device=args.device, quick=args.quick, out=args.out,
-        batches=[int(x) for x in args.batches.split(",")] if args.batches else None, new_tokens=args.new_tokens)
+        batches=[int(x) for x in args.batches.split(",")] if args.batches else None, new_tokens=args.new_tokens,
+        samples=args.samples)
 
 
 if __name__ == "__main__":

@@ -73,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="RL steps (step, soak, all)")
     p.add_argument("--new-tokens", type=int, help="generated tokens a sequence (rollout, step, all)")
     p.add_argument("--batches", help="comma-separated batch sizes (rollout, all)")
+    p.add_argument("--samples", type=int, help="samples a prompt: shared prefill vs one per sample (rollout)")
     p.add_argument("--sections", help="comma-separated sections of `all` (default: all of them)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--quick", action="store_true", help="small shapes, for smoke runs on a CPU")
@@ -125,7 +126,7 @@ def cmd_bench(args) -> int:
             print(f"rl4bit bench: --batches {args.batches!r}: give comma-separated batch sizes, e.g. 1,16,64",
                   file=sys.stderr)
             return 2
-    for name in ("config", "steps", "new_tokens", "batches", "sections"):
+    for name in ("config", "steps", "new_tokens", "batches", "samples", "sections"):
         value = getattr(args, name)
         if value is None:
             continue

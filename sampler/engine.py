@@ -39,8 +39,12 @@ Pure decode steps (one new token per sequence) run as CUDA graphs on a CUDA
 device, one per bucket of batch sizes, from static buffers (decode_graph.py);
 prefill and mixed steps run op by op.
 
-Leaves out: prefix sharing between the n samples of a prompt (each prefills
-its own copy), chunked prefill, graphs for prefill steps.
+The n samples of a request prefill the prompt once (`share_prefix`): the
+others copy the first one's prompt KV into their slots and draw their first
+token from its logits row, bitwise what their own prefill would give.
+
+Leaves out: prefix sharing across requests (a prompt cache), chunked prefill,
+graphs for prefill steps.
 """
 
 from __future__ import annotations
@@ -81,6 +85,8 @@ class _Seq:
     proc_logprobs: list[float] = field(default_factory=list)
     text: str = ""
     finish: str | None = None
+    followers: list["_Seq"] = field(default_factory=list)
+    """The request's other samples, waiting to fork from this one's prefill (shared prompt KV)."""
 
 
 class EmbeddedEngine:
@@ -88,14 +94,16 @@ class EmbeddedEngine:
 
     def __init__(self, model, tokenizer, *, max_batch_size: int = 64, device="cpu", max_seq_len: int | None = None,
                  max_prefill_tokens: int = 4096, min_rows: int = MIN_ROWS, autocast: torch.dtype | None = None,
-                 decode_graphs: str = "auto"):
+                 decode_graphs: str = "auto", share_prefix: bool = True):
         """autocast: run every forward under `torch.autocast(device, autocast)`, as the trainer runs its own
         (`model.dtype: bfloat16`: FP32 master weights, BF16 compute; `rl4bit.models.autocast_dtype`), so the
         two compute the same ops on the same values; the KV cache then holds that dtype. None: the model's
         own parameter dtype, no autocast.
         decode_graphs: how pure decode steps run (decode_graph.py): "cuda" (CUDA graphs, one per bucket of
         batch sizes), "static" (the graphs' static-shape forward run eagerly: the CPU check of that path),
-        "off" (op by op, like prefill), "auto" ("cuda" on a CUDA device, else "off")."""
+        "off" (op by op, like prefill), "auto" ("cuda" on a CUDA device, else "off").
+        share_prefix: the n samples of a request prefill their prompt once: the others copy its KV and
+        draw their first token from its logits (bitwise what their own prefill gives: rows never mix)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: {max_batch_size} must be >= 1")
         if min_rows < 1:
@@ -103,6 +111,7 @@ class EmbeddedEngine:
         if decode_graphs == "auto":
             decode_graphs = "cuda" if torch.device(device).type == "cuda" else "off"
         self.autocast = autocast
+        self.share_prefix = share_prefix
         self.model = model.to(device).eval()
         self.precast = precast(self.model, autocast)
         """State-dict names held in the autocast dtype (serving_dtype.py); updates to them may come in FP32."""
@@ -126,6 +135,8 @@ class EmbeddedEngine:
         self.tokens_generated = 0
         self.prompt_tokens = 0
         self.decode_steps = 0
+        self.shared_prompt_tokens = 0
+        """Prompt tokens whose prefill was skipped: a sample forked from its request's first sample."""
         self.busy_s = 0.0
         self.prefill_s = 0.0
         """Seconds in steps that held any prompt tokens (prefill, possibly with decode rows)."""
@@ -146,27 +157,37 @@ class EmbeddedEngine:
         for req in requests:
             err = request_error(req, self.vocab_size, self.max_seq_len)
             n = req.params.n if isinstance(req.params.n, int) and req.params.n >= 1 else 1
+            leader = None
             for i in range(n):
                 if err is not None:
                     results.append(Rollout(req.id, i, list(req.prompt_ids), [], "", [], "error", version, error=err))
                     continue
                 results.append(None)
-                waiting.append(self._new_seq(len(results) - 1, req, i))
+                seq = self._new_seq(len(results) - 1, req, i)
+                if leader is not None and self.share_prefix:
+                    leader.followers.append(seq)
+                else:
+                    leader = seq
+                    waiting.append(seq)
         active: list[_Seq] = []
         # deferred_checks: the quantize kernels' NaN/Inf flag is read once per generate, not once per
         # GEMM (a host sync each); a non-finite activation still raises, at the end of the call.
         with model_implementations(self.model), torch.inference_mode(), deferred_checks():
             while waiting or active:
                 budget = self.max_prefill_tokens
-                while waiting and len(active) < self.max_batch_size and self.cache.free:
+                room = min(self.max_batch_size - len(active), len(self.cache.free))
+                while waiting and room > 0:
                     need = len(waiting[0].pending)
                     if need > budget and budget < self.max_prefill_tokens:
                         break
                     s = waiting.pop(0)
                     s.slot = self.cache.acquire()
                     budget -= need
+                    room -= 1 + len(s.followers)  # keep room for the samples that will fork from its prefill
                     active.append(s)
-                self._step(active)
+                forked, unplaced = self._step(active)
+                active.extend(forked)
+                waiting[:0] = unplaced  # followers that found no room prefill on their own
                 for s in [s for s in active if s.finish is not None]:
                     self.cache.release(s.slot)
                     active.remove(s)
@@ -208,7 +229,9 @@ class EmbeddedEngine:
             h = pad_rows(hidden[torch.tensor(rows, dtype=torch.long, device=dev)], self.min_rows)
             return self.model.get_output_embeddings()(h)[: len(rows)].float()
 
-    def _step(self, active: list[_Seq]) -> None:
+    def _step(self, active: list[_Seq]) -> tuple[list[_Seq], list[_Seq]]:
+        """One forward + sampling over `active`; returns (samples forked from a prefill this step, followers
+        that found no free slot or batch room and must prefill on their own)."""
         t0 = time.perf_counter()
         seqs = [s for s in active if s.finish is None]
         prefill = any(s.n_cached == 0 for s in seqs)
@@ -225,9 +248,13 @@ class EmbeddedEngine:
             logits = self._forward(seqs, toks, starts, rows)
         if not prefill:
             self.decode_steps += 1
-        tokens, lps, plps = sample_rows(logits, [s.params for s in seqs], [s.noise_key for s in seqs],
-                                        [len(s.completion) for s in seqs])
-        for s, token, lp, plp in zip(seqs, tokens, lps, plps):
+        forked, unplaced = self._fork(seqs, len(active)) if prefill else ([], [])
+        if forked:  # a fork samples its first token from its leader's row: [(index of the leader, fork)]
+            logits = torch.cat([logits, logits[torch.tensor([i for i, _ in forked], device=logits.device)]])
+        rows_seqs = seqs + [f for _, f in forked]
+        tokens, lps, plps = sample_rows(logits, [s.params for s in rows_seqs], [s.noise_key for s in rows_seqs],
+                                        [len(s.completion) for s in rows_seqs])
+        for s, token, lp, plp in zip(rows_seqs, tokens, lps, plps):
             if s.n_cached == 0:
                 self.prompt_tokens += len(s.pending)
             s.n_cached += len(s.pending)
@@ -243,6 +270,28 @@ class EmbeddedEngine:
             self.prefill_s += dt
         else:
             self.decode_s += dt
+        return [f for _, f in forked], unplaced
+
+    def _fork(self, seqs: list[_Seq], n_active: int) -> tuple[list[tuple[int, _Seq]], list[_Seq]]:
+        """Give the followers of every sequence prefilled in this step a slot holding a copy of its prompt's KV.
+
+        Returns ([(index of the leader in seqs, follower)], followers left without a free slot or batch room).
+        The copy is what the follower's own prefill would write (each row's K/V depends on that row alone).
+        """
+        forked, unplaced = [], []
+        for i, s in enumerate(seqs):
+            if s.n_cached != 0 or not s.followers:
+                continue
+            for f in s.followers:
+                if self.cache.free and n_active + len(forked) < self.max_batch_size:
+                    f.slot = self.cache.acquire()
+                    self.cache.copy_prefix(s.slot, f.slot, len(s.pending))
+                    self.shared_prompt_tokens += len(f.pending)
+                    forked.append((i, f))
+                else:
+                    unplaced.append(f)
+            s.followers = []
+        return forked, unplaced
 
     def _check_finished(self, s: _Seq, token: int) -> None:
         if token in s.stop_ids:

@@ -28,8 +28,8 @@ many other rows there are: measured, not guaranteed by any BLAS contract
 never mix in a GEMM, softmax or norm, so with fixed per-row shapes the whole
 forward is row-local.
 
-Leaves out: paged blocks (one contiguous slot per sequence), prefix sharing,
-sliding-window attention.
+Leaves out: paged blocks (one contiguous slot per sequence: a shared prompt is
+copied, not referenced), sliding-window attention.
 """
 
 from __future__ import annotations
@@ -73,6 +73,12 @@ class KVCache:
         slot = max(self.free)
         self.free.remove(slot)
         return slot
+
+    def copy_prefix(self, src: int, dst: int, n: int) -> None:
+        """Copy the first n positions of slot `src`'s K/V (every layer) into slot `dst`."""
+        for k, v in zip(self.k, self.v):
+            k[dst, :, :n] = k[src, :, :n]
+            v[dst, :, :n] = v[src, :, :n]
 
     def release(self, slot: int) -> None:
         self.free.append(slot)
