@@ -32,6 +32,7 @@ the vLLM backend.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -117,7 +118,8 @@ def bench_shared_prefix(model, prompts: torch.Tensor, new: int, device, samples:
         engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=b * samples, device=device,
                                 max_seq_len=p + new + 1, max_prefill_tokens=max(4096, b * p * samples),
                                 share_prefix=share)
-        engine.generate(reqs[:1])  # warm-up
+        # warm-up at the full batch (compiles; on CUDA captures the decode graph of this batch size)
+        engine.generate([Request(r.id, r.prompt_ids, dataclasses.replace(r.params, max_new_tokens=3)) for r in reqs])
         engine.prefill_s = 0.0
         _sync(device)
         t0 = time.perf_counter()

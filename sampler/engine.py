@@ -41,7 +41,9 @@ prefill and mixed steps run op by op.
 
 The n samples of a request prefill the prompt once (`share_prefix`): the
 others copy the first one's prompt KV into their slots and draw their first
-token from its logits row, bitwise what their own prefill would give.
+token from its logits row: what their own prefill would give, as long as
+each row's results do not depend on the other rows (batch invariance: tested
+bitwise on the CPU, tests/sampler/test_shared_prefix.py).
 
 Leaves out: prefix sharing across requests (a prompt cache), chunked prefill,
 graphs for prefill steps.
@@ -103,7 +105,8 @@ class EmbeddedEngine:
         batch sizes), "static" (the graphs' static-shape forward run eagerly: the CPU check of that path),
         "off" (op by op, like prefill), "auto" ("cuda" on a CUDA device, else "off").
         share_prefix: the n samples of a request prefill their prompt once: the others copy its KV and
-        draw their first token from its logits (bitwise what their own prefill gives: rows never mix)."""
+        draw their first token from its logits (what their own prefill gives: rows never mix; bitwise on
+        the CPU, tested)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: {max_batch_size} must be >= 1")
         if min_rows < 1:
@@ -170,8 +173,20 @@ class EmbeddedEngine:
                     leader = seq
                     waiting.append(seq)
         active: list[_Seq] = []
-        # deferred_checks: the quantize kernels' NaN/Inf flag is read once per generate, not once per
-        # GEMM (a host sync each); a non-finite activation still raises, at the end of the call.
+        try:
+            self._run(waiting, active, results, version)
+        finally:  # an exception mid-generate (e.g. NaN/Inf met by a kernel) must not leak the slots
+            for s in active:
+                self.cache.release(s.slot)
+        self.busy_s += time.perf_counter() - t0
+        return results  # type: ignore[return-value]
+
+    def _run(self, waiting: list[_Seq], active: list[_Seq], results: list, version: int) -> None:
+        """The continuous-batching loop: admit, step, retire, until nothing waits or runs.
+
+        deferred_checks: the quantize kernels' NaN/Inf flag is read once per generate, not once per GEMM (a
+        host sync each); a non-finite activation still raises, at the end of the call.
+        """
         with model_implementations(self.model), torch.inference_mode(), deferred_checks():
             while waiting or active:
                 budget = self.max_prefill_tokens
@@ -185,15 +200,11 @@ class EmbeddedEngine:
                     budget -= need
                     room -= 1 + len(s.followers)  # keep room for the samples that will fork from its prefill
                     active.append(s)
-                forked, unplaced = self._step(active)
-                active.extend(forked)
-                waiting[:0] = unplaced  # followers that found no room prefill on their own
+                waiting[:0] = self._step(active)  # followers that found no room: they prefill later
                 for s in [s for s in active if s.finish is not None]:
                     self.cache.release(s.slot)
                     active.remove(s)
                     results[s.out_index] = self._rollout(s, version)
-        self.busy_s += time.perf_counter() - t0
-        return results  # type: ignore[return-value]
 
     def _new_seq(self, out_index: int, req: Request, i: int) -> _Seq:
         p = req.params
@@ -229,9 +240,9 @@ class EmbeddedEngine:
             h = pad_rows(hidden[torch.tensor(rows, dtype=torch.long, device=dev)], self.min_rows)
             return self.model.get_output_embeddings()(h)[: len(rows)].float()
 
-    def _step(self, active: list[_Seq]) -> tuple[list[_Seq], list[_Seq]]:
-        """One forward + sampling over `active`; returns (samples forked from a prefill this step, followers
-        that found no free slot or batch room and must prefill on their own)."""
+    def _step(self, active: list[_Seq]) -> list[_Seq]:
+        """One forward + sampling over `active` (samples forked from a prefill this step join it); returns the
+        followers that found no free slot or batch room and must prefill later."""
         t0 = time.perf_counter()
         seqs = [s for s in active if s.finish is None]
         prefill = any(s.n_cached == 0 for s in seqs)
@@ -248,7 +259,7 @@ class EmbeddedEngine:
             logits = self._forward(seqs, toks, starts, rows)
         if not prefill:
             self.decode_steps += 1
-        forked, unplaced = self._fork(seqs, len(active)) if prefill else ([], [])
+        forked, unplaced = self._fork(seqs, active) if prefill else ([], [])
         if forked:  # a fork samples its first token from its leader's row: [(index of the leader, fork)]
             logits = torch.cat([logits, logits[torch.tensor([i for i, _ in forked], device=logits.device)]])
         rows_seqs = seqs + [f for _, f in forked]
@@ -270,26 +281,32 @@ class EmbeddedEngine:
             self.prefill_s += dt
         else:
             self.decode_s += dt
-        return [f for _, f in forked], unplaced
+        return unplaced
 
-    def _fork(self, seqs: list[_Seq], n_active: int) -> tuple[list[tuple[int, _Seq]], list[_Seq]]:
+    def _fork(self, seqs: list[_Seq], active: list[_Seq]) -> tuple[list[tuple[int, _Seq]], list[_Seq]]:
         """Give the followers of every sequence prefilled in this step a slot holding a copy of its prompt's KV.
 
-        Returns ([(index of the leader in seqs, follower)], followers left without a free slot or batch room).
+        Returns ([(index of the leader in seqs, follower)], new leaders: of the followers left without a free
+        slot or batch room, the first, carrying the others as its followers).
         The copy is what the follower's own prefill would write (each row's K/V depends on that row alone).
         """
         forked, unplaced = [], []
         for i, s in enumerate(seqs):
             if s.n_cached != 0 or not s.followers:
                 continue
+            left = []
             for f in s.followers:
-                if self.cache.free and n_active + len(forked) < self.max_batch_size:
+                if self.cache.free and len(active) < self.max_batch_size:
                     f.slot = self.cache.acquire()
+                    active.append(f)  # holds a slot from here on (generate releases active slots on errors)
                     self.cache.copy_prefix(s.slot, f.slot, len(s.pending))
                     self.shared_prompt_tokens += len(f.pending)
                     forked.append((i, f))
                 else:
-                    unplaced.append(f)
+                    left.append(f)
+            if left:  # the first one left prefills later and the rest fork from it then
+                left[0].followers = left[1:]
+                unplaced.append(left[0])
             s.followers = []
         return forked, unplaced
 
@@ -337,7 +354,8 @@ class EmbeddedEngine:
         modules (`rl4bit.trainer.surgery`): a module already serving gets its
         QTensors' storage overwritten in place; one not yet serving is put into
         serving mode from them (`load_quantized`, master weights dropped).
-        Everything is checked first (known name, same shape, same dtype, finite
+        Everything is checked first (known name, same shape, same dtype or FP32 for a
+        pre-cast weight (`self.precast`), finite
         values, same format; version not older than the serving one); any
         problem raises ValueError and leaves the old weights and version serving.
         """
@@ -402,12 +420,13 @@ class EmbeddedEngine:
 
 
 def _tensor_problems(name: str, t, dst: torch.Tensor, cast_ok: bool = False) -> list[str]:
-    """cast_ok: a floating tensor of another dtype is fine (copied with a cast: a weight served pre-cast)."""
+    """cast_ok: an FP32 tensor is fine for any live dtype (the trainer's master, copied with a cast into a
+    weight served pre-cast, serving_dtype.py)."""
     if not isinstance(t, torch.Tensor):
         return [f"{name}: {type(t).__name__} is not a tensor"]
     if t.shape != dst.shape:
         return [f"{name}: shape {tuple(t.shape)} != model's {tuple(dst.shape)}"]
-    if t.dtype != dst.dtype and not (cast_ok and t.is_floating_point()):
+    if t.dtype != dst.dtype and not (cast_ok and t.dtype == torch.float32):
         return [f"{name}: dtype {t.dtype} != model's {dst.dtype}; cast it to {dst.dtype} before sending"]
     if t.is_floating_point() and t.element_size() > 1 and not bool(torch.isfinite(t).all()):
         return [f"{name}: holds NaN/Inf values"]

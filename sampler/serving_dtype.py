@@ -15,7 +15,8 @@ bits do not change (tests/rl/test_bf16_compute.py checks sampler and trainer
 logprobs for exact equality; tests/sampler/test_serving_dtype.py the engine).
 
 Kept in FP32: everything read in FP32 arithmetic (norm weights, embeddings,
-the router of a model whose router is not an `nn.Linear`), and any parameter
+routers: surgery runs them in FP32, replacing their forward on the object, and
+a module with a replaced or hooked forward is never cast), and any parameter
 shared with such a module (tied input/output embeddings). Weight updates carry
 FP32 masters; the receiver casts them to the live dtype (`weight_sync`, or
 `EmbeddedEngine.update_weights` for pre-cast names), the same rounding again.
@@ -34,6 +35,8 @@ def _reads_through_cast(module: nn.Module, param: str) -> bool:
     """True when `module`'s forward reads `param` only through a cast to the autocast (compute) dtype."""
     from rl4bit.trainer.modules import QuantExperts
 
+    if "forward" in vars(module) or module._forward_hooks or module._forward_pre_hooks:
+        return False  # a forward replaced on the object (e.g. surgery's FP32 router) or hooked: unknown reads
     if type(module) is nn.Linear:  # not subclasses: QuantLinear and others have their own forward
         return param in ("weight", "bias")
     if isinstance(module, QuantExperts) and module.spec.fmt == "bf16" and module.served is None:
@@ -44,10 +47,13 @@ def _reads_through_cast(module: nn.Module, param: str) -> bool:
 def precast(model: nn.Module, dtype: torch.dtype | None) -> set[str]:
     """Store every parameter the forward reads only through a cast to `dtype` in `dtype`; their names.
 
-    A parameter is converted only when every module that holds it reads it
-    that way (a tied weight also used by an embedding stays). The converted
-    tensors are new Parameters (requires_grad False: serving only), shared
-    again by every module that held the old one. None: no autocast, nothing to do.
+    Changes `model` in place (new Parameter objects: do not share it with a
+    trainer). A parameter qualifies only when every module that holds it reads
+    it that way (a tied weight also used by an embedding stays). Qualifying
+    parameters already in `dtype` (a model precast before) are named too, so
+    every engine over the model accepts FP32 updates for them. The converted
+    tensors are new Parameters (requires_grad False: serving only), shared again
+    by every module that held the old one. None: no autocast, nothing to do.
     """
     if dtype is None:
         return set()
@@ -60,10 +66,11 @@ def precast(model: nn.Module, dtype: torch.dtype | None) -> set[str]:
     for refs in holders.values():
         _, module, pname = refs[0]
         p = module._parameters[pname]
-        if not p.is_floating_point() or p.dtype == dtype or not all(_reads_through_cast(m, n) for _, m, n in refs):
+        if not p.is_floating_point() or not all(_reads_through_cast(m, n) for _, m, n in refs):
             continue
-        cast = nn.Parameter(p.detach().to(dtype), requires_grad=False)
-        for name, m, n in refs:
-            m._parameters[n] = cast
-            done.add(name)
+        if p.dtype != dtype:
+            cast = nn.Parameter(p.detach().to(dtype), requires_grad=False)
+            for _, m, n in refs:
+                m._parameters[n] = cast
+        done.update(name for name, _, _ in refs)
     return done

@@ -151,4 +151,6 @@ class WeightUpdate:
     version: int
     """Policy version these weights are; becomes Rollout.policy_version of later completions."""
     tensors: dict[str, torch.Tensor]
-    """Names as in model.state_dict(), same shapes and dtypes; applied with copy_ into the existing storage (pointer-stable). A subset of the names is allowed."""
+    """Names as in model.state_dict(), same shapes and dtypes (FP32 also for weights an engine serves pre-cast
+    in its compute dtype, `rl4bit.sampler.serving_dtype`); applied with copy_ into the existing storage
+    (pointer-stable). A subset of the names is allowed."""

@@ -75,3 +75,46 @@ def test_tied_weights_stay_in_fp32(tokenizer):
     names = precast(model, torch.bfloat16)
     assert "lm_head.weight" not in names and model.lm_head.weight.dtype == torch.float32
     assert model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def _qwen2_moe():
+    """A tiny Qwen2-MoE: its `shared_expert_gate` is an nn.Linear that surgery runs in FP32 (forward replaced)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    from rl4bit.trainer.recipe import RecipeConfig
+    from rl4bit.trainer.surgery import convert_model
+
+    cfg = Qwen2MoeConfig(vocab_size=48, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=128,
+                         bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(8)
+    model = Qwen2MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    convert_model(model, RecipeConfig(name="bf16", high_precision_tail=0.0))
+    return model
+
+
+def test_a_linear_with_a_replaced_forward_is_not_cast(tokenizer, monkeypatch):
+    """Surgery's FP32 routers (Qwen2-MoE's shared_expert_gate is an nn.Linear) read their weight in FP32."""
+    model = _qwen2_moe()
+    names = precast(model, torch.bfloat16)
+    assert "model.layers.0.mlp.shared_expert_gate.weight" not in names
+    assert "model.layers.0.mlp.shared_expert.gate_proj.weight" in names
+    cast = EmbeddedEngine(_qwen2_moe(), tokenizer, max_batch_size=8, autocast=torch.bfloat16)
+    monkeypatch.setattr(engine_mod, "precast", lambda model, dtype: set())
+    plain = EmbeddedEngine(_qwen2_moe(), tokenizer, max_batch_size=8, autocast=torch.bfloat16)
+    assert _rollouts(cast) == _rollouts(plain)
+
+
+def test_every_engine_over_a_precast_model_takes_fp32_updates(tokenizer):
+    model = _fp32_masters("bf16", 6)
+    first = EmbeddedEngine(model, tokenizer, max_batch_size=4, autocast=torch.bfloat16)
+    second = EmbeddedEngine(model, tokenizer, max_batch_size=4, autocast=torch.bfloat16)
+    assert first.precast and second.precast == first.precast
+    new = _fp32_masters("bf16", 7).state_dict()
+    second.update_weights(WeightUpdate(version=1, tensors=new))
+    with pytest.raises(ValueError, match="dtype torch.float16"):  # only the masters' FP32 is cast on the way in
+        second.update_weights(WeightUpdate(version=2, tensors={"lm_head.weight": new["lm_head.weight"].half()}))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl4bit.sampler import engine as engine_mod
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, SamplingParams
 
@@ -54,3 +55,38 @@ def test_shared_prefill_equals_one_prefill_per_sample(tokenizer, recipe, cap):
     if cap == 2:  # a leader and one fork fit; the other followers prefill on their own
         assert 0 < shared.shared_prompt_tokens < every
     assert len({tuple(r.completion_ids) for r in b if r.request_id == "0"}) > 1  # the samples still differ
+
+
+def test_sharing_with_small_prefill_budget_graph_decode_stops_and_processed_logprobs(tokenizer):
+    """Followers that find no room fork from the first of them later; a stop on the first token; processed
+    logprobs; the static decode path; a prefill budget that admits one prompt a step."""
+    model = _model("plain")
+    eos = 2
+    reqs = [Request(str(i), p, SamplingParams(temperature=1.0, top_k=5, seed=90 + i, max_new_tokens=4, n=5,
+                                              stop_token_ids=[eos, 7, 11, 13, 17], processed_logprobs=True))
+            for i, p in enumerate(prompts(4, seed=43))]
+    kw = dict(max_batch_size=3, max_prefill_tokens=8, decode_graphs="static")
+    a = EmbeddedEngine(model, tokenizer, share_prefix=False, **kw).generate(reqs)
+    engine = EmbeddedEngine(model, tokenizer, **kw)
+    b = engine.generate(reqs)
+    for x, y in zip(a, b, strict=True):
+        assert (x.completion_ids, x.logprobs, x.processed_logprobs, x.finish_reason) == \
+               (y.completion_ids, y.logprobs, y.processed_logprobs, y.finish_reason)
+    assert engine.shared_prompt_tokens > 0
+    assert any(len(r.completion_ids) == 1 and r.finish_reason == "stop" for r in b)
+    assert sorted(engine.cache.free) == sorted(set(range(4)) - {engine.graphs.scratch_slot})  # no slot leaked
+
+
+def test_an_error_mid_generate_returns_every_slot(tokenizer, monkeypatch):
+    engine = EmbeddedEngine(_model("plain"), tokenizer, max_batch_size=8)
+    free = sorted(engine.cache.free)
+    calls = []
+
+    def failing_sample(*args, **kwargs):
+        calls.append(1)
+        raise FloatingPointError("injected")
+
+    monkeypatch.setattr(engine_mod, "sample_rows", failing_sample)
+    with pytest.raises(FloatingPointError):
+        engine.generate(_requests())
+    assert calls and sorted(engine.cache.free) == free
