@@ -81,17 +81,20 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def bench_engine(model, prompts: torch.Tensor, new: int, device) -> dict:
+def bench_engine(model, prompts: torch.Tensor, new: int, device, params=None, share_prefix: bool = True) -> dict:
+    """One timed generate over `prompts` (greedy, one sample each, unless `params` says otherwise), after a
+    warm-up at the full batch (compiles; on CUDA captures the decode graph of this batch size)."""
     from rl4bit.sampler.engine import EmbeddedEngine
     from rl4bit.sampler.types import Request, SamplingParams
 
+    params = params or SamplingParams(temperature=0.0, max_new_tokens=new)
     b, p = prompts.shape
-    engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=b, device=device, max_seq_len=p + new + 1,
-                            max_prefill_tokens=max(4096, b * p))
-    reqs = [Request(str(i), row.tolist(), SamplingParams(temperature=0.0, max_new_tokens=new))
+    rows = b * params.n
+    engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=rows, device=device, max_seq_len=p + new + 1,
+                            max_prefill_tokens=max(4096, rows * p), share_prefix=share_prefix)
+    reqs = [Request(str(i), row.tolist(), dataclasses.replace(params, seed=i) if params.temperature > 0 else params)
             for i, row in enumerate(prompts)]
-    # warm-up at the full batch: compiles, and captures the decode graph of this batch size (CUDA)
-    engine.generate([Request(r.id, r.prompt_ids, SamplingParams(temperature=0.0, max_new_tokens=3)) for r in reqs])
+    engine.generate([Request(r.id, r.prompt_ids, dataclasses.replace(r.params, max_new_tokens=3)) for r in reqs])
     engine.prefill_s = engine.decode_s = 0.0
     engine.decode_steps = 0
     _sync(device)
@@ -107,26 +110,11 @@ def bench_engine(model, prompts: torch.Tensor, new: int, device) -> dict:
 def bench_shared_prefix(model, prompts: torch.Tensor, new: int, device, samples: int) -> dict:
     """n samples a prompt (temperature 1): the engine sharing each prompt's prefill among its samples beside
     the same engine prefilling every sample's copy (`share_prefix`); prefill and whole-generate seconds."""
-    from rl4bit.sampler.engine import EmbeddedEngine
-    from rl4bit.sampler.types import Request, SamplingParams
+    from rl4bit.sampler.types import SamplingParams
 
-    b, p = prompts.shape
-    reqs = [Request(str(i), row.tolist(), SamplingParams(temperature=1.0, seed=i, max_new_tokens=new, n=samples))
-            for i, row in enumerate(prompts)]
-    out = {}
-    for share in (True, False):
-        engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=b * samples, device=device,
-                                max_seq_len=p + new + 1, max_prefill_tokens=max(4096, b * p * samples),
-                                share_prefix=share)
-        # warm-up at the full batch (compiles; on CUDA captures the decode graph of this batch size)
-        engine.generate([Request(r.id, r.prompt_ids, dataclasses.replace(r.params, max_new_tokens=3)) for r in reqs])
-        engine.prefill_s = 0.0
-        _sync(device)
-        t0 = time.perf_counter()
-        engine.generate(reqs)
-        _sync(device)
-        out["shared" if share else "own"] = dict(prefill_s=engine.prefill_s, total_s=time.perf_counter() - t0)
-    return out
+    params = SamplingParams(temperature=1.0, max_new_tokens=new, n=samples)
+    return {"shared" if share else "own": bench_engine(model, prompts, new, device, params, share_prefix=share)
+            for share in (True, False)}
 
 
 def bench_hf(model, prompts: torch.Tensor, new: int, device) -> dict:

@@ -346,11 +346,7 @@ def bf16_grouped(x: torch.Tensor, wc: torch.Tensor, counts) -> torch.Tensor:
                 y[start : start + m] = rowblock_mm(x[start : start + m], wc[e].t())
             start += m
         return y
-    if isinstance(counts, torch.Tensor):
-        offs = counts.to(device=x.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-    else:
-        offs = to_device(torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), x.device)
-    return torch._grouped_mm(x, wc.transpose(1, 2), offs=offs)
+    return torch._grouped_mm(x, wc.transpose(1, 2), offs=_group_offsets(counts, x.device))
 
 
 def bf16_grouped_backward(dy: torch.Tensor, x: torch.Tensor, wc: torch.Tensor, counts: list[int]):
@@ -372,11 +368,18 @@ def bf16_grouped_backward(dy: torch.Tensor, x: torch.Tensor, wc: torch.Tensor, c
                 dw[e] = dy[start : start + m].t() @ x[start : start + m]
             start += m
         return dx, dw
-    offs = to_device(torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), dy.device)
+    offs = _group_offsets(counts, dy.device)
     dx = torch._grouped_mm(dy, wc, offs=offs)
     dw = torch._grouped_mm(dy.t(), x, offs=offs)
     empty = to_device(torch.tensor([m == 0 for m in counts]), dy.device)
     return dx, dw.masked_fill(empty[:, None, None], 0.0)  # no rows: zero, whatever the kernel left there
+
+
+def _group_offsets(counts, device) -> torch.Tensor:
+    """int32 end row of each group (`torch._grouped_mm`'s offs) on `device`; counts a list or an int tensor."""
+    if isinstance(counts, torch.Tensor):
+        return counts.to(device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return to_device(torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
 
 
 def device_counts(flat_index: torch.Tensor, groups: int) -> torch.Tensor:
