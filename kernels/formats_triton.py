@@ -111,20 +111,32 @@ def e2m1_value(idx):
 
 @triton.jit
 def e2m1_round(y):
-    """(|e2m1_RN(y)| as fp32, its magnitude index 0..7): nearest, ties to the even code, saturating at 6.
+    """(|e2m1_RN(y)| as fp32, the rounding sum m): nearest, ties to the even code, saturating at 6.
 
-    The grid step is 0.5 below 2, 1 below 4 and 2 up to 6 (j = 0, 1, 2). Adding
-    C = step * 2**23 rounds a = min(|y|, 6) to a multiple n of the step, ties to
-    even n (the ulp at C is the step), and within each range the code index
-    n + 2j has the parity of n, so this is round-to-nearest-even on codes.
-    m - C is the value and bits(m) - bits(C) = n, so no conversion is needed.
+    The grid step is 0.5 below 2, 1 below 4 and 2 up to 6, i.e. 2**(e-1) with
+    e = max(floor(log2 a), 0) for a = min(|y|, 6). Adding C = step * 2**23 =
+    2**(22+e) (the exponent bits of max(a, 1), times 2**22) rounds a to a
+    multiple n of the step, ties to even n (the ulp at C is the step), and
+    within each range the code index n + 2e has the parity of n, so this is
+    round-to-nearest-even on codes. m - C is the value; ``e2m1_index(m)`` reads
+    the code index from m's bits, so a kernel choosing between candidates
+    (4/6) decodes only the chosen one.
     """
     a = tl.minimum(tl.abs(y), 6.0)
-    j = (a >= 2.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
-    c_bits = 0x4A800000 + (j << 23)
-    c = c_bits.to(tl.float32, bitcast=True)
+    c = (tl.maximum(a, 1.0).to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True) * 4194304.0
     m = a + c
-    return m - c, m.to(tl.int32, bitcast=True) - c_bits + 2 * j
+    return m - c, m
+
+
+@triton.jit
+def e2m1_index(m):
+    """E2M1 magnitude index 0..7 of an ``e2m1_round`` sum m = 2**(22+e) + n * 2**(e-1).
+
+    m's biased exponent is 149 + e and its mantissa is n (at most 4), so
+    bits >> 22 = 298 + 2e and the index n + 2e = (bits & 7) + (bits >> 22) - 298.
+    """
+    bits = m.to(tl.int32, bitcast=True)
+    return (bits & 7) + (bits >> 22) - 298
 
 
 @triton.jit

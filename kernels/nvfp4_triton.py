@@ -33,6 +33,7 @@ import triton.language as tl
 from rl4bit.kernels.checks import layout_problem
 from rl4bit.kernels.formats_triton import (
     e2m1_code_sr,
+    e2m1_index,
     e2m1_round,
     e4m3_code_rn,
     e4m3_value,
@@ -132,17 +133,19 @@ def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, R, 
         bits = tl.reshape(philox_bits4(seed_lo, seed_hi, ctr), [BLOCK_R, G, 16])
         idx = e2m1_code_sr(ay, bits)
     else:
-        r, idx = e2m1_round(ay)
+        r, m = e2m1_round(ay)
         if FOUR_SIX:
             s4_code, s4_val = _block_scale(v * 1.5)
-            r4, idx4 = e2m1_round(_scaled(ax3, s4_val, s_dec))
+            r4, m4 = e2m1_round(_scaled(ax3, s4_val, s_dec))
             pick4 = _sq_err(ax3, r4, s4_val, s_dec, BLOCK_R, G) < _sq_err(ax3, r, s_val, s_dec, BLOCK_R, G)
-            idx = tl.where(pick4[:, :, None], idx4, idx)
+            m = tl.where(pick4[:, :, None], m4, m)
             s_val = tl.where(pick4, s4_val, s_val)
             s_code = tl.where(pick4, s4_code, s_code)
-    # sign bit of y = sign bit of x; code 0 where s_b == 0 (nvfp4.encode_codes)
-    code = idx | ((tl.reshape(x, [BLOCK_R, G, 16]).to(tl.int32, bitcast=True) >> 28) & 8)
-    code = tl.where((s_val == 0.0)[:, :, None], 0, code)
+        idx = e2m1_index(m)
+    # sign bit of y = sign bit of x; code 0 where s_b == 0 (nvfp4.encode_codes): there enc_b = 0, so the
+    # index is already 0 and only the sign bit is masked off, per block
+    sign_mask = tl.where(s_val == 0.0, 0, 8)
+    code = idx | ((tl.reshape(x, [BLOCK_R, G, 16]).to(tl.int32, bitcast=True) >> 28) & sign_mask[:, :, None])
 
     lo, hi = tl.split(tl.reshape(code, [BLOCK_R, BLOCK_K // 2, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)

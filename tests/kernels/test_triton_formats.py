@@ -19,6 +19,7 @@ from bitwise import assert_bitwise_equal
 from rl4bit.kernels import e2m1, e4m3, e8m0
 from rl4bit.kernels.formats_triton import (
     e2m1_code_sr,
+    e2m1_index,
     e2m1_round,
     e2m1_value,
     e4m3_code_rn,
@@ -59,7 +60,8 @@ def _codec_kernel(y_ptr, out_ptr, n, seed_lo, seed_hi, OP: tl.constexpr, B: tl.c
     elif OP == 1:
         c = e4m3_code_sr(tl.minimum(tl.abs(y), 448.0), bits)
     elif OP == 2:
-        v, c = e2m1_round(y)
+        v, rsum = e2m1_round(y)
+        c = e2m1_index(rsum)
         c = tl.where(e2m1_value(c) == v, c, -1)  # the value is the grid value of its index
     elif OP == 3:
         c = e2m1_code_sr(tl.abs(y), bits)
