@@ -15,6 +15,10 @@ rollout tokens/s and peak GPU memory; the ratio column is bf16 / nvfp4 (> 1:
 nvfp4 faster or smaller). Targets from issue 11: step >= 1.3x faster, peak
 memory <= 0.6x.
 
+`--memory-sites N` records every CUDA allocation's Python stack (slower: its timings are not comparable) and
+prints, after the first step, the N call sites in rl4bit's code that hold the most live memory: what the
+step-start figure is made of.
+
 Leaves out: Ray actors (the device image has no Ray), several samplers, and the
 warm start (its cost is the same under both recipes).
 
@@ -51,8 +55,30 @@ def _overrides(quick: bool, device: str, steps: int, new_tokens: int) -> list[st
     return o
 
 
-def run_job(config: Path, recipe: str, overrides: list[str]) -> dict:
-    """One job in this process; its per-step metrics and the allocator's peak."""
+OWN_CODE = ("rl4bit", "/kernels/", "/trainer/", "/sampler/")
+
+
+def memory_sites(snapshot: dict, top: int) -> list[tuple[str, float]]:
+    """(site, GiB) of the live blocks in a `torch.cuda.memory._snapshot()` taken with history recording on,
+    grouped by the innermost frame in rl4bit's code (else the innermost frame), largest first; blocks in a
+    private pool (CUDA graphs) are marked as such."""
+    sizes: dict[str, int] = {}
+    for seg in snapshot["segments"]:
+        pool = " [graph pool]" if tuple(seg.get("segment_pool_id", (0, 0))) != (0, 0) else ""
+        for b in seg["blocks"]:
+            if b["state"] != "active_allocated":
+                continue
+            frames = b.get("frames") or []
+            own = [f for f in frames if any(k in f["filename"] for k in OWN_CODE) and "site-packages" not in f["filename"]]
+            f = (own or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
+            site = f"{Path(f['filename']).name}:{f['line']} {f['name']}{pool}"
+            sizes[site] = sizes.get(site, 0) + b["size"]
+    return [(k, v / 2**30) for k, v in sorted(sizes.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> dict:
+    """One job in this process; its per-step metrics and the allocator's peak (and its largest allocation
+    sites after the first step when `sites` > 0)."""
     from rl4bit.config import load_config
     from rl4bit.driver import run
     from rl4bit.rundir import create_run_dir
@@ -62,8 +88,24 @@ def run_job(config: Path, recipe: str, overrides: list[str]) -> dict:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    with tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-") as d:
-        records = [r for r in run(cfg, create_run_dir(cfg, Path(d) / "run")) if r.get("step", 0) >= 1]
+    found: list = []
+
+    def after_step(step: int, metrics: dict) -> None:
+        if sites and cuda and not found:
+            found.extend(memory_sites(torch.cuda.memory._snapshot(), sites))
+            print(f"\n{recipe}: live memory after step {step}, by allocation site (GiB):")
+            for site, gib in found:
+                print(f"  {gib:8.2f}  {site}")
+
+    if sites and cuda:
+        torch.cuda.memory._record_memory_history(context="alloc", stacks="python")
+    try:
+        with tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-") as d:
+            records = [r for r in run(cfg, create_run_dir(cfg, Path(d) / "run"), on_step=after_step)
+                       if r.get("step", 0) >= 1]
+    finally:
+        if sites and cuda:
+            torch.cuda.memory._record_memory_history(enabled=None)
     # The driver resets the allocator's peak per phase (memory/*_peak_gib) and folds every phase, evaluation and
     # setup into memory/job_peak_gib: the job's peak is its last value.
     peak = max((r.get("memory/job_peak_gib", 0.0) for r in records), default=None) if cuda else None
@@ -78,17 +120,17 @@ def run_job(config: Path, recipe: str, overrides: list[str]) -> dict:
             "memory_gib": phase_peaks if cuda else None,
             "per_step_s": {p: [round(r[f"time/{p}_s"], 3) for r in records] for p in ("sample", "train", "sync")},
             "mismatch": {k: [float(f"{r.get(f'mismatch/{k}', math.nan):.3g}") for r in records] for k in ("k3", "max_abs")},
-            "reward": statistics.fmean(r["reward/mean"] for r in records)}
+            "reward": statistics.fmean(r["reward/mean"] for r in records), "memory_sites": found}
 
 
 def run(device: str = "cuda", quick: bool = False, out: str | None = None, config: str | Path | None = None,
-        steps: int = 4, new_tokens: int = 256) -> dict:
+        steps: int = 4, new_tokens: int = 256, memory_sites: int = 0) -> dict:
     """Both jobs, one table; results.json under `out`."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("bench step on cuda needs a GPU (use --quick --device cpu for a smoke run)")
     config = Path(config) if config else CONFIG
     overrides = _overrides(quick, device, steps, 8 if quick else new_tokens)
-    rows = [run_job(config, r, overrides) for r in ("nvfp4", "bf16")]
+    rows = [run_job(config, r, overrides, memory_sites) for r in ("nvfp4", "bf16")]
     q, b = rows
     print(f"\nRL step, {config.name}, {device}: nvfp4 vs bf16 (mean of {q['steps_timed']} steps, first and last excluded)")
     print(f"{'figure':<22}{'nvfp4':>12}{'bf16':>12}{'bf16/nvfp4':>12}")
@@ -122,8 +164,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--out")
+    p.add_argument("--memory-sites", type=int, default=0,
+                   help="print the N allocation sites holding the most memory after the first step (records every "
+                        "allocation's stack: slower)")
     a = p.parse_args(argv)
-    run(a.device, a.quick, a.out, a.config, a.steps, a.new_tokens)
+    run(a.device, a.quick, a.out, a.config, a.steps, a.new_tokens, a.memory_sites)
 
 
 if __name__ == "__main__":

@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", help="comma-separated batch sizes (rollout, all)")
     p.add_argument("--samples", type=int, help="samples a prompt: shared prefill vs one per sample (rollout)")
     p.add_argument("--sections", help="comma-separated sections of `all` (default: all of them)")
+    p.add_argument("--memory-sites", type=int, help="N: the allocation sites holding the most memory after the "
+                                                    "first step (step; records every allocation's stack: slower)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--quick", action="store_true", help="small shapes, for smoke runs on a CPU")
     p.add_argument("--out", help="directory for plots and JSON results")
@@ -126,7 +128,7 @@ def cmd_bench(args) -> int:
             print(f"rl4bit bench: --batches {args.batches!r}: give comma-separated batch sizes, e.g. 1,16,64",
                   file=sys.stderr)
             return 2
-    for name in ("config", "steps", "new_tokens", "batches", "samples", "sections"):
+    for name in ("config", "steps", "new_tokens", "batches", "samples", "sections", "memory_sites"):
         value = getattr(args, name)
         if value is None:
             continue

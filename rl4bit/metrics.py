@@ -31,13 +31,23 @@ STEP_KEYS = (
     "sync/direct", "time/sample_s", "time/score_s", "time/train_s", "time/sync_s", "time/step_s",
 )
 """Logged every RL step."""
-MEMORY_KEYS = ("memory/step_start_gib", "memory/sample_peak_gib", "memory/train_peak_gib", "memory/sync_peak_gib",
-               "memory/job_peak_gib")
+MEMORY_KEYS = ("memory/step_start_gib", "memory/graph_pools_gib", "memory/sample_peak_gib", "memory/train_peak_gib",
+               "memory/sync_peak_gib", "memory/job_peak_gib")
 """Logged every RL step when this process holds the GPU (local mode on CUDA): allocated GiB at the start of the
-step (weights, optimizer state, KV cache), the allocator's peak within each phase, and the job's peak so far
-(every phase, evaluation, checkpoints and setup included) (`PhasePeaks`)."""
+step (weights, optimizer state, KV cache), what private pools reserve (the sampler's CUDA graphs: their freed
+intermediates are not in step_start, which counts allocated blocks only), the allocator's peak within each phase,
+and the job's peak so far (every phase, evaluation, checkpoints and setup included) (`PhasePeaks`)."""
 EVAL_KEYS = ("eval/accuracy", "eval/reward_mean", "time/eval_s")
 """Logged before the first step and every data.eval_every steps."""
+
+def private_pool_bytes(segments: list[dict]) -> int:
+    """Bytes reserved by private memory pools (CUDA graph captures, `torch.cuda.MemPool`) in a
+    `torch.cuda.memory_snapshot()`: segments whose `segment_pool_id` is not the default pool's (0, 0).
+
+    Reserved, not allocated: a graph's intermediates are freed when its capture ends, but their memory stays
+    with the graph (replays write there), so it is not counted by `memory_allocated` and not free either."""
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+
 
 class PhasePeaks:
     """Peak CUDA memory of this process per phase of a step, and of the whole job so far.
@@ -62,6 +72,7 @@ class PhasePeaks:
     def step_start(self, m: dict) -> None:
         if self._on():
             m["memory/step_start_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
+            m["memory/graph_pools_gib"] = private_pool_bytes(torch.cuda.memory_snapshot()) / 2**30
 
     def start(self) -> None:
         if self._on():
