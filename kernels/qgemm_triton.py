@@ -27,12 +27,13 @@ Batch invariance (the trainer forward, sampler prefill and decode call this
 same kernel): a program owns BLOCK_M rows of ONE expert (rows of other experts
 are masked to zero), K is walked from 0 up (no split-K), and each output
 element is one chain of k16 MMAs into its FP32 accumulator, so row m's bits
-depend on row m and the weights only. Two configs exist (``DECODE`` for few
+depend on row m and the weights only. Three configs exist (``DECODE`` for few
 rows, see ``pick_config``: mma.sync, x decoded once by a small kernel instead
-of by every warp; ``TRAIN`` above: wgmma); they differ only in tiles, K step,
-warps and stages, and the GPU test
-``test_gpu_configs_and_decodes_bitwise_equal`` checks that they give the same
-bits. If it fails on some GPU, set ``TWO_CONFIGS = False`` (TRAIN for every M).
+of by every warp; ``MID`` for batched MoE decode, ~64 rows an expert;
+``TRAIN`` above: wgmma); they differ only in tiles, K step, warps and stages,
+and the GPU test ``test_gpu_configs_and_decodes_bitwise_equal`` checks that
+they give the same bits. If it fails on some GPU, set ``TWO_CONFIGS = False``
+(TRAIN for every M).
 
 CUDA graphs: with ``counts`` a device int tensor (sum(counts) == R, not
 checked: that would sync) the tile map is built by one small kernel, the grid
@@ -111,18 +112,26 @@ DECODE_MAX_ROWS_PER_GROUP = 16
 """Grouped calls with at most this many rows per expert on average (MoE decode: a few tokens over many
 experts) also run DECODE: TRAIN's 128-row tiles would be almost all masked rows."""
 
+MID = Config(block_m=64, block_n=128, num_warps=4, num_stages=3, predecode_x=True, block_k=64)
+"""Grouped calls with DECODE_MAX_ROWS_PER_GROUP < rows an expert <= MID_MAX_ROWS_PER_GROUP (batched MoE decode,
+e.g. 256 tokens x top-4 over 16 experts). From ``scripts/sweep_decode_gemm.py --mid`` on the H200 (50
+configs, all bitwise equal to TRAIN), the GPU job's batch-256 decode shapes: gate_up (K=2048, N=1536) 64.1 ->
+58.1 µs, down (K=768, N=2048) 27.7 -> 25.0 µs against TRAIN; DECODE took 82.9 / 51.0 µs there."""
+MID_MAX_ROWS_PER_GROUP = 64
+
 
 def pick_config(rows: int, groups: int = 1, k: int = DECODE_LONG_K) -> Config:
     """DECODE (DECODE_SHORT_K below K = DECODE_LONG_K) for few rows (R <= DECODE_MAX_ROWS, or at most
-    DECODE_MAX_ROWS_PER_GROUP rows an expert), else TRAIN.
+    DECODE_MAX_ROWS_PER_GROUP rows an expert), MID up to MID_MAX_ROWS_PER_GROUP rows an expert, else TRAIN.
 
-    The choice depends on the call's shape only; both configs give the same bits per row (GPU-tested), so a
+    The choice depends on the call's shape only; all configs give the same bits per row (GPU-tested), so a
     row's result does not depend on which one ran.
     """
-    few = rows <= DECODE_MAX_ROWS or rows <= DECODE_MAX_ROWS_PER_GROUP * groups
-    if not (TWO_CONFIGS and few):
+    if not TWO_CONFIGS:
         return TRAIN
-    return DECODE if k >= DECODE_LONG_K else DECODE_SHORT_K
+    if rows <= DECODE_MAX_ROWS or rows <= DECODE_MAX_ROWS_PER_GROUP * groups:
+        return DECODE if k >= DECODE_LONG_K else DECODE_SHORT_K
+    return MID if groups > 1 and rows <= MID_MAX_ROWS_PER_GROUP * groups else TRAIN
 
 
 # ---------------------------------------------------------------- tile map (shared with mxfp8_gemm_triton)

@@ -41,6 +41,8 @@ TOP_K = {128: 8, 16: 4}
 TRAIN_SHAPES = [("a3b gate_up", 128, 2048, 1536, 4096), ("a3b down", 128, 768, 2048, 4096),
                 ("bench gate_up", 16, 2048, 1536, 16384), ("bench down", 16, 768, 2048, 16384)]
 """(name, E, K, N, tokens): training micro-batch shapes (tokens x top-k routed rows)."""
+MID_SHAPES = [("bench gate_up", 16, 2048, 1536, 256), ("bench down", 16, 768, 2048, 256)]
+"""(name, E, K, N, tokens): the GPU job's batch-256 decode step (configs/gpu-h200.yaml: 16 experts, top-4)."""
 
 
 def candidates() -> list[qg.Config]:
@@ -61,17 +63,30 @@ def train_candidates() -> list[qg.Config]:
     return out
 
 
+def mid_candidates() -> list[qg.Config]:
+    out = [qg.TRAIN, qg.DECODE]
+    for bm, bn, stages, bk, pre in itertools.product((32, 64), (64, 128), (3, 4), (64, 128, 256), (True, False)):
+        out.append(qg.Config(bm, bn, 4, stages, pre, block_k=bk))
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", help="directory for sweep_decode_gemm.json")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--train", action="store_true", help="sweep the TRAIN tiles on training shapes")
+    p.add_argument("--mid", action="store_true", help="sweep mid-size tiles on batch-256 decode shapes")
     args = p.parse_args()
     dev = "cuda"
     gbps = copy_gbps(dev, args.reps)
     spec = GemmSpec("nvfp4")
     results = []
-    shapes, configs = (TRAIN_SHAPES, train_candidates()) if args.train else (SHAPES, candidates() + [qg.TRAIN])
+    if args.train:
+        shapes, configs = TRAIN_SHAPES, train_candidates()
+    elif args.mid:
+        shapes, configs = MID_SHAPES, mid_candidates()
+    else:
+        shapes, configs = SHAPES, candidates() + [qg.TRAIN]
     for name, e, k, n, m in shapes:
         w = _weights((e, n, k), dev, 1)
         q0 = quantize(w, "nvfp4", outer="group")

@@ -121,6 +121,8 @@ def test_pick_config_routes_by_rows_per_expert_and_k():
     assert qg.pick_config(1) is qg.DECODE and qg.pick_config(64, 1, 768) is qg.DECODE_SHORT_K
     assert qg.pick_config(65) is qg.TRAIN
     assert qg.pick_config(128, 128, 2048) is qg.DECODE  # MoE decode: 16 tokens x top-8 over 128 experts
+    assert qg.pick_config(1024, 16, 2048) is qg.MID  # batched MoE decode: 256 tokens x top-4 over 16 experts
+    assert qg.pick_config(1025, 16, 2048) is qg.TRAIN and qg.pick_config(1024, 1, 2048) is qg.TRAIN
     assert qg.pick_config(32768, 128, 2048) is qg.TRAIN  # a training micro-batch
 
 
@@ -282,7 +284,7 @@ def test_gpu_nvfp4_real_shapes(shape):
     rows, k, n, experts = shape
     qx, qw = _nvfp4_operands(rows, k, n, experts, seed=11)
     counts = _routing(rows, experts, seed=12)
-    for cfg in (qg.DECODE, qg.TRAIN):
+    for cfg in (qg.DECODE, qg.MID, qg.TRAIN):
         _check_nvfp4(qx, qw, counts, qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=cfg), f"{shape} {cfg}")
 
 
@@ -295,14 +297,14 @@ def _routing(rows, experts, seed):
 @pytest.mark.gpu
 @gpu
 def test_gpu_configs_and_decodes_bitwise_equal():
-    """DECODE vs TRAIN tiles (x pre-decoded or not), PTX / Triton-ops / FP32 decodes: the same bits (TWO_CONFIGS relies on it)."""
+    """DECODE vs MID vs TRAIN tiles (x pre-decoded or not), PTX / Triton-ops / FP32 decodes: the same bits (TWO_CONFIGS relies on it)."""
     for k in (2048, 2112):  # 2112: DECODE's 256-wide K step ends on a partial tile
         _configs_bitwise_equal(*_nvfp4_operands(200, k, 1536, 8, seed=13), _routing(200, 8, seed=14))
 
 
 def _configs_bitwise_equal(qx, qw, counts):
     ref = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=qg.TRAIN)
-    for cfg in (qg.DECODE, qg.DECODE_SHORT_K, qg.Config(16, 32, 4, 4), qg.Config(64, 64, 4, 3), qg.TRAIN,
+    for cfg in (qg.DECODE, qg.DECODE_SHORT_K, qg.MID, qg.Config(16, 32, 4, 4), qg.Config(64, 64, 4, 3), qg.TRAIN,
                 qg.Config(16, 16, 1, 8, True, block_k=256), qg.Config(16, 64, 2, 4, True, block_k=128),
                 qg.Config(128, 128, 8, 3, block_k=128)):
         for decode in qg.DECODES:
