@@ -89,22 +89,26 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     found: list = []
+    recording = bool(sites and cuda)
 
     def after_step(step: int, metrics: dict) -> None:
-        if sites and cuda and not found:
+        nonlocal recording
+        if recording:
             found.extend(memory_sites(torch.cuda.memory._snapshot(), sites))
+            torch.cuda.memory._record_memory_history(enabled=None)
+            recording = False
             print(f"\n{recipe}: live memory after step {step}, by allocation site (GiB):")
             for site, gib in found:
                 print(f"  {gib:8.2f}  {site}")
 
-    if sites and cuda:
-        torch.cuda.memory._record_memory_history(context="alloc", stacks="python")
+    if recording:  # the stacks of live blocks only, no event history
+        torch.cuda.memory._record_memory_history(enabled="state", context="state", stacks="python")
     try:
         with tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-") as d:
             records = [r for r in run(cfg, create_run_dir(cfg, Path(d) / "run"), on_step=after_step)
                        if r.get("step", 0) >= 1]
     finally:
-        if sites and cuda:
+        if recording:
             torch.cuda.memory._record_memory_history(enabled=None)
     # The driver resets the allocator's peak per phase (memory/*_peak_gib) and folds every phase, evaluation and
     # setup into memory/job_peak_gib: the job's peak is its last value.

@@ -34,19 +34,22 @@ STEP_KEYS = (
 MEMORY_KEYS = ("memory/step_start_gib", "memory/graph_pools_gib", "memory/sample_peak_gib", "memory/train_peak_gib",
                "memory/sync_peak_gib", "memory/job_peak_gib")
 """Logged every RL step when this process holds the GPU (local mode on CUDA): allocated GiB at the start of the
-step (weights, optimizer state, KV cache), what private pools reserve (the sampler's CUDA graphs: their freed
+step (weights, optimizer state, KV cache), what private pools reserve (the sampler's CUDA graphs; their freed
 intermediates are not in step_start, which counts allocated blocks only), the allocator's peak within each phase,
 and the job's peak so far (every phase, evaluation, checkpoints and setup included) (`PhasePeaks`)."""
 EVAL_KEYS = ("eval/accuracy", "eval/reward_mean", "time/eval_s")
 """Logged before the first step and every data.eval_every steps."""
 
-def private_pool_bytes(segments: list[dict]) -> int:
+def private_pool_bytes(segments: list[dict], device: int | None = None) -> int:
     """Bytes reserved by private memory pools (CUDA graph captures, `torch.cuda.MemPool`) in a
-    `torch.cuda.memory_snapshot()`: segments whose `segment_pool_id` is not the default pool's (0, 0).
+    `torch.cuda.memory_snapshot()`: segments whose `segment_pool_id` is not the default pool's (0, 0), on
+    `device` (an index; None: every device).
 
     Reserved, not allocated: a graph's intermediates are freed when its capture ends, but their memory stays
-    with the graph (replays write there), so it is not counted by `memory_allocated` and not free either."""
-    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
+    with the graph (replays write there), so it is neither free nor counted by `memory_allocated`. What the
+    graphs keep allocated (their outputs) is counted by both."""
+    return sum(s["total_size"] for s in segments if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0)
+               and (device is None or s.get("device") == device))
 
 
 class PhasePeaks:
@@ -72,7 +75,8 @@ class PhasePeaks:
     def step_start(self, m: dict) -> None:
         if self._on():
             m["memory/step_start_gib"] = torch.cuda.memory_allocated(self.device) / 2**30
-            m["memory/graph_pools_gib"] = private_pool_bytes(torch.cuda.memory_snapshot()) / 2**30
+            index = torch.cuda.current_device() if self.device is None else torch.device(self.device).index
+            m["memory/graph_pools_gib"] = private_pool_bytes(torch.cuda.memory_snapshot(), index) / 2**30
 
     def start(self) -> None:
         if self._on():

@@ -24,13 +24,13 @@ ADAM = _frame("/work/main/trainer/optim.py", 7, "step")
 GRAPH = _frame("/work/main/sampler/decode_graph.py", 99, "capture")
 
 SNAPSHOT = {"segments": [
-    {"segment_pool_id": (0, 0), "total_size": 10 * 2**30, "allocated_size": 7 * 2**30, "blocks": [
+    {"device": 0, "segment_pool_id": (0, 0), "total_size": 10 * 2**30, "allocated_size": 7 * 2**30, "blocks": [
         _block(4 * 2**30, "active_allocated", TORCH, KV),   # innermost own frame wins over torch's
         _block(2 * 2**30, "active_allocated", ADAM),
         _block(1 * 2**30, "active_allocated", KV),
         _block(3 * 2**30, "inactive", ADAM),              # cached, not live: not counted
     ]},
-    {"segment_pool_id": (1, 7), "total_size": 3 * 2**30, "allocated_size": 2**29, "blocks": [
+    {"device": 0, "segment_pool_id": (1, 7), "total_size": 3 * 2**30, "allocated_size": 2**29, "blocks": [
         _block(2**29, "active_allocated", GRAPH),
         _block(3 * 2**29, "inactive", GRAPH),
     ]},
@@ -39,6 +39,8 @@ SNAPSHOT = {"segments": [
 
 def test_private_pool_bytes_counts_what_graph_pools_reserve():
     assert private_pool_bytes(SNAPSHOT["segments"]) == 3 * 2**30
+    assert private_pool_bytes(SNAPSHOT["segments"], device=0) == 3 * 2**30
+    assert private_pool_bytes(SNAPSHOT["segments"], device=1) == 0  # another GPU's pools are not this one's
     assert private_pool_bytes(SNAPSHOT["segments"][:1]) == 0
 
 
