@@ -61,6 +61,11 @@ class ModelConfig:
     """Longest prompt + completion the model serves, in tokens."""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """Dtype of the non-quantized parts (attention, norms, embeddings, lm_head)."""
+    invariant_kernels: bool = False
+    """CUDA only: run the dense products and means of the trainer's and the samplers' forwards through
+    fixed-reduction-order Triton kernels (`rl4bit.kernels.invariant`), so a sampled token's logprob is the same
+    bits whatever batch computed it (cuBLAS picks kernels by row count). Off by default: its cost and its effect
+    on `mismatch/k3` are not yet measured on a GPU. No effect on the CPU, which is batch-invariant without it."""
 
     def validate(self, path: str) -> None:
         # Existence of `path` is checked where the model is loaded (rl4bit.models), not here:

@@ -76,6 +76,7 @@ from rl4bit.checkpoint_format import CheckpointError
 from rl4bit.config import ConfigError, JobConfig, load_config
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.metrics import MetricsLogger, PhasePeaks, plot, read_metrics
+from rl4bit.kernels import invariant
 from rl4bit.models import autocast_dtype, build_policy_model
 from rl4bit.parity_stats import live_parity_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
@@ -147,7 +148,8 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         builder = functools.partial(build_policy_model, cfg)
         restarts = int(getattr(cfg.ray, "sampler_restarts", 3))
         samplers = [cluster.actor(Sampler, builder, tokenizer, cfg.sampler, device=device, max_seq_len=cfg.model.max_seq_len,
-                                  autocast=autocast_dtype(cfg.model), num_gpus=gpu, restarts=restarts) for _ in range(cfg.sampler.replicas)]
+                                  autocast=autocast_dtype(cfg.model), invariant_kernels=cfg.model.invariant_kernels,
+                                  num_gpus=gpu, restarts=restarts) for _ in range(cfg.sampler.replicas)]
         pool = cluster.actor(RewardPool, specs, [r.weight for r in cfg.rewards.functions], workers=cfg.rewards.workers,
                              max_error_fraction=cfg.rewards.max_error_fraction, **limits)
         recover = SamplerRecovery(trainer, samplers, restarts)
@@ -250,6 +252,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         except ActorDiedError as e:  # a Sampler past its restarts, the Trainer, the reward pool
             raise ActorDiedError(e.actor, e.detail, f"the job stops at step {step}. {_resume_hint(run_dir)}") from None
     finally:
+        invariant.set_mode(False)  # local mode: the trainer and samplers turned it on in this process
         if logger is not None:
             logger.close()
         if pool is not None:

@@ -44,6 +44,7 @@ import time
 import torch
 
 from rl4bit.config import SamplerConfig
+from rl4bit.kernels import invariant
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
 from rl4bit.trainer.surgery import load_quantized, quantized_weights
@@ -63,9 +64,11 @@ class Sampler:
     """One rollout engine replica: generate, update_weights, health."""
 
     def __init__(self, model_builder_or_model, tokenizer, config: SamplerConfig, *, device: str = "auto",
-                 max_seq_len: int | None = None, workdir: str | None = None, autocast: torch.dtype | None = None):
+                 max_seq_len: int | None = None, workdir: str | None = None, autocast: torch.dtype | None = None,
+                 invariant_kernels: bool = False):
         """autocast: the dtype the embedded engine's forward runs under autocast in, the trainer's
-        (`rl4bit.models.autocast_dtype`); None: the model's own dtype, no autocast."""
+        (`rl4bit.models.autocast_dtype`); None: the model's own dtype, no autocast.
+        invariant_kernels: `model.invariant_kernels`, which the trainer applies too (CUDA only)."""
         if config.backend not in ("embedded", "vllm"):
             raise ValueError(f"sampler.backend={config.backend!r}: use embedded or vllm")
         model = model_builder_or_model
@@ -73,6 +76,8 @@ class Sampler:
             model = model_builder_or_model()
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
+        if torch.device(device).type == "cuda":
+            invariant.set_mode(invariant_kernels)
         self.config = config
         if config.backend == "vllm":
             self.engine = _vllm_engine(model, tokenizer, config, max_seq_len, workdir)

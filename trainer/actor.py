@@ -79,6 +79,7 @@ from transformers import AttentionInterface
 
 from rl4bit.config import JobConfig
 from rl4bit.kernels import NonFiniteInputError, deferred_checks
+from rl4bit.kernels import invariant
 from rl4bit.models import autocast_dtype, build_model
 from rl4bit.sampler.kv_cache import MIN_ROWS, model_implementations, pad_rows
 from rl4bit.tokenizer import build_tokenizer
@@ -236,6 +237,8 @@ class Trainer:
             torch.set_num_threads(cfg.run.cpu_threads)
         self.cfg = cfg
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.trainer.device == "auto" else cfg.trainer.device)
+        if self.device.type == "cuda":  # the samplers set the same mode from the same field (sampler/actor.py)
+            invariant.set_mode(cfg.model.invariant_kernels)
         self.tokenizer = build_tokenizer()
         torch.manual_seed(cfg.run.seed)
         self.model = build_model(cfg.model, len(self.tokenizer), cfg.run.seed).to(self.device)

@@ -1,0 +1,102 @@
+"""Invariant-kernel mode: route torch's dense products and means on one device type through `invariant_triton`.
+
+`set_mode(True)` registers implementations of `aten::mm`, `aten::addmm`,
+`aten::bmm` and `aten::mean.dim` for the device's dispatch key (CUDA by
+default) through `torch.library` (a public registration API, no patching of
+torch functions); `set_mode(False)` removes them. Everything above the
+dispatcher keeps working unchanged: `nn.Linear` / `F.linear` (-> mm / addmm),
+`torch.matmul` on batches (-> bmm), HF's RMSNorm (`pow(2).mean(-1)`), autocast
+(it casts, then dispatches here) and autograd (the backward's products land
+here too while the mode is on). Both sides of a job turn it on from one config
+field, `model.invariant_kernels` (the trainer and each sampler, in their own
+processes), so the trainer recomputes a sampled token's logprob with the same
+reduction orders the sampler used, whatever the batch.
+
+Process-global: a Ray actor turns it on for its process; in local mode the
+driver turns it off when the job ends. Products in dtypes the kernels do not
+take (float64, integers; nothing in a model's forward) run as a broadcast
+multiply and sum instead: slow, and never cuBLAS, whose row-count dependence
+this mode exists to remove.
+
+Leaves out: `aten::_log_softmax` and softmax (row-local in ATen already: one
+block per row whose shape is the row length), `torch._grouped_mm` (the `bf16`
+recipe's experts: not covered; the `nvfp4` and `mxfp8` recipes' grouped
+products are rl4bit's own fixed-order kernels), convolutions, and CPU (whose
+GEMM rows are already independent of the row count above MIN_ROWS; see
+`rl4bit.sampler.kv_cache`). The `device_type` argument exists so the CPU tests
+can drive the same registration through the Triton interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_STATE: dict = {"lib": None, "device_type": None}
+
+
+def _covered(*tensors) -> bool:
+    from rl4bit.kernels.invariant_triton import FLOATS
+
+    return all(t.dtype == tensors[0].dtype for t in tensors) and tensors[0].dtype in FLOATS
+
+
+def _slow_bmm(a, b):
+    """Products the kernels do not take (float64, integers: no model path uses them): a broadcast multiply and
+    a sum, which reach neither mm nor bmm (so no recursion into this mode)."""
+    return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
+
+
+def _mm(a, b):
+    from rl4bit.kernels.invariant_triton import bmm
+
+    return bmm(a.unsqueeze(0), b.unsqueeze(0))[0] if _covered(a, b) else _slow_bmm(a, b)
+
+
+def _addmm(bias, a, b, *, beta=1, alpha=1):
+    from rl4bit.kernels.invariant_triton import bmm
+
+    if _covered(bias, a, b):
+        return bmm(a.unsqueeze(0), b.unsqueeze(0), bias=bias, alpha=alpha, beta=beta)[0]
+    return alpha * _slow_bmm(a, b) + beta * bias
+
+
+def _bmm(a, b):
+    from rl4bit.kernels.invariant_triton import bmm
+
+    return bmm(a, b) if _covered(a, b) else _slow_bmm(a, b)
+
+
+def _mean_dim(x, dim=None, keepdim=False, *, dtype=None):
+    from rl4bit.kernels.invariant_triton import FLOATS, mean
+
+    if (dtype or x.dtype) in FLOATS:
+        return mean(x, dim, keepdim, dtype)
+    x = x.to(dtype) if dtype is not None else x
+    dims = list(dim) if dim else list(range(x.dim()))
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    return x.sum(dims, keepdim=keepdim) / n
+
+
+def enabled() -> bool:
+    """Whether the mode is on in this process."""
+    return _STATE["lib"] is not None
+
+
+def set_mode(on: bool, device_type: str = "CUDA") -> None:
+    """Turn the mode on or off for `device_type`'s dispatch key ("CUDA"; "CPU" for the interpreter tests).
+
+    Idempotent. Turning it on for another device type first turns it off for the current one.
+    """
+    lib = _STATE["lib"]
+    if lib is not None and (not on or _STATE["device_type"] != device_type):
+        lib._destroy()  # torch.library's own way to drop a Library's registrations
+        _STATE["lib"] = _STATE["device_type"] = None
+    if on and _STATE["lib"] is None:
+        lib = torch.library.Library("aten", "IMPL")
+        lib.impl("mm", _mm, device_type)
+        lib.impl("addmm", _addmm, device_type)
+        lib.impl("bmm", _bmm, device_type)
+        lib.impl("mean.dim", _mean_dim, device_type)
+        _STATE["lib"], _STATE["device_type"] = lib, device_type

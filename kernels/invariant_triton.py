@@ -1,0 +1,160 @@
+"""Batch-invariant dense products and means (Triton): a result's bits depend on its own row, never on the row count.
+
+Why: on CUDA, `torch.mm` / `bmm` / `addmm` (cuBLAS) and `mean` (ATen's reduce
+kernel) pick their kernels, tiles and split of the reduction by shape. The
+sampler's decode step (P rows) and the trainer's forward (every token of a
+micro-batch) run the same rows at different row counts, so their BF16 attention
+projections, router and lm_head disagree in the last bits, and quantization
+amplifies that (a 4/6 scale choice flips): measured on the H200, `mismatch/k3`
+5e-5 (nvfp4) and 5e-6 (bf16) where the CPU gives exactly 0.
+
+Here every output element is one FP32 accumulation over K in BLOCK_K steps from
+K = 0 (`tl.dot` into the accumulator, no split-K), with tiles chosen from K, N
+and the dtype only, never from M or the batch count; a mean is one program per
+output reducing its row in fixed BLOCK chunks, then one tree sum. So a row's
+bits are a function of that row (and the weights) alone, by construction, on
+any GPU. BF16/FP16 operands use the tensor cores; FP32 operands multiply in
+full FP32 (`input_precision="ieee"`, like torch with TF32 off). These are not
+bitwise equal to cuBLAS or ATen (different reduction orders): the point is that
+trainer and sampler run the same kernels (`rl4bit.kernels.invariant`).
+
+Under TRITON_INTERPRET=1 (CPU tests) tiles are up-cast to FP32 before `tl.dot`
+(the interpreter's BF16 dot is wrong) and the output is rounded once, as on the GPU.
+
+Leaves out: FP8 operands, complex and integer dtypes (callers fall back), and
+any attempt to be fast at tiny K (one tile config per (K, N, dtype)).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _interpret() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+@triton.jit
+def _bmm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
+                s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_bias_m, s_bias_n, alpha, beta,
+                HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """c[b] = a[b] @ b[b] (alpha * that + beta * bias when SCALED), FP32 accumulator, rounded once on store."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_b = tl.program_id(2).to(tl.int64)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + pid_b * s_ab + rm.to(tl.int64)[:, None] * s_am
+    b_base = b_ptr + pid_b * s_bb + rn.to(tl.int64)[None, :] * s_bn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_base + kk[None, :].to(tl.int64) * s_ak, mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0)
+        b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk, mask=(kk < K)[:, None] & (rn < N)[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    if SCALED:
+        acc = acc * alpha
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + rm.to(tl.int64)[:, None] * s_bias_m + rn[None, :] * s_bias_n,
+                       mask=(rm < M)[:, None] & (rn < N)[None, :], other=0.0).to(tl.float32)
+        if SCALED:
+            bias = bias * beta
+        acc = acc + bias
+    c = c_ptr + pid_b * s_cb + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+
+
+def tiles(k: int, n: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K) from K, N and the dtype only (never M): 16-bit operands on tensor cores,
+    FP32 in smaller tiles (the IEEE product runs on the FMA units)."""
+    if dtype == torch.float32:
+        return 32, 32, 32
+    return 64, (128 if n >= 128 else 64), 64
+
+
+def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, alpha: float = 1.0,
+        beta: float = 1.0) -> torch.Tensor:
+    """a [B, M, K] @ b [B, K, N] -> [B, M, N] in a's dtype (a, b: same floating dtype; any strides).
+
+    With `bias` (broadcastable to [M, N], the batch dimension absent): alpha * (a @ b) + beta * bias,
+    in FP32 before the one rounding (`addmm`'s contract).
+    """
+    if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
+        raise ValueError(f"invariant bmm: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not multiply")
+    if a.dtype != b.dtype or a.dtype not in FLOATS:
+        raise ValueError(f"invariant bmm: dtypes {a.dtype} @ {b.dtype}; need one of {FLOATS} on both sides")
+    nb, m, k = a.shape
+    n = b.shape[2]
+    out = torch.empty((nb, m, n), dtype=torch.float32 if _interpret() else a.dtype, device=a.device)
+    if out.numel() == 0:
+        return out.to(a.dtype)
+    bm, bn, bk = tiles(k, n, a.dtype)
+    bias2 = bias.expand(m, n) if bias is not None else out
+    scaled = alpha != 1.0 or beta != 1.0
+    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), nb)
+    _bmm_kernel[grid](a, b, out, bias2, m, n, k, *a.stride(), *b.stride(), *out.stride(), *bias2.stride()[-2:],
+                      float(alpha), float(beta), HAS_BIAS=bias is not None, SCALED=scaled,
+                      IEEE=a.dtype == torch.float32, UPCAST=_interpret(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                      num_warps=4, num_stages=3, enable_fp_fusion=False)
+    return out.to(a.dtype) if out.dtype != a.dtype else out
+
+
+@triton.jit
+def _row_mean_kernel(x_ptr, out_ptr, C, s_r, BLOCK: tl.constexpr):
+    """out[r] = (sum of row r) / C: FP32 partial sums per lane over BLOCK-wide chunks in order, one tree sum."""
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for c0 in range(0, C, BLOCK):
+        acc += tl.load(x_ptr + r * s_r + c0 + offs, mask=c0 + offs < C, other=0.0).to(tl.float32)
+    total = tl.sum(acc, axis=0)
+    tl.store(out_ptr + r, tl.div_rn(total, C.to(tl.float32)))
+
+
+def row_mean(x2: torch.Tensor) -> torch.Tensor:
+    """Mean of each row of a 2D tensor whose rows are contiguous -> FP32 [R]. BLOCK depends on the row length only."""
+    r, c = x2.shape
+    out = torch.empty((r,), dtype=torch.float32, device=x2.device)
+    if r == 0:
+        return out
+    block = min(1024, triton.next_power_of_2(max(c, 1)))
+    _row_mean_kernel[(r,)](x2, out, c, x2.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    return out
+
+
+def mean(x: torch.Tensor, dims, keepdim: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`torch.mean(x, dims, keepdim, dtype=dtype)` with `row_mean`'s fixed order: the reduced dims are moved
+    last and flattened (a copy unless they already are), each output one program."""
+    if dtype is not None:
+        x = x.to(dtype)
+    if x.dtype not in FLOATS:
+        raise ValueError(f"invariant mean: dtype {x.dtype}; need one of {FLOATS}")
+    nd = x.dim()
+    dims = sorted({d % nd for d in (dims if dims else range(nd))}) if nd else []
+    keep = [d for d in range(nd) if d not in dims]
+    moved = x.permute(*keep, *dims) if nd else x.reshape(1)
+    c = 1
+    for d in dims:
+        c *= x.shape[d]
+    flat = moved.reshape(-1, c)
+    if flat.stride(1) != 1:
+        flat = flat.contiguous()
+    out = row_mean(flat).to(x.dtype).reshape([x.shape[d] for d in keep])
+    if keepdim:
+        for d in dims:
+            out = out.unsqueeze(d)
+    return out
