@@ -40,7 +40,7 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "s_ab", "s_cb"])  # they follow the row count: no recompile per step
 def _bmm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                 s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_bias_m, s_bias_n, alpha, beta,
                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,

@@ -76,7 +76,7 @@ class Sampler:
             model = model_builder_or_model()
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if torch.device(device).type == "cuda":
+        if torch.device(device).type == "cuda" and config.backend == "embedded":  # vLLM keeps its own kernels
             invariant.set_mode(invariant_kernels)
         self.config = config
         if config.backend == "vllm":

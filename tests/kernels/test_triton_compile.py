@@ -49,6 +49,15 @@ def _kernels():
                dict(BLOCK_M=32, BLOCK_K=256, SRC_NVFP4=False, STOCHASTIC=sr, EVEN=False), 4)
     enc_sig = dict(x_ptr="*bf16", data_ptr="*i8", scale_ptr="*u8", flag_ptr="*i32", R="i32", K="i32", **seeds)
     yield "rht + s2f6 encode", s2._s2f6_quant_kernel, enc_sig, dict(BLOCK_R=4, BLOCK_K=1024, HAS_RHT=True), 4
+    from rl4bit.kernels import invariant_triton as inv
+
+    mm_sig = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16", M="i32", N="i32", K="i32",
+                  **{s: "i32" for s in ("s_ab", "s_am", "s_ak", "s_bb", "s_bk", "s_bn", "s_cb", "s_cm", "s_cn",
+                                        "s_bias_m", "s_bias_n")}, alpha="fp32", beta="fp32")
+    yield ("invariant bmm bf16", inv._bmm_kernel, mm_sig, dict(HAS_BIAS=True, SCALED=False, IEEE=False, UPCAST=False,
+                                                               BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), 4)
+    yield ("invariant row mean", inv._row_mean_kernel, dict(x_ptr="*fp32", out_ptr="*fp32", C="i32", s_r="i32"),
+           dict(BLOCK=1024), 4)
     dec_sig = dict(data_ptr="*i8", scale_ptr="*u8", out_ptr="*fp32", R="i32", K="i32", **seeds)
     yield "s2f6 decode + inverse rht", s2._s2f6_dequant_kernel, dec_sig, dict(BLOCK_R=4, BLOCK_K=1024, HAS_RHT=True), 4
 
@@ -91,8 +100,8 @@ def compile_all(count: bool = False) -> list[str]:
         bad = [p for p in (r"\bfma\.", r"div\.(full|approx)", r"\.ftz") if re.search(p, ptx)]
         print(f"{name}: {len(ptx.splitlines())} PTX lines" + (f", found {bad}" if bad else ""))
         if count:
-            elems = consts.get("BLOCK_R", consts.get("BLOCK_M")) * consts["BLOCK_K"] / (32 * warps)
-            print(f"    {sass_stats(k.asm['cubin'], elems)}")
+            rows, cols = consts.get("BLOCK_R", consts.get("BLOCK_M", 1)), consts.get("BLOCK_K", consts.get("BLOCK"))
+            print(f"    {sass_stats(k.asm['cubin'], rows * cols / (32 * warps))}")
         if bad:
             problems.append(f"{name}: PTX contains {bad}")
     return problems
