@@ -128,12 +128,12 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> 
 
 
 def run(device: str = "cuda", quick: bool = False, out: str | None = None, config: str | Path | None = None,
-        steps: int = 4, new_tokens: int = 256, memory_sites: int = 0) -> dict:
+        steps: int = 4, new_tokens: int = 256, memory_sites: int = 0, override: list[str] | None = None) -> dict:
     """Both jobs, one table; results.json under `out`."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("bench step on cuda needs a GPU (use --quick --device cpu for a smoke run)")
     config = Path(config) if config else CONFIG
-    overrides = _overrides(quick, device, steps, 8 if quick else new_tokens)
+    overrides = _overrides(quick, device, steps, 8 if quick else new_tokens) + list(override or [])
     rows = [run_job(config, r, overrides, memory_sites) for r in ("nvfp4", "bf16")]
     q, b = rows
     print(f"\nRL step, {config.name}, {device}: nvfp4 vs bf16 (mean of {q['steps_timed']} steps, first and last excluded)")
@@ -168,11 +168,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--out")
+    p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for both jobs, e.g. -o model.invariant_kernels=true (repeatable)")
     p.add_argument("--memory-sites", type=int, default=0,
                    help="print the N allocation sites holding the most memory after the first step (records every "
                         "allocation's stack: slower)")
     a = p.parse_args(argv)
-    run(a.device, a.quick, a.out, a.config, a.steps, a.new_tokens, a.memory_sites)
+    run(a.device, a.quick, a.out, a.config, a.steps, a.new_tokens, a.memory_sites, a.override)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--quick", action="store_true", help="small shapes, for smoke runs on a CPU")
     p.add_argument("--out", help="directory for plots and JSON results")
+    _overrides(p)
 
     p = sub.add_parser("export", help="write a quantized checkpoint (compressed-tensors layout vLLM reads)")
     p.add_argument("source", help="a config file (its model, quantized by its recipe) or a run dir (its latest checkpoint)")
@@ -128,9 +129,9 @@ def cmd_bench(args) -> int:
             print(f"rl4bit bench: --batches {args.batches!r}: give comma-separated batch sizes, e.g. 1,16,64",
                   file=sys.stderr)
             return 2
-    for name in ("config", "steps", "new_tokens", "batches", "samples", "sections", "memory_sites"):
+    for name in ("config", "steps", "new_tokens", "batches", "samples", "sections", "memory_sites", "override"):
         value = getattr(args, name)
-        if value is None:
+        if value is None or value == []:
             continue
         if name not in params:
             print(f"rl4bit bench {args.what}: takes no {name} argument", file=sys.stderr)
