@@ -19,7 +19,10 @@ multiply and sum instead: slow, and never cuBLAS, whose row-count dependence
 this mode exists to remove.
 
 Leaves out: `aten::_log_softmax` and softmax (row-local in ATen already: one
-block per row whose shape is the row length), `torch._grouped_mm` (the `bf16`
+block per row whose shape is the row length); other products and reductions
+that no trainer or sampler forward path calls (`baddbmm`, `addbmm`, `addmm_`,
+`mv`, `dot`, `mean.out`, `sum`, `var`, `norm`, SDPA: they stay on ATen, so new
+model code must not bring them in); `torch._grouped_mm` (the `bf16`
 recipe's experts: not covered; the `nvfp4` and `mxfp8` recipes' grouped
 products are rl4bit's own fixed-order kernels), convolutions, and CPU (whose
 GEMM rows are already independent of the row count above MIN_ROWS; see
@@ -35,14 +38,17 @@ _STATE: dict = {"lib": None, "device_type": None}
 
 
 def _covered(*tensors) -> bool:
+    """True for operands the Triton kernels take; raises, as ATen does, for mixed dtypes."""
     from rl4bit.kernels.invariant_triton import FLOATS
 
-    return all(t.dtype == tensors[0].dtype for t in tensors) and tensors[0].dtype in FLOATS
+    if any(t.dtype != tensors[0].dtype for t in tensors):
+        raise RuntimeError(f"expected operands of one dtype, got {[str(t.dtype) for t in tensors]}")
+    return tensors[0].dtype in FLOATS
 
 
 def _slow_bmm(a, b):
-    """Products the kernels do not take (float64, integers: no model path uses them): a broadcast multiply and
-    a sum, which reach neither mm nor bmm (so no recursion into this mode)."""
+    """Products in dtypes the kernels do not take (float64, integers; no model path uses them): a broadcast
+    multiply and a sum (memory M*K*N), which reach neither mm nor bmm, so no recursion into this mode."""
     return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)
 
 
@@ -57,7 +63,8 @@ def _addmm(bias, a, b, *, beta=1, alpha=1):
 
     if _covered(bias, a, b):
         return bmm(a.unsqueeze(0), b.unsqueeze(0), bias=bias, alpha=alpha, beta=beta)[0]
-    return alpha * _slow_bmm(a, b) + beta * bias
+    product = alpha * _slow_bmm(a, b)
+    return product if beta == 0 else product + beta * bias
 
 
 def _bmm(a, b):
@@ -66,11 +73,20 @@ def _bmm(a, b):
     return bmm(a, b) if _covered(a, b) else _slow_bmm(a, b)
 
 
+def _out(out, result):
+    """The `.out` variants' contract: resize `out` to the result's shape, then write it."""
+    out.resize_(result.shape)
+    return out.copy_(result)
+
+
 def _mean_dim(x, dim=None, keepdim=False, *, dtype=None):
     from rl4bit.kernels.invariant_triton import FLOATS, mean
 
     if (dtype or x.dtype) in FLOATS:
         return mean(x, dim, keepdim, dtype)
+    if not (dtype or x.dtype).is_floating_point and not (dtype or x.dtype).is_complex:
+        raise RuntimeError(f"mean(): could not infer output dtype from input dtype {x.dtype}: give a floating "
+                           "dtype= or cast the input")
     x = x.to(dtype) if dtype is not None else x
     dims = list(dim) if dim else list(range(x.dim()))
     n = 1
@@ -87,7 +103,8 @@ def enabled() -> bool:
 def set_mode(on: bool, device_type: str = "CUDA") -> None:
     """Turn the mode on or off for `device_type`'s dispatch key ("CUDA"; "CPU" for the interpreter tests).
 
-    Idempotent. Turning it on for another device type first turns it off for the current one.
+    Idempotent. Turning it on for another device type first turns it off for the current one. Not
+    thread-safe: called when actors are built and when a job ends, not while forwards run.
     """
     lib = _STATE["lib"]
     if lib is not None and (not on or _STATE["device_type"] != device_type):
@@ -96,7 +113,11 @@ def set_mode(on: bool, device_type: str = "CUDA") -> None:
     if on and _STATE["lib"] is None:
         lib = torch.library.Library("aten", "IMPL")
         lib.impl("mm", _mm, device_type)
+        lib.impl("mm.out", lambda a, b, *, out: _out(out, _mm(a, b)), device_type)
         lib.impl("addmm", _addmm, device_type)
+        lib.impl("addmm.out", lambda bias, a, b, *, beta=1, alpha=1, out: _out(out, _addmm(bias, a, b, beta=beta,
+                                                                                            alpha=alpha)), device_type)
         lib.impl("bmm", _bmm, device_type)
+        lib.impl("bmm.out", lambda a, b, *, out: _out(out, _bmm(a, b)), device_type)
         lib.impl("mean.dim", _mean_dim, device_type)
         _STATE["lib"], _STATE["device_type"] = lib, device_type

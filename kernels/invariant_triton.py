@@ -34,6 +34,13 @@ import triton
 import triton.language as tl
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
+MAX_GRID_Z = 65535
+
+
+def _no_guard():
+    import contextlib
+
+    return contextlib.nullcontext()
 
 
 def _interpret() -> bool:
@@ -69,12 +76,12 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     if SCALED:
         acc = acc * alpha
     if HAS_BIAS:
-        bias = tl.load(bias_ptr + rm.to(tl.int64)[:, None] * s_bias_m + rn[None, :] * s_bias_n,
+        bias = tl.load(bias_ptr + rm.to(tl.int64)[:, None] * s_bias_m + rn.to(tl.int64)[None, :] * s_bias_n,
                        mask=(rm < M)[:, None] & (rn < N)[None, :], other=0.0).to(tl.float32)
         if SCALED:
             bias = bias * beta
         acc = acc + bias
-    c = c_ptr + pid_b * s_cb + rm.to(tl.int64)[:, None] * s_cm + rn[None, :] * s_cn
+    c = c_ptr + pid_b * s_cb + rm.to(tl.int64)[:, None] * s_cm + rn.to(tl.int64)[None, :] * s_cn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
@@ -91,7 +98,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, alph
     """a [B, M, K] @ b [B, K, N] -> [B, M, N] in a's dtype (a, b: same floating dtype; any strides).
 
     With `bias` (broadcastable to [M, N], the batch dimension absent): alpha * (a @ b) + beta * bias,
-    in FP32 before the one rounding (`addmm`'s contract).
+    in FP32 before the one rounding (`addmm`'s contract; beta = 0 ignores the bias, NaN included).
+    Launches on the operands' device (torch.library impls get no device guard).
     """
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"invariant bmm: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not multiply")
@@ -103,17 +111,22 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, alph
     if out.numel() == 0:
         return out.to(a.dtype)
     bm, bn, bk = tiles(k, n, a.dtype)
+    if bias is not None and beta == 0:
+        bias = None
     bias2 = bias.expand(m, n) if bias is not None else out
-    scaled = alpha != 1.0 or beta != 1.0
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn), nb)
-    _bmm_kernel[grid](a, b, out, bias2, m, n, k, *a.stride(), *b.stride(), *out.stride(), *bias2.stride()[-2:],
-                      float(alpha), float(beta), HAS_BIAS=bias is not None, SCALED=scaled,
-                      IEEE=a.dtype == torch.float32, UPCAST=_interpret(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                      num_warps=4, num_stages=3, enable_fp_fusion=False)
+    scaled = alpha != 1.0 or (bias is not None and beta != 1.0)
+    with torch.cuda.device(a.device) if a.is_cuda else _no_guard():
+        for b0 in range(0, nb, MAX_GRID_Z):  # the grid's z extent is limited to 65535
+            nz = min(MAX_GRID_Z, nb - b0)
+            _bmm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), nz)](
+                a[b0:], b[b0:], out[b0:], bias2, m, n, k, *a.stride(), *b.stride(), *out.stride(), *bias2.stride()[-2:],
+                float(alpha), float(beta), HAS_BIAS=bias is not None, SCALED=scaled, IEEE=a.dtype == torch.float32,
+                UPCAST=_interpret(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3,
+                enable_fp_fusion=False)
     return out.to(a.dtype) if out.dtype != a.dtype else out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C"])  # C == 1 would become a constexpr int (and `C.to` fail)
 def _row_mean_kernel(x_ptr, out_ptr, C, s_r, BLOCK: tl.constexpr):
     """out[r] = (sum of row r) / C: FP32 partial sums per lane over BLOCK-wide chunks in order, one tree sum."""
     r = tl.program_id(0).to(tl.int64)
@@ -131,8 +144,11 @@ def row_mean(x2: torch.Tensor) -> torch.Tensor:
     out = torch.empty((r,), dtype=torch.float32, device=x2.device)
     if r == 0:
         return out
-    block = min(1024, triton.next_power_of_2(max(c, 1)))
-    _row_mean_kernel[(r,)](x2, out, c, x2.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    if c == 0:
+        return out.fill_(float("nan"))  # torch's mean of nothing
+    block = min(1024, triton.next_power_of_2(c))
+    with torch.cuda.device(x2.device) if x2.is_cuda else _no_guard():
+        _row_mean_kernel[(r,)](x2, out, c, x2.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return out
 
 
@@ -144,13 +160,22 @@ def mean(x: torch.Tensor, dims, keepdim: bool = False, dtype: torch.dtype | None
     if x.dtype not in FLOATS:
         raise ValueError(f"invariant mean: dtype {x.dtype}; need one of {FLOATS}")
     nd = x.dim()
-    dims = sorted({d % nd for d in (dims if dims else range(nd))}) if nd else []
+    given = list(dims) if dims else list(range(nd))
+    for d in given:
+        if not -max(nd, 1) <= d < max(nd, 1):
+            raise IndexError(f"mean: dim {d} out of range for a {nd}-D tensor")
+    dims = sorted({d % nd for d in given}) if nd else []
+    if len(dims) != len(given) and nd:
+        raise RuntimeError(f"mean: dim {list(given)} names a dimension twice")
     keep = [d for d in range(nd) if d not in dims]
     moved = x.permute(*keep, *dims) if nd else x.reshape(1)
     c = 1
     for d in dims:
         c *= x.shape[d]
-    flat = moved.reshape(-1, c)
+    rows = 1
+    for d in keep:
+        rows *= x.shape[d]
+    flat = moved.reshape(rows, c)
     if flat.stride(1) != 1:
         flat = flat.contiguous()
     out = row_mean(flat).to(x.dtype).reshape([x.shape[d] for d in keep])

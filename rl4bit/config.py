@@ -504,6 +504,11 @@ def validate(cfg: JobConfig) -> None:
         )
     if cfg.rl.samples_per_prompt == 1:
         raise ConfigError("rl.samples_per_prompt: 1 gives every GRPO group zero reward spread (no learning signal); use >= 2")
+    if cfg.model.invariant_kernels and cfg.sampler.backend != "embedded":
+        raise ConfigError(
+            f"model.invariant_kernels: needs sampler.backend: embedded (the {cfg.sampler.backend} backend keeps its own "
+            "kernels, so trainer and sampler could not agree bitwise); set it to false or use the embedded sampler"
+        )
     if cfg.model.num_experts % cfg.trainer.expert_parallel:
         raise ConfigError(
             f"trainer.expert_parallel: {cfg.trainer.expert_parallel} does not divide model.num_experts={cfg.model.num_experts}"

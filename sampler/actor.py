@@ -76,8 +76,8 @@ class Sampler:
             model = model_builder_or_model()
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        if torch.device(device).type == "cuda" and config.backend == "embedded":  # vLLM keeps its own kernels
-            invariant.set_mode(invariant_kernels)
+        if invariant_kernels and torch.device(device).type == "cuda" and config.backend == "embedded":
+            invariant.set_mode(True)  # as the trainer does; the driver turns it off when the job ends
         self.config = config
         if config.backend == "vllm":
             self.engine = _vllm_engine(model, tokenizer, config, max_seq_len, workdir)

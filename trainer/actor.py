@@ -237,8 +237,8 @@ class Trainer:
             torch.set_num_threads(cfg.run.cpu_threads)
         self.cfg = cfg
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.trainer.device == "auto" else cfg.trainer.device)
-        if self.device.type == "cuda":  # the samplers set the same mode from the same field (sampler/actor.py)
-            invariant.set_mode(cfg.model.invariant_kernels)
+        if self.device.type == "cuda" and cfg.model.invariant_kernels:  # the samplers too (sampler/actor.py);
+            invariant.set_mode(True)  # the driver turns it off when the job ends
         self.tokenizer = build_tokenizer()
         torch.manual_seed(cfg.run.seed)
         self.model = build_model(cfg.model, len(self.tokenizer), cfg.run.seed).to(self.device)

@@ -61,6 +61,7 @@ def test_derived_batch_sizes():
         ("data:\n  task: file\n", ["data.train_file", "required"]),
         ("run:\n  tensorboard: 1\n", ["run.tensorboard", "true or false"]),
         ("sampler:\n  max_new_tokens: 300\n", ["sampler.max_new_tokens", "max_seq_len"]),
+        ("model:\n  invariant_kernels: true\nsampler:\n  backend: vllm\n", ["model.invariant_kernels", "embedded"]),
         ("- a\n- b\n", ["top level must be a mapping"]),
         ("trainer: [1, 2]\n", ["trainer", "expected a mapping"]),
         ("trainer:\n  lr: [1\n", ["not valid YAML"]),

@@ -63,11 +63,28 @@ def test_a_rows_bits_do_not_depend_on_the_row_count(dtype):
 def test_mean_matches_torch_and_rows_are_independent():
     x = _rand(50, 2100, seed=6)  # longer than one 1024-wide chunk, with a partial one
     torch.testing.assert_close(mean(x, [-1]), x.double().mean(-1).float(), rtol=1e-6, atol=1e-7)
-    assert_bitwise_equal(mean(x[7:9], [-1]), mean(x, [-1])[7:9], "rows 7:9 alone")
+    full = mean(x, [-1])
+    for lo, hi in ((0, 1), (7, 9), (3, 20), (0, 50)):
+        assert_bitwise_equal(mean(x[lo:hi], [-1]), full[lo:hi], f"rows {lo}:{hi} alone")
     y = _rand(4, 6, 5, seed=7).to(torch.bfloat16)
     got = mean(y, [0, 2], keepdim=True, dtype=torch.float32)
     assert got.shape == (1, 6, 1) and got.dtype == torch.float32
     torch.testing.assert_close(got, y.double().mean((0, 2), keepdim=True).float(), rtol=1e-6, atol=1e-7)
+
+
+def test_edge_cases_keep_atens_contract():
+    a, b = _rand(1, 5, 0, seed=17), _rand(1, 0, 3, seed=18)
+    assert torch.equal(bmm(a, b), torch.zeros(1, 5, 3, device=DEVICE))  # K = 0: the empty sum
+    nan_bias = torch.full((3,), float("nan"), device=DEVICE)
+    x, w = _rand(1, 4, 32, seed=19), _rand(1, 32, 3, seed=20)
+    assert torch.equal(bmm(x, w, bias=nan_bias, beta=0.0), bmm(x, w))  # beta = 0 ignores the input, NaN too
+    assert torch.isnan(mean(_rand(3, 0, seed=21), [-1])).all()  # mean of nothing
+    y = _rand(4, 1, 6, seed=22)
+    torch.testing.assert_close(mean(y, [1]), y[:, 0])  # a reduced extent of 1
+    with pytest.raises(IndexError, match="out of range"):
+        mean(y, [3])
+    with pytest.raises(RuntimeError, match="twice"):
+        mean(y, [1, -2])
 
 
 def test_bad_operands_are_named():
@@ -89,6 +106,10 @@ def test_mode_routes_torch_calls_and_restores_them():
         assert_bitwise_equal(torch.matmul(q, k), bmm(q.reshape(6, 5, 32), k.reshape(6, 32, 48)).reshape(2, 3, 5, 48),
                              "matmul -> bmm")
         assert_bitwise_equal(x.pow(2).mean(-1, keepdim=True), mean(x.pow(2), [-1], keepdim=True), "mean.dim")
+        out = torch.empty(0, device=DEVICE)
+        assert_bitwise_equal(torch.mm(x, w.t(), out=out), bmm(x[None], w.t()[None])[0], "mm.out")
+        with pytest.raises(RuntimeError, match="one dtype"):
+            torch.mm(x, w.t().to(torch.bfloat16))
         invariant.set_mode(True, KEY)  # idempotent
     finally:
         invariant.set_mode(False)
