@@ -27,6 +27,7 @@ any attempt to be fast at tiny K (one tile config per (K, N, dtype)).
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -37,10 +38,9 @@ FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 MAX_GRID_Z = 65535
 
 
-def _no_guard():
-    import contextlib
-
-    return contextlib.nullcontext()
+def _on_device(t: torch.Tensor):
+    """Launch on t's device: Triton launches on the current one, and torch.library impls get no device guard."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _interpret() -> bool:
@@ -99,7 +99,6 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, alph
 
     With `bias` (broadcastable to [M, N], the batch dimension absent): alpha * (a @ b) + beta * bias,
     in FP32 before the one rounding (`addmm`'s contract; beta = 0 ignores the bias, NaN included).
-    Launches on the operands' device (torch.library impls get no device guard).
     """
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"invariant bmm: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not multiply")
@@ -115,7 +114,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, alph
         bias = None
     bias2 = bias.expand(m, n) if bias is not None else out
     scaled = alpha != 1.0 or (bias is not None and beta != 1.0)
-    with torch.cuda.device(a.device) if a.is_cuda else _no_guard():
+    with _on_device(a):
         for b0 in range(0, nb, MAX_GRID_Z):  # the grid's z extent is limited to 65535
             nz = min(MAX_GRID_Z, nb - b0)
             _bmm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), nz)](
@@ -147,7 +146,7 @@ def row_mean(x2: torch.Tensor) -> torch.Tensor:
     if c == 0:
         return out.fill_(float("nan"))  # torch's mean of nothing
     block = min(1024, triton.next_power_of_2(c))
-    with torch.cuda.device(x2.device) if x2.is_cuda else _no_guard():
+    with _on_device(x2):
         _row_mean_kernel[(r,)](x2, out, c, x2.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return out
 

@@ -15,9 +15,9 @@ rollout tokens/s and peak GPU memory; the ratio column is bf16 / nvfp4 (> 1:
 nvfp4 faster or smaller). Targets from issue 11: step >= 1.3x faster, peak
 memory <= 0.6x.
 
-`--memory-sites N` records every CUDA allocation's Python stack (slower: its timings are not comparable) and
-prints, after the first step, the N call sites in rl4bit's code that hold the most live memory: what the
-step-start figure is made of.
+`--memory-sites N` records the Python stack of every live CUDA block until the first step ends (slower: its
+timings are not comparable) and prints the N call sites in rl4bit's code that hold the most memory then:
+what the step-start figure is made of. `-o KEY=VALUE` overrides a config value in both jobs.
 
 Leaves out: Ray actors (the device image has no Ray), several samplers, and the
 warm start (its cost is the same under both recipes).
@@ -59,7 +59,7 @@ OWN_CODE = ("rl4bit", "/kernels/", "/trainer/", "/sampler/")
 
 
 def memory_sites(snapshot: dict, top: int) -> list[tuple[str, float]]:
-    """(site, GiB) of the live blocks in a `torch.cuda.memory._snapshot()` taken with history recording on,
+    """(site, GiB) of the live blocks in a `torch.cuda.memory._snapshot()` taken with stack recording on,
     grouped by the innermost frame in rl4bit's code (else the innermost frame), largest first; blocks in a
     private pool (CUDA graphs) are marked as such."""
     sizes: dict[str, int] = {}
@@ -171,8 +171,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                    help="a config override for both jobs, e.g. -o model.invariant_kernels=true (repeatable)")
     p.add_argument("--memory-sites", type=int, default=0,
-                   help="print the N allocation sites holding the most memory after the first step (records every "
-                        "allocation's stack: slower)")
+                   help="print the N allocation sites holding the most memory after the first step (records live "
+                        "blocks' stacks until then: slower)")
     a = p.parse_args(argv)
     run(a.device, a.quick, a.out, a.config, a.steps, a.new_tokens, a.memory_sites, a.override)
 

@@ -76,7 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, help="samples a prompt: shared prefill vs one per sample (rollout)")
     p.add_argument("--sections", help="comma-separated sections of `all` (default: all of them)")
     p.add_argument("--memory-sites", type=int, help="N: the allocation sites holding the most memory after the "
-                                                    "first step (step; records every allocation's stack: slower)")
+                                                    "first step (step; records live blocks' stacks: slower)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
     p.add_argument("--quick", action="store_true", help="small shapes, for smoke runs on a CPU")
     p.add_argument("--out", help="directory for plots and JSON results")
