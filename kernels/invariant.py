@@ -23,8 +23,10 @@ block per row whose shape is the row length); other products and reductions
 that no trainer or sampler forward path calls (`baddbmm`, `addbmm`, `addmm_`,
 `mv`, `dot`, `mean.out`, `sum`, `var`, `norm`, SDPA: they stay on ATen, so new
 model code must not bring them in); `torch._grouped_mm` (the `bf16`
-recipe's experts: not covered; the `nvfp4` and `mxfp8` recipes' grouped
-products are rl4bit's own fixed-order kernels), convolutions, and CPU (whose
+recipe's expert forward checks `enabled()` and takes `invariant_triton.grouped_mm`
+instead; its backward keeps `_grouped_mm`, no logprob depends on it; the `nvfp4`
+and `mxfp8` recipes' grouped products are rl4bit's own fixed-order kernels
+anyway), convolutions, and CPU (whose
 GEMM rows are already independent of the row count above MIN_ROWS; see
 `rl4bit.sampler.kv_cache`). The `device_type` argument exists so the CPU tests
 can drive the same registration through the Triton interpreter.

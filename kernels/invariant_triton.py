@@ -182,3 +182,66 @@ def mean(x: torch.Tensor, dims, keepdim: bool = False, dtype: torch.dtype | None
         for d in dims:
             out = out.unsqueeze(d)
     return out
+
+
+@triton.jit(do_not_specialize=["n_tiles"])  # follows the row count
+def _grouped_kernel(x_ptr, w_ptr, y_ptr, map_ptr, n_tiles, N, K, s_xm, s_we, s_wn, s_ym,
+                    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[rows of e] = x[rows of e] @ w[e]ᵀ: the tile map (qgemm_triton.tile_map) gives each row tile its expert and
+    row range; each output is one FP32 accumulation over K from 0, as in _bmm_kernel."""
+    pid_t = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(map_ptr + pid_t)
+    if e >= 0:
+        row0 = tl.load(map_ptr + n_tiles + pid_t)
+        row1 = tl.load(map_ptr + 2 * n_tiles + pid_t)
+        rm = row0 + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        x_base = x_ptr + rm.to(tl.int64)[:, None] * s_xm
+        w_base = w_ptr + e.to(tl.int64) * s_we + rn.to(tl.int64)[None, :] * s_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + rk
+            a = tl.load(x_base + kk[None, :], mask=(rm < row1)[:, None] & (kk < K)[None, :], other=0.0)
+            b = tl.load(w_base + kk[:, None], mask=(kk < K)[:, None] & (rn < N)[None, :], other=0.0)
+            if UPCAST:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            if IEEE:
+                acc = tl.dot(a, b, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, b, acc)
+        y = y_ptr + rm.to(tl.int64)[:, None] * s_ym + rn.to(tl.int64)[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rm < row1)[:, None] & (rn < N)[None, :])
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts) -> torch.Tensor:
+    """x [R, K] (rows grouped by expert, counts[e] each) @ w[e]ᵀ for w [E, N, K] -> [R, N] in x's dtype.
+
+    The `bf16` recipe's grouped product in the invariant mode (`trainer.qgemm.bf16_grouped`): counts a list or a
+    device int tensor (then nothing reads the host: CUDA-graph capturable). A row's bits are those of `bmm` on
+    its expert's rows alone (same tiles, each expert's first row at a tile's first row), whatever the counts.
+    """
+    from rl4bit.kernels.qgemm_triton import as_counts, tile_map
+
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"invariant grouped_mm: x {tuple(x.shape)} and w {tuple(w.shape)}: need [R, K] and [E, N, K]")
+    if x.dtype != w.dtype or x.dtype not in FLOATS:
+        raise ValueError(f"invariant grouped_mm: dtypes {x.dtype} and {w.dtype}; need one of {FLOATS} on both")
+    rows, k = x.shape
+    groups, n, _ = w.shape
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(2) == 1 else w.contiguous()
+    bm, bn, bk = tiles(k, n, x.dtype)
+    cmap = tile_map(as_counts(counts, groups, x.device), rows, bm, x.device)
+    n_tiles = cmap.shape[1]
+    y = torch.empty((rows, n), dtype=torch.float32 if _interpret() else x.dtype, device=x.device)
+    if rows and n:
+        with _on_device(x):
+            _grouped_kernel[(n_tiles, triton.cdiv(n, bn))](
+                x, w, y, cmap, n_tiles, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0),
+                IEEE=x.dtype == torch.float32, UPCAST=_interpret(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                num_warps=4, num_stages=3, enable_fp_fusion=False)
+    return y.to(x.dtype) if y.dtype != x.dtype else y

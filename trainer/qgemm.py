@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl4bit.kernels import QTensor, dequantize, quantize, requantize
+from rl4bit.kernels import QTensor, dequantize, invariant, quantize, requantize
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.trainer.transfer import to_device
 
@@ -335,8 +335,13 @@ def bf16_grouped(x: torch.Tensor, wc: torch.Tensor, counts) -> torch.Tensor:
     `_grouped_mm` may pick its kernel from the rows per expert, so a training
     micro-batch and a decode step can run different kernels; row results were
     checked to be independent of the row counts only at small sizes
-    (tests/trainer/test_bf16_grouped.py). counts: a list of ints or an int tensor [E].
+    (tests/trainer/test_bf16_grouped.py); in the invariant mode (`model.invariant_kernels`) they are by
+    construction (`invariant_triton.grouped_mm`). counts: a list of ints or an int tensor [E].
     """
+    if x.is_cuda and invariant.enabled():  # fixed-order grouped kernel: rows independent of the counts
+        from rl4bit.kernels.invariant_triton import grouped_mm
+
+        return grouped_mm(x, wc, counts)
     if not (x.is_cuda and x.dtype == wc.dtype == torch.bfloat16 and _aligned(x, wc)):
         counts = counts.tolist() if isinstance(counts, torch.Tensor) else counts
         y = x.new_empty(x.shape[0], wc.shape[1])

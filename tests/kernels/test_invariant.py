@@ -176,3 +176,25 @@ def test_cuda_rows_do_not_depend_on_the_row_count_in_the_mode(dtype):
             assert_bitwise_equal(x[:m].float().pow(2).mean(-1, keepdim=True), norm[:m], f"{dtype} mean M={m}")
     finally:
         invariant.set_mode(False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_grouped_rows_equal_each_experts_own_product(dtype):
+    """The bf16 recipe's grouped product in the mode: every expert's rows equal `bmm` on those rows alone,
+    bitwise, whatever the other experts' counts (list or device counts, an empty expert, partial tiles)."""
+    from rl4bit.kernels.invariant_triton import grouped_mm
+
+    w = _rand(4, 40, 80, dtype=dtype, seed=23)  # [E, N, K]
+    for counts in ([5, 0, 70, 3], [1, 1, 1, 1], [0, 0, 0, 9]):
+        x = _rand(sum(counts), 80, dtype=dtype, seed=24 + sum(counts))
+        y = grouped_mm(x, w, counts)
+        assert_bitwise_equal(grouped_mm(x, w, torch.tensor(counts, device=DEVICE)), y, f"{counts} device counts")
+        start = 0
+        for e, m in enumerate(counts):
+            if m:
+                alone = bmm(x[None, start:start + m], w[e].t()[None])[0]
+                assert_bitwise_equal(y[start:start + m], alone, f"{dtype} counts {counts} expert {e}")
+            start += m
+        torch.testing.assert_close(y.float(), torch.cat([x[s:s + m].double() @ w[e].double().t() for e, (s, m) in
+                                                          enumerate(zip([0, *torch.tensor(counts).cumsum(0).tolist()[:-1]],
+                                                                        counts))]).float(), **_tol(dtype))
