@@ -56,6 +56,10 @@ def _kernels():
                                         "s_bias_m", "s_bias_n")}, alpha="fp32", beta="fp32")
     yield ("invariant bmm bf16", inv._bmm_kernel, mm_sig, dict(HAS_BIAS=True, SCALED=False, IEEE=False, UPCAST=False,
                                                                BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), 4)
+    grouped_sig = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", map_ptr="*i32", n_tiles="i32", N="i32", K="i32",
+                       s_xm="i32", s_we="i32", s_wn="i32", s_ym="i32")
+    yield ("invariant grouped bf16", inv._grouped_kernel, grouped_sig,
+           dict(IEEE=False, UPCAST=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), 4)
     yield ("invariant row mean", inv._row_mean_kernel, dict(x_ptr="*fp32", out_ptr="*fp32", C="i32", s_r="i32"),
            dict(BLOCK=1024), 4)
     dec_sig = dict(data_ptr="*i8", scale_ptr="*u8", out_ptr="*fp32", R="i32", K="i32", **seeds)
