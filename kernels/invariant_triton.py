@@ -47,6 +47,28 @@ def _interpret() -> bool:
     return os.environ.get("TRITON_INTERPRET", "") == "1"
 
 
+@triton.jit
+def _k_sum(a_base, s_ak, b_base, s_bk, m_ok, n_ok, K, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The one reduction order of this file: FP32 [BLOCK_M, BLOCK_N] = sum over K in BLOCK_K steps from 0 of
+    a[:, k-tile] @ b[k-tile, :] (`tl.dot` into the accumulator). a_base [BLOCK_M, 1] and b_base [1, BLOCK_N]
+    point at k = 0; m_ok / n_ok mask rows and columns; masked K reads 0 (an exact zero product)."""
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(a_base + kk[None, :].to(tl.int64) * s_ak, mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
+        b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk, mask=(kk < K)[:, None] & n_ok[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M", "s_ab", "s_cb"])  # they follow the row count: no recompile per step
 def _bmm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                 s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_bias_m, s_bias_n, alpha, beta,
@@ -58,21 +80,9 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     pid_b = tl.program_id(2).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
     a_base = a_ptr + pid_b * s_ab + rm.to(tl.int64)[:, None] * s_am
     b_base = b_ptr + pid_b * s_bb + rn.to(tl.int64)[None, :] * s_bn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        a = tl.load(a_base + kk[None, :].to(tl.int64) * s_ak, mask=(rm < M)[:, None] & (kk < K)[None, :], other=0.0)
-        b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk, mask=(kk < K)[:, None] & (rn < N)[None, :], other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
-            acc = tl.dot(a, b, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, b, acc)
+    acc = _k_sum(a_base, s_ak, b_base, s_bk, rm < M, rn < N, K, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
     if SCALED:
         acc = acc * alpha
     if HAS_BIAS:
@@ -198,21 +208,9 @@ def _grouped_kernel(x_ptr, w_ptr, y_ptr, map_ptr, n_tiles, N, K, s_xm, s_we, s_w
         row1 = tl.load(map_ptr + 2 * n_tiles + pid_t)
         rm = row0 + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K)
         x_base = x_ptr + rm.to(tl.int64)[:, None] * s_xm
         w_base = w_ptr + e.to(tl.int64) * s_we + rn.to(tl.int64)[None, :] * s_wn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            a = tl.load(x_base + kk[None, :], mask=(rm < row1)[:, None] & (kk < K)[None, :], other=0.0)
-            b = tl.load(w_base + kk[:, None], mask=(kk < K)[:, None] & (rn < N)[None, :], other=0.0)
-            if UPCAST:
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE:
-                acc = tl.dot(a, b, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, b, acc)
+        acc = _k_sum(x_base, 1, w_base, 1, rm < row1, rn < N, K, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
         y = y_ptr + rm.to(tl.int64)[:, None] * s_ym + rn.to(tl.int64)[None, :]
         tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(rm < row1)[:, None] & (rn < N)[None, :])
 
