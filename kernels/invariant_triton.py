@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rl4bit.kernels.qgemm_triton import as_counts, map_entry, tile_map
+
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 MAX_GRID_Z = 65535
 
@@ -202,10 +204,8 @@ def _grouped_kernel(x_ptr, w_ptr, y_ptr, map_ptr, n_tiles, N, K, s_xm, s_we, s_w
     row range; each output is one FP32 accumulation over K from 0, as in _bmm_kernel."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(map_ptr + pid_t)
+    e, row0, row1 = map_entry(map_ptr, n_tiles, pid_t)
     if e >= 0:
-        row0 = tl.load(map_ptr + n_tiles + pid_t)
-        row1 = tl.load(map_ptr + 2 * n_tiles + pid_t)
         rm = row0 + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         x_base = x_ptr + rm.to(tl.int64)[:, None] * s_xm
@@ -222,8 +222,6 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts) -> torch.Tensor:
     device int tensor (then nothing reads the host: CUDA-graph capturable). A row's bits are those of `bmm` on
     its expert's rows alone (same tiles, each expert's first row at a tile's first row), whatever the counts.
     """
-    from rl4bit.kernels.qgemm_triton import as_counts, tile_map
-
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
         raise ValueError(f"invariant grouped_mm: x {tuple(x.shape)} and w {tuple(w.shape)}: need [R, K] and [E, N, K]")
     if x.dtype != w.dtype or x.dtype not in FLOATS:

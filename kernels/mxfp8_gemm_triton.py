@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from rl4bit.kernels.formats_triton import pow2
-from rl4bit.kernels.qgemm_triton import Config, alloc_out, as_counts, grouped_shapes, interpret, tile_map
+from rl4bit.kernels.qgemm_triton import Config, alloc_out, as_counts, grouped_shapes, interpret, map_entry, tile_map
 
 FP8_CORES = False
 """Default path: False = BF16 dequantize (exact products, FP32 sums); True = FP8 tensor cores. Pick by bench_gemm."""
@@ -100,10 +100,8 @@ def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC,
     EVEN_N / EVEN_K: NC, KR are multiples of the tile (no column / K masks; same bits)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(map_ptr + pid_t)
+    e, row0, row1 = map_entry(map_ptr, n_tiles, pid_t)
     if e >= 0:
-        row0 = tl.load(map_ptr + n_tiles + pid_t)
-        row1 = tl.load(map_ptr + 2 * n_tiles + pid_t)
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row1
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

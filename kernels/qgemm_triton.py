@@ -150,6 +150,13 @@ def as_counts(counts, groups: int, device):
     return c
 
 
+@triton.jit
+def map_entry(map_ptr, n_tiles, t):
+    """(expert or -1, first row, end row) of row tile t in a `tile_map` [3, n_tiles]: what each grouped kernel
+    (this file's, mxfp8_gemm_triton's, invariant_triton's) reads first; an expert of -1 is a tile to skip."""
+    return tl.load(map_ptr + t), tl.load(map_ptr + n_tiles + t), tl.load(map_ptr + 2 * n_tiles + t)
+
+
 @triton.jit(do_not_specialize=['T'])  # see formats_triton.NO_SPECIALIZE
 def _tile_map_kernel(counts_ptr, map_ptr, E, T, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, T_BLOCK: tl.constexpr):
     """map[:, t] = (expert, first row, end row) of row tile t, or (-1, 0, 0) past the last tile."""
@@ -289,10 +296,8 @@ def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr
                           DECODE: tl.constexpr, X_F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
-    e = tl.load(map_ptr + pid_t)
+    e, row0, row1 = map_entry(map_ptr, n_tiles, pid_t)
     if e >= 0:
-        row0 = tl.load(map_ptr + n_tiles + pid_t)
-        row1 = tl.load(map_ptr + 2 * n_tiles + pid_t)
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = rows < row1
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
