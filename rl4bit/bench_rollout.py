@@ -22,10 +22,14 @@ the same engine; its column is the ratio to the BF16-weights engine.
 `--samples N`: also N samples a prompt (temperature 1), the engine sharing
 each prompt's prefill among its samples beside one prefill per sample.
 
-The engine runs its defaults: decode steps as CUDA graphs on CUDA. Leaves out:
-the vLLM backend.
+The engine runs its defaults: decode steps as CUDA graphs on CUDA, RMSNorms
+fused (`rl4bit.kernels.rmsnorm`, as the trainer's converted models run them);
+HF `generate` runs HF's own norms. `--compare-norms`: also the NVFP4 engine
+with HF's norms, the fused kernel's gain side by side. Leaves out: the vLLM
+backend.
 
     python -m rl4bit.bench_rollout --quick
+    python -m rl4bit.bench_rollout --device cuda --batches 1,64 --compare-norms
     rl4bit bench rollout --quick --out /tmp/rollout
 """
 
@@ -169,12 +173,26 @@ def nvfp4_model(model):
     return q
 
 
+def bench_hf_norms(fn, *args, **kwargs) -> dict:
+    """`fn(*args, **kwargs)` with every fused RMSNorm running HF's own forward (the stock model)."""
+    from rl4bit.kernels import rmsnorm
+
+    rmsnorm.set_enabled(False)
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        rmsnorm.set_enabled(True)
+
+
 def run(device: str = "cpu", quick: bool = False, out: str | None = None, batches: list[int] | None = None,
-        new_tokens: int | None = None, samples: int = 1) -> dict:
+        new_tokens: int | None = None, samples: int = 1, compare_norms: bool = False) -> dict:
     """Benchmark, print the table, write results.json under `out`; returns the results.
 
     new_tokens: generated tokens a sequence (default: 512 on CUDA as issue 6 states, 128 on CPU, 32 quick).
-    samples > 1: also n samples a prompt, shared prefill beside one prefill per sample (BF16 weights)."""
+    samples > 1: also n samples a prompt, shared prefill beside one prefill per sample (BF16 weights).
+    compare_norms: also the NVFP4-weights engine with HF's unfused RMSNorms."""
+    from rl4bit.kernels.rmsnorm import fuse_norms
+
     cuda = torch.device(device).type == "cuda"
     if cuda and not quick:
         name, p, new, batches = "1b", 128, 512, batches or [1, 16, 64, 256]
@@ -184,6 +202,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     new = new_tokens or new
     dtype = torch.bfloat16
     model = build_model(name, p + new + 1, dtype, device)
+    fuse_norms(model)  # as convert_model does for the trainer's and the samplers' models (nvfp4_model's copy too)
     n_params = sum(t.numel() for t in model.parameters())
     gen = torch.Generator().manual_seed(0)
     qmodel = nvfp4_model(model)
@@ -191,11 +210,15 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     for b in batches:
         prompts = torch.randint(1, MODELS[name]["vocab_size"], (b, p), generator=gen)
         e = _figures(bench_engine(model, prompts, new, device), b, p)
-        h = _figures(bench_hf(model, prompts, new, device), b, p)
+        h = _figures(bench_hf_norms(bench_hf, model, prompts, new, device), b, p)
         q = _figures(bench_engine(qmodel, prompts, new, device), b, p) if qmodel is not None else None
         rows.append(dict(batch=b, engine=e, hf=h, engine_nvfp4=q))
+        if compare_norms and qmodel is not None:
+            rows[-1]["engine_nvfp4_hf_norms"] = _figures(bench_hf_norms(bench_engine, qmodel, prompts, new, device), b, p)
         print(f"batch {b}: engine {e['gen_tok_s']:.0f} tok/s, HF generate {h['gen_tok_s']:.0f} tok/s"
-              + (f", engine NVFP4 weights {q['gen_tok_s']:.0f} tok/s" if q else ""), flush=True)
+              + (f", engine NVFP4 weights {q['gen_tok_s']:.0f} tok/s" if q else "")
+              + (f", NVFP4 with HF norms {u['gen_tok_s']:.0f} tok/s" if (u := rows[-1].get("engine_nvfp4_hf_norms"))
+                 else ""), flush=True)
         if samples > 1:
             sp = rows[-1]["shared_prefix"] = bench_shared_prefix(model, prompts, new, device, samples)
             print(f"batch {b} x {samples} samples: prefill {sp['shared']['prefill_s']:.3f} s shared / "
@@ -221,8 +244,10 @@ def _print_table(res: dict) -> None:
     t = Table(title=f"rollout: {res['model']} Qwen3-MoE ({res['params'] / 1e6:.1f}M params, {res['dtype']}), "
                     f"{res['prompt_len']} prompt + {res['new_tokens']} new tokens, {res['device']}, "
                     f"{res['threads']} threads; engine / HF generate (x = engine over HF)")
+    unfused = any("engine_nvfp4_hf_norms" in r for r in res["rows"])
     for col in ("batch", "prompt tok/s", "generated tok/s", "ms / decode step", "prefill s", "decode s",
-                "NVFP4 weights: gen tok/s, ms/step (x vs BF16 engine)"):
+                "NVFP4 weights: gen tok/s, ms/step (x vs BF16 engine)") + (
+                ("NVFP4, HF norms: ms/step (fused x)",) if unfused else ()):
         t.add_column(col, justify="right")
 
     def pair(e, h, fmt, higher_better=True):
@@ -236,7 +261,9 @@ def _print_table(res: dict) -> None:
                   pair(e["ms_per_step"], h["ms_per_step"], "{:.2f}", higher_better=False),
                   f"{e['prefill_s']:.3f} / {h['prefill_s']:.3f}", f"{e['decode_s']:.3f} / {h['decode_s']:.3f}",
                   (f"{q['gen_tok_s']:.0f}, {q['ms_per_step']:.2f} ({q['gen_tok_s'] / e['gen_tok_s']:.2f}x)"
-                   if (q := r["engine_nvfp4"]) else "missing"))
+                   if (q := r["engine_nvfp4"]) else "missing"),
+                  *((f"{u['ms_per_step']:.2f} ({u['ms_per_step'] / q['ms_per_step']:.2f}x)"
+                     if (u := r.get("engine_nvfp4_hf_norms")) and q else "-",) if unfused else ()))
     Console(width=max(Console().width, 150)).print(t)
     print(f"NVFP4 weights in the engine: {res['nvfp4_weights']}")
 
@@ -249,10 +276,11 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--batches", help="comma-separated batch sizes")
     a.add_argument("--new-tokens", type=int, help="generated tokens a sequence")
     a.add_argument("--samples", type=int, default=1, help="> 1: also n samples a prompt, shared prefill vs not")
+    a.add_argument("--compare-norms", action="store_true", help="also the NVFP4 engine with HF's unfused RMSNorms")
     args = a.parse_args(argv)
     run(device=args.device, quick=args.quick, out=args.out,
         batches=[int(x) for x in args.batches.split(",")] if args.batches else None, new_tokens=args.new_tokens,
-        samples=args.samples)
+        samples=args.samples, compare_norms=args.compare_norms)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ quantization scope):
 - parameters are made FP32 (master weights; AdamW state follows them). Run
   the forward under `torch.autocast(device, torch.bfloat16)`: BF16 compute,
   FP32 master weights. Everything else (attention math, norms, embeddings,
-  lm_head) is left to transformers.
+  lm_head) is left to transformers, except that
+- HF RMSNorms run one fused kernel on CUDA (`rl4bit.kernels.rmsnorm`; trainer and samplers alike, since both
+  convert their model here).
 Parameter names do not change, so `model.state_dict()` loads into a plain
 transformers model of the same config.
 
@@ -28,6 +30,7 @@ import functools
 import torch
 from torch import nn
 
+from rl4bit.kernels.rmsnorm import fuse_norms
 from rl4bit.trainer.modules import QuantExperts, QuantLinear
 from rl4bit.trainer.plan import _is_router, expert_weight_shapes, quant_plan
 from rl4bit.trainer.qgemm import GemmSpec
@@ -76,6 +79,7 @@ def convert_model(model: nn.Module, recipe: RecipeConfig, *, master_dtype=torch.
             continue
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
+    fuse_norms(model)
     return plan
 
 

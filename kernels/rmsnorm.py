@@ -1,0 +1,129 @@
+"""Fused RMSNorm for trainer and embedded samplers: HF's formula, one kernel on CUDA, HF's own ops elsewhere.
+
+    fuse_norm(module)          # by `trainer.surgery.convert_model`, for every HF RMSNorm it reproduces
+    y = module(x)              # CUDA: rmsnorm_triton (autograd: HF's eager backward); CPU: HF's forward
+
+Why: a decoder layer runs four RMSNorms (input, post-attention, q and k), each
+six to eight small kernels in HF's eager form (casts, pow, mean, add, rsqrt,
+two products): ~30 of the ~95 kernels of a batch-1 decode step's layer, which
+is bound by its kernel count, not by reading weights. One kernel each instead.
+
+Numerics: `rmsnorm_triton` documents the order (HF's elementwise roundings; the
+invariant mode's mean order). Every process of a job converts its model with
+the same `convert_model`, so trainer and samplers run the same kernel on the
+same rows: their norms agree bitwise. `reference` is HF's formula as torch ops,
+which `fuse_norm` checks bitwise against the module's own forward on a probe
+before replacing anything: a norm with another formula (Gemma's `1 + weight`,
+an FP32 output cast, no weight) keeps its forward.
+
+The backward recomputes `reference` under autograd from the saved input (HF's
+own gradient up to the rounding of the recomputed rstd): correct, not fused.
+
+`set_enabled(False)` (process-global) sends every fused norm back to HF's
+forward, for A/B benchmarks; `set_enabled(True, "cpu")` runs the kernel on CPU
+tensors too (the Triton interpreter, tests only).
+
+Leaves out: LayerNorm, norms fused with the residual add (HF's decoder layer
+adds outside the norm), vLLM (its own kernels).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+_STATE = {"device_type": "cuda"}
+"""Which tensors' norms run the kernel: "cuda", "cpu" (interpreter tests) or None (HF's forward everywhere)."""
+
+
+def enabled(device_type: str = "cuda") -> bool:
+    return _STATE["device_type"] == device_type
+
+
+def set_enabled(on: bool, device_type: str = "cuda") -> None:
+    """Process-global switch (not thread-safe; call between forwards). Off: every fused norm runs HF's forward."""
+    _STATE["device_type"] = device_type if on else None
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm forward (Qwen3-MoE 5.x), op for op."""
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)
+    h = h * torch.rsqrt(variance + eps)
+    return weight * h.to(x.dtype)
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        from rl4bit.kernels.rmsnorm_triton import rms_norm
+
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        with torch.enable_grad():
+            xd, wd = x.detach().requires_grad_(need_x), weight.detach().requires_grad_(need_w)
+            y = reference(xd, wd, ctx.eps)
+        wanted = [t for t, need in ((xd, need_x), (wd, need_w)) if need]
+        grads = iter(torch.autograd.grad(y, wanted, dy))
+        return (next(grads) if need_x else None), (next(grads) if need_w else None), None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's RMSNorm of `x` (kernel when enabled for x's device, else `reference`)."""
+    if not enabled(x.device.type):
+        return reference(x, weight, eps)
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"fused RMSNorm: input {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
+                         f"{weight.dtype}; need a float input whose last dim is the 1-D weight's length")
+    return _FusedRMSNorm.apply(x, weight, eps)
+
+
+def _fused_forward(module: nn.Module, orig_forward, hidden_states: torch.Tensor) -> torch.Tensor:
+    if not enabled(hidden_states.device.type):
+        return orig_forward(hidden_states)
+    return rms_norm(hidden_states, module.weight, module.variance_epsilon)
+
+
+def reproduces(module: nn.Module) -> bool:
+    """True when `module`'s forward is bitwise `reference` on probes (FP32 and BF16 rows, its own device)."""
+    w = getattr(module, "weight", None)
+    eps = getattr(module, "variance_epsilon", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float) or w.device.type == "meta":
+        return False
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(3, w.shape[0], generator=g) * 3).to(dtype).to(w.device)
+            try:
+                got = module.forward(x)
+            except Exception:  # noqa: BLE001 - a forward that needs more arguments is not HF's plain RMSNorm
+                return False
+            want = reference(x, w, eps)
+            if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or not torch.equal(got, want):
+                return False
+    return True
+
+
+def fuse_norm(module: nn.Module) -> bool:
+    """Route `module`'s forward through `rms_norm` if it reproduces HF's RMSNorm (see `reproduces`); idempotent.
+    Returns whether the module is fused."""
+    if getattr(module, "_rl4bit_fused_norm", False):
+        return True
+    if not type(module).__name__.endswith("RMSNorm") or not reproduces(module):
+        return False
+    module.forward = functools.partial(_fused_forward, module, module.forward)
+    module._rl4bit_fused_norm = True
+    return True
+
+
+def fuse_norms(model: nn.Module) -> list[str]:
+    """`fuse_norm` on every module of `model`; returns the names of the fused ones."""
+    return [name for name, m in model.named_modules() if fuse_norm(m)]

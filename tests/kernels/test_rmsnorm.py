@@ -1,0 +1,148 @@
+"""Fused RMSNorm: the kernel is HF's RMSNorm to rounding and bitwise HF's forward in the invariant mode (same mean
+order), its rows do not depend on the row count, `fuse_norm` fuses HF's norms and only them, and the fused
+forward and backward follow HF's.
+
+CPU: TRITON_INTERPRET=1 (triton_setup), the kernel enabled for CPU tensors; CUDA (marked gpu): the compiled kernel
+on the H200.
+"""
+
+from __future__ import annotations
+
+from triton_setup import DEVICE, HAS_CUDA  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
+
+import pytest
+import torch
+from bitwise import assert_bitwise_equal
+from torch import nn
+
+from rl4bit.kernels import invariant, rmsnorm
+from rl4bit.kernels.rmsnorm_triton import rms_norm
+
+DEV_TYPE = torch.device(DEVICE).type
+KEY = "CUDA" if HAS_CUDA else "CPU"
+# (input dtype, weight dtype): the trainer's FP32 masters under BF16 autocast, BF16 serving copies, an FP32 model
+CASES = [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)]
+
+
+@pytest.fixture
+def fused():
+    rmsnorm.set_enabled(True, DEV_TYPE)
+    yield
+    rmsnorm.set_enabled(True, "cuda")
+
+
+def _rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def _hf_norm(c: int, w: torch.Tensor, eps: float = 1e-6) -> nn.Module:
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    m = Qwen3MoeRMSNorm(c, eps=eps).to(DEVICE)
+    with torch.no_grad():
+        m.weight = nn.Parameter(w.clone())
+    return m
+
+
+@pytest.mark.parametrize("c", [16, 128, 1100])  # one partial chunk, one full chunk, two chunks + a masked tail
+@pytest.mark.parametrize("dtypes", CASES, ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
+def test_kernel_is_hf_rmsnorm_to_rounding(c, dtypes):
+    xd, wd = dtypes
+    x, w = _rand(5, 3, c, dtype=xd, seed=1, scale=4.0), _rand(c, dtype=wd, seed=2)
+    got = rms_norm(x, w, 1e-6)
+    want = rmsnorm.reference(x.double(), w.double(), 1e-6)
+    assert got.dtype == torch.promote_types(wd, xd) and got.shape == x.shape
+    tol = dict(rtol=1e-5, atol=1e-5) if xd == torch.float32 else dict(rtol=8e-3, atol=1e-2)  # two BF16 roundings
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+@pytest.mark.parametrize("dtypes", CASES, ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
+def test_kernel_is_hf_forward_in_invariant_mode_bitwise(dtypes):
+    """HF's own module forward with the invariant mode's mean: the same bits (same mean order, same roundings)."""
+    xd, wd = dtypes
+    x, w = _rand(40, 1100, dtype=xd, seed=3, scale=2.0), _rand(1100, dtype=wd, seed=4)
+    module = _hf_norm(1100, w)
+    invariant.set_mode(True, KEY)
+    try:
+        want = module(x)
+    finally:
+        invariant.set_mode(False)
+    assert_bitwise_equal(rms_norm(x, w, module.variance_epsilon), want, f"{xd} x {wd}")
+
+
+def test_rows_do_not_depend_on_the_row_count():
+    x, w = _rand(300, 256, dtype=torch.bfloat16, seed=5), _rand(256, seed=6)
+    full = rms_norm(x, w, 1e-6)
+    for lo, hi in ((0, 1), (17, 18), (5, 70), (64, 300)):
+        assert_bitwise_equal(rms_norm(x[lo:hi], w, 1e-6), full[lo:hi], f"rows {lo}:{hi}")
+
+
+def test_strided_input_and_empty_rows():
+    x, w = _rand(8, 64, seed=7), _rand(32, seed=8)
+    view = x[:, ::2]  # rows not contiguous: copied first
+    assert_bitwise_equal(rms_norm(view, w, 1e-5), rms_norm(view.contiguous(), w, 1e-5), "strided")
+    assert rms_norm(x[:0, :32], w, 1e-5).shape == (0, 32)
+
+
+class GemmaStyleRMSNorm(nn.Module):
+    """Another RMSNorm formula (scale by 1 + weight): must keep its own forward."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(c))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def test_fuse_norm_takes_hf_norms_and_leaves_other_formulas(fused):
+    hf = _hf_norm(64, _rand(64, seed=9))
+    other = GemmaStyleRMSNorm(64).to(DEVICE)
+    assert rmsnorm.fuse_norm(hf) and rmsnorm.fuse_norm(hf)  # idempotent
+    assert not rmsnorm.fuse_norm(other) and not getattr(other, "_rl4bit_fused_norm", False)
+    x = _rand(4, 64, dtype=torch.bfloat16, seed=10)
+    assert_bitwise_equal(hf(x), rms_norm(x, hf.weight, hf.variance_epsilon), "fused forward runs the kernel")
+    rmsnorm.set_enabled(False)
+    assert_bitwise_equal(hf(x), rmsnorm.reference(x, hf.weight, hf.variance_epsilon), "disabled: HF's forward")
+
+
+def test_convert_model_fuses_every_norm_and_backward_follows_hf(fused):
+    """A converted tiny Qwen3-MoE: every RMSNorm fused; loss and gradients close to the unfused model's."""
+    import copy
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rl4bit.trainer.recipe import RecipeConfig
+    from rl4bit.trainer.surgery import convert_model
+
+    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               num_hidden_layers=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
+                               num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg)
+    convert_model(model, RecipeConfig(name="bf16"))
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert len(norms) == 2 * 4 + 1 and all(getattr(m, "_rl4bit_fused_norm", False) for m in norms)
+    model.to(DEVICE)
+    plain = copy.deepcopy(model)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    losses, grads = [], []
+    for on in (True, False):
+        rmsnorm.set_enabled(on, DEV_TYPE)
+        m = model if on else plain
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad.clone() for n, p in m.named_parameters() if "norm" in n})
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 9
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_bad_input_names_the_problem(fused):
+    with pytest.raises(ValueError, match="last dim"):
+        rmsnorm.rms_norm(_rand(4, 64, seed=11), _rand(32, seed=12), 1e-6)
