@@ -19,9 +19,8 @@ an FP32 output cast, no weight) keeps its forward.
 The backward recomputes `reference` under autograd from the saved input (HF's
 own gradient up to the rounding of the recomputed rstd): correct, not fused.
 
-`set_enabled(False)` (process-global) sends every fused norm back to HF's
-forward, for A/B benchmarks; `set_enabled(True, "cpu")` runs the kernel on CPU
-tensors too (the Triton interpreter, tests only).
+`rl4bit.kernels.fused` holds the switch (process-global; off sends every
+fused norm back to HF's forward).
 
 Leaves out: LayerNorm, norms fused with the residual add (HF's decoder layer
 adds outside the norm), vLLM (its own kernels).
@@ -34,18 +33,7 @@ import functools
 import torch
 from torch import nn
 
-_STATE = {"device_type": "cuda"}
-"""Which tensors' norms run the kernel: "cuda", "cpu" (interpreter tests) or None (HF's forward everywhere)."""
-
-
-def enabled(device_type: str = "cuda") -> bool:
-    return _STATE["device_type"] == device_type
-
-
-def set_enabled(on: bool, device_type: str = "cuda") -> None:
-    """Process-global switch (not thread-safe; call between forwards). Off: every fused norm runs HF's forward."""
-    _STATE["device_type"] = device_type if on else None
-
+from rl4bit.kernels.fused import enabled
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm forward (Qwen3-MoE 5.x), op for op."""
@@ -83,7 +71,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"fused RMSNorm: input {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
                          f"{weight.dtype}; need a float input whose last dim is the 1-D weight's length")
-    return _FusedRMSNorm.apply(x, weight, eps)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _FusedRMSNorm.apply(x, weight, eps)
+    from rl4bit.kernels.rmsnorm_triton import rms_norm as kernel
+
+    return kernel(x, weight, eps)  # no autograd node: the serving path's host cost is one launch
 
 
 def _fused_forward(module: nn.Module, orig_forward, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -23,13 +23,14 @@ the same engine; its column is the ratio to the BF16-weights engine.
 each prompt's prefill among its samples beside one prefill per sample.
 
 The engine runs its defaults: decode steps as CUDA graphs on CUDA, RMSNorms
-fused (`rl4bit.kernels.rmsnorm`, as the trainer's converted models run them);
-HF `generate` runs HF's own norms. `--compare-norms`: also the NVFP4 engine
-with HF's norms, the fused kernel's gain side by side. Leaves out: the vLLM
+and the other decode-path kernels fused (`rl4bit.kernels.fused`, as the
+trainer's converted models run them); HF `generate` runs with them off (HF's
+own norms). `--compare-unfused`: also the NVFP4 engine with them off, their
+gain side by side. Leaves out: the vLLM
 backend.
 
     python -m rl4bit.bench_rollout --quick
-    python -m rl4bit.bench_rollout --device cuda --batches 1,64 --compare-norms
+    python -m rl4bit.bench_rollout --device cuda --batches 1,64 --compare-unfused
     rl4bit bench rollout --quick --out /tmp/rollout
 """
 
@@ -173,24 +174,21 @@ def nvfp4_model(model):
     return q
 
 
-def bench_hf_norms(fn, *args, **kwargs) -> dict:
-    """`fn(*args, **kwargs)` with every fused RMSNorm running HF's own forward (the stock model)."""
-    from rl4bit.kernels import rmsnorm
+def unfused(fn, *args, **kwargs) -> dict:
+    """`fn(*args, **kwargs)` with rl4bit's fused kernels off (`rl4bit.kernels.fused`): HF's own norms."""
+    from rl4bit.kernels import fused
 
-    rmsnorm.set_enabled(False)
-    try:
+    with fused.disabled():
         return fn(*args, **kwargs)
-    finally:
-        rmsnorm.set_enabled(True)
 
 
 def run(device: str = "cpu", quick: bool = False, out: str | None = None, batches: list[int] | None = None,
-        new_tokens: int | None = None, samples: int = 1, compare_norms: bool = False) -> dict:
+        new_tokens: int | None = None, samples: int = 1, compare_unfused: bool = False) -> dict:
     """Benchmark, print the table, write results.json under `out`; returns the results.
 
     new_tokens: generated tokens a sequence (default: 512 on CUDA as issue 6 states, 128 on CPU, 32 quick).
     samples > 1: also n samples a prompt, shared prefill beside one prefill per sample (BF16 weights).
-    compare_norms: also the NVFP4-weights engine with HF's unfused RMSNorms."""
+    compare_unfused: also the NVFP4-weights engine with the fused kernels off."""
     from rl4bit.kernels.rmsnorm import fuse_norms
 
     cuda = torch.device(device).type == "cuda"
@@ -210,14 +208,14 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     for b in batches:
         prompts = torch.randint(1, MODELS[name]["vocab_size"], (b, p), generator=gen)
         e = _figures(bench_engine(model, prompts, new, device), b, p)
-        h = _figures(bench_hf_norms(bench_hf, model, prompts, new, device), b, p)
+        h = _figures(unfused(bench_hf, model, prompts, new, device), b, p)
         q = _figures(bench_engine(qmodel, prompts, new, device), b, p) if qmodel is not None else None
         rows.append(dict(batch=b, engine=e, hf=h, engine_nvfp4=q))
-        if compare_norms and qmodel is not None:
-            rows[-1]["engine_nvfp4_hf_norms"] = _figures(bench_hf_norms(bench_engine, qmodel, prompts, new, device), b, p)
+        if compare_unfused and qmodel is not None:
+            rows[-1]["engine_nvfp4_unfused"] = _figures(unfused(bench_engine, qmodel, prompts, new, device), b, p)
         print(f"batch {b}: engine {e['gen_tok_s']:.0f} tok/s, HF generate {h['gen_tok_s']:.0f} tok/s"
               + (f", engine NVFP4 weights {q['gen_tok_s']:.0f} tok/s" if q else "")
-              + (f", NVFP4 with HF norms {u['gen_tok_s']:.0f} tok/s" if (u := rows[-1].get("engine_nvfp4_hf_norms"))
+              + (f", NVFP4 unfused {u['gen_tok_s']:.0f} tok/s" if (u := rows[-1].get("engine_nvfp4_unfused"))
                  else ""), flush=True)
         if samples > 1:
             sp = rows[-1]["shared_prefix"] = bench_shared_prefix(model, prompts, new, device, samples)
@@ -244,10 +242,10 @@ def _print_table(res: dict) -> None:
     t = Table(title=f"rollout: {res['model']} Qwen3-MoE ({res['params'] / 1e6:.1f}M params, {res['dtype']}), "
                     f"{res['prompt_len']} prompt + {res['new_tokens']} new tokens, {res['device']}, "
                     f"{res['threads']} threads; engine / HF generate (x = engine over HF)")
-    unfused = any("engine_nvfp4_hf_norms" in r for r in res["rows"])
+    has_unfused = any("engine_nvfp4_unfused" in r for r in res["rows"])
     for col in ("batch", "prompt tok/s", "generated tok/s", "ms / decode step", "prefill s", "decode s",
                 "NVFP4 weights: gen tok/s, ms/step (x vs BF16 engine)") + (
-                ("NVFP4, HF norms: ms/step (fused x)",) if unfused else ()):
+                ("NVFP4, unfused: ms/step (fused x)",) if has_unfused else ()):
         t.add_column(col, justify="right")
 
     def pair(e, h, fmt, higher_better=True):
@@ -263,7 +261,7 @@ def _print_table(res: dict) -> None:
                   (f"{q['gen_tok_s']:.0f}, {q['ms_per_step']:.2f} ({q['gen_tok_s'] / e['gen_tok_s']:.2f}x)"
                    if (q := r["engine_nvfp4"]) else "missing"),
                   *((f"{u['ms_per_step']:.2f} ({u['ms_per_step'] / q['ms_per_step']:.2f}x)"
-                     if (u := r.get("engine_nvfp4_hf_norms")) and q else "-",) if unfused else ()))
+                     if (u := r.get("engine_nvfp4_unfused")) and q else "-",) if has_unfused else ()))
     Console(width=max(Console().width, 150)).print(t)
     print(f"NVFP4 weights in the engine: {res['nvfp4_weights']}")
 
@@ -276,11 +274,11 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--batches", help="comma-separated batch sizes")
     a.add_argument("--new-tokens", type=int, help="generated tokens a sequence")
     a.add_argument("--samples", type=int, default=1, help="> 1: also n samples a prompt, shared prefill vs not")
-    a.add_argument("--compare-norms", action="store_true", help="also the NVFP4 engine with HF's unfused RMSNorms")
+    a.add_argument("--compare-unfused", action="store_true", help="also the NVFP4 engine with the fused kernels off")
     args = a.parse_args(argv)
     run(device=args.device, quick=args.quick, out=args.out,
         batches=[int(x) for x in args.batches.split(",")] if args.batches else None, new_tokens=args.new_tokens,
-        samples=args.samples, compare_norms=args.compare_norms)
+        samples=args.samples, compare_unfused=args.compare_unfused)
 
 
 if __name__ == "__main__":

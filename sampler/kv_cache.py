@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.moe import ExpertsInterface
 
-from rl4bit.trainer.qgemm import bf16_grouped, device_counts
+from rl4bit.trainer.qgemm import bf16_grouped, expert_grouping
 
 ENGINE_IMPL = "rl4bit_engine"
 MIN_ROWS = 16
@@ -186,13 +186,12 @@ def engine_experts(self, hidden_states, top_k_index, top_k_weights):
     """
     out = torch.zeros_like(hidden_states)
     flat = top_k_index.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, token order kept
     if hidden_states.is_cuda and hidden_states.dtype == self.gate_up_proj.dtype == torch.bfloat16:
-        counts = device_counts(flat, self.num_experts)
-        tok = order // top_k_index.shape[1]
+        order, tok, counts = expert_grouping(flat, self.num_experts, top_k_index.shape[1])
         h = self._apply_gate(bf16_grouped(hidden_states[tok], self.gate_up_proj, counts))
         y = bf16_grouped(h, self.down_proj, counts) * top_k_weights.reshape(-1)[order, None]
         return out.index_add_(0, tok, y.to(out.dtype))
+    order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, token order kept
     counts = torch.bincount(flat, minlength=self.num_experts).tolist()
     tok_all, kpos_all = order // top_k_index.shape[1], order % top_k_index.shape[1]
     at = 0

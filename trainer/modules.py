@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rl4bit.trainer.qgemm import GemmSpec, bf16_grouped, compute_dtype, device_counts, grouped_forward
+from rl4bit.trainer.qgemm import GemmSpec, bf16_grouped, compute_dtype, expert_grouping, grouped_forward
 from rl4bit.trainer.qgemm import grouped_gemm
 from rl4bit.trainer.qgemm import quantize_activation, quantize_weight
 
@@ -87,18 +87,18 @@ class QuantExperts(_QuantMixin, nn.Module):
         n_tok, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         with torch.no_grad():
-            order = torch.argsort(flat, stable=True)
             serving = self.served is not None or (self.spec.fmt == "bf16" and torch.is_inference_mode_enabled())
             if flat.is_cuda and serving:
                 # Serving on CUDA (quantized modules in serving mode; bf16 ones under inference mode, which only
                 # the engine uses: the trainer's passes run under no_grad): counts stay on the device (the Triton
                 # GEMM or torch._grouped_mm reads them there), so the step makes no host sync here and can be
                 # captured in a CUDA graph; the engine never runs expert parallelism (no EP sentinel index).
-                counts = device_counts(flat, self.num_experts)
+                order, tok, counts = expert_grouping(flat, self.num_experts, k)
             else:
+                order = torch.argsort(flat, stable=True)
                 counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts].tolist()
                 order = order[: sum(counts)]  # drops the EP sentinel index == num_experts, sorted last
-        tok = order // k
+                tok = order // k
         dt = compute_dtype(hidden_states)
         x = hidden_states[tok].to(dt)
         h = self._gemm(x, "gate_up_proj", counts, 0)

@@ -387,6 +387,21 @@ def _group_offsets(counts, device) -> torch.Tensor:
     return to_device(torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
 
 
+def expert_grouping(flat_index: torch.Tensor, groups: int, k: int):
+    """(order, tok, counts) of a flat top-k index on its device, no host read: `argsort(stable)`, `order // k`,
+    `device_counts`. A decode step's small index takes one fused kernel (`kernels.route_triton`, the same
+    integers) when the fused kernels are on (`kernels.fused`)."""
+    from rl4bit.kernels import fused
+
+    if fused.enabled(flat_index.device.type):
+        from rl4bit.kernels.route_triton import MAX_ENTRIES, expert_order  # triton is optional off the fused path
+
+        if flat_index.numel() <= MAX_ENTRIES:
+            return expert_order(flat_index, groups, k)
+    order = torch.argsort(flat_index, stable=True)
+    return order, order // k, device_counts(flat_index, groups)
+
+
 def device_counts(flat_index: torch.Tensor, groups: int) -> torch.Tensor:
     """int32 [groups]: how many entries of `flat_index` name each group, computed on its device (no host read)."""
     counts = torch.zeros(groups, dtype=torch.int32, device=flat_index.device)

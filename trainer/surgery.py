@@ -14,8 +14,9 @@ quantization scope):
   the forward under `torch.autocast(device, torch.bfloat16)`: BF16 compute,
   FP32 master weights. Everything else (attention math, norms, embeddings,
   lm_head) is left to transformers, except that
-- HF RMSNorms run one fused kernel on CUDA (`rl4bit.kernels.rmsnorm`; trainer and samplers alike, since both
-  convert their model here).
+- HF RMSNorms run one fused kernel on CUDA (`rl4bit.kernels.rmsnorm`), and Qwen3-style attention its
+  q/k norms and rotary embedding in one more (`rl4bit.trainer.fused_attention`): trainer and samplers
+  alike, since both convert their model here.
 Parameter names do not change, so `model.state_dict()` loads into a plain
 transformers model of the same config.
 
@@ -31,6 +32,7 @@ import torch
 from torch import nn
 
 from rl4bit.kernels.rmsnorm import fuse_norms
+from rl4bit.trainer.fused_attention import fuse_attentions
 from rl4bit.trainer.modules import QuantExperts, QuantLinear
 from rl4bit.trainer.plan import _is_router, expert_weight_shapes, quant_plan
 from rl4bit.trainer.qgemm import GemmSpec
@@ -80,6 +82,7 @@ def convert_model(model: nn.Module, recipe: RecipeConfig, *, master_dtype=torch.
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
     fuse_norms(model)
+    fuse_attentions(model)  # after the norms: its probe runs them
     return plan
 
 

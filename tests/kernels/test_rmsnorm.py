@@ -15,6 +15,7 @@ import torch
 from bitwise import assert_bitwise_equal
 from torch import nn
 
+from rl4bit.kernels import fused as fused_switch
 from rl4bit.kernels import invariant, rmsnorm
 from rl4bit.kernels.rmsnorm_triton import rms_norm
 
@@ -26,9 +27,9 @@ CASES = [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (tor
 
 @pytest.fixture
 def fused():
-    rmsnorm.set_enabled(True, DEV_TYPE)
+    fused_switch.set_enabled(True, DEV_TYPE)
     yield
-    rmsnorm.set_enabled(True, "cuda")
+    fused_switch.set_enabled(True, "cuda")
 
 
 def _rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
@@ -105,7 +106,7 @@ def test_fuse_norm_takes_hf_norms_and_leaves_other_formulas(fused):
     assert not rmsnorm.fuse_norm(other) and not getattr(other, "_rl4bit_fused_norm", False)
     x = _rand(4, 64, dtype=torch.bfloat16, seed=10)
     assert_bitwise_equal(hf(x), rms_norm(x, hf.weight, hf.variance_epsilon), "fused forward runs the kernel")
-    rmsnorm.set_enabled(False)
+    fused_switch.set_enabled(False)
     assert_bitwise_equal(hf(x), rmsnorm.reference(x, hf.weight, hf.variance_epsilon), "disabled: HF's forward")
 
 
@@ -131,7 +132,7 @@ def test_convert_model_fuses_every_norm_and_backward_follows_hf(fused):
     ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     losses, grads = [], []
     for on in (True, False):
-        rmsnorm.set_enabled(on, DEV_TYPE)
+        fused_switch.set_enabled(on, DEV_TYPE)
         m = model if on else plain
         loss = m(input_ids=ids, labels=ids).loss
         loss.backward()

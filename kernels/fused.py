@@ -1,0 +1,38 @@
+"""The process-global switch for rl4bit's fused decode-path kernels (RMSNorm, MoE grouping, RoPE, combine).
+
+Each fused kernel replaces a run of small torch ops with one launch and keeps
+the bits the trainer and the samplers agree on (each kernel's docstring says
+which reference it matches). On by default for CUDA tensors; `set_enabled(False)`
+sends every call back to the torch ops (A/B benchmarks: `rl4bit bench rollout
+--compare-unfused`); `set_enabled(True, "cpu")` runs the kernels on CPU tensors
+through the Triton interpreter (tests only). Not thread-safe: switch between
+forwards, and the same way in every process of a job (trainer and samplers
+must run the same kernels to agree bitwise).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+_STATE = {"device_type": "cuda"}
+"""Which tensors take the fused kernels: "cuda", "cpu" (interpreter tests) or None (torch ops everywhere)."""
+
+
+def enabled(device_type: str = "cuda") -> bool:
+    """Whether tensors of `device_type` take the fused kernels."""
+    return _STATE["device_type"] == device_type
+
+
+def set_enabled(on: bool, device_type: str = "cuda") -> None:
+    _STATE["device_type"] = device_type if on else None
+
+
+@contextlib.contextmanager
+def disabled():
+    """Within the block every fused call runs its torch ops; the previous setting is restored after."""
+    saved = _STATE["device_type"]
+    _STATE["device_type"] = None
+    try:
+        yield
+    finally:
+        _STATE["device_type"] = saved

@@ -1,0 +1,86 @@
+"""Per-head RMSNorm then rotary embedding of queries and keys, in one Triton launch (Qwen3's qk-norm + RoPE).
+
+    q_out, k_out = qk_norm_rope(q, k, wq, wk, eps_q, eps_k, cos, sin)
+
+For every head row x (q [B, T, Hq, D] and k [B, T, Hkv, D], heads' rows contiguous) and cos/sin [B, T, D]:
+
+    h = rmsnorm_triton's norm of x with its weight          (the same program: same order, same bits)
+    out = h * cos + rotate_half(h) * sin                     (HF's `apply_rotary_pos_emb`)
+
+with HF's roundings: h in promote(weight, x) (the norm's output dtype), each product and the sum rounded to
+promote(h, cos) (torch's elementwise ops, one rounding each, no FMA: `enable_fp_fusion=False`).
+rotate_half(h)[i] is -h[i + D/2] for i < D/2 and h[i - D/2] above: each program recomputes the partner
+element's norm value from its input (elementwise, so exactly the value the norm gave it). One program per
+head row, the row's sum of squares in `rmsnorm_triton`'s lane order, so a row's bits depend on that row alone
+(batch-invariant) and equal the fused norm followed by HF's rotary ops (tested), which is what HF's forward
+runs when the norms are fused.
+
+Leaves out: odd head dims, partial rotary (rotary dim < head dim), interleaved (GPT-J) rotation, a row of
+more than 1024 elements (one chunk).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl4bit.kernels.invariant_triton import _on_device
+from rl4bit.kernels.rmsnorm_triton import round_to
+
+
+@triton.jit
+def _norm_rope_row(x_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, r, heads, D, eps, H_DTYPE: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    live = offs < D
+    x = tl.load(x_ptr + r * D + offs, mask=live, other=0.0).to(tl.float32)
+    rstd = tl.math.rsqrt(tl.div_rn(tl.sum(x * x, axis=0), D.to(tl.float32)) + eps)
+    w = tl.load(w_ptr + offs, mask=live, other=0.0).to(tl.float32)
+    h = round_to(w * round_to(x * rstd, x_ptr.dtype.element_ty), H_DTYPE)
+    half = D // 2
+    low = offs < half
+    p = tl.where(low, offs + half, offs - half)  # the rotation partner
+    xp = tl.load(x_ptr + r * D + p, mask=live, other=0.0).to(tl.float32)
+    wp = tl.load(w_ptr + p, mask=live, other=0.0).to(tl.float32)
+    hp = round_to(wp * round_to(xp * rstd, x_ptr.dtype.element_ty), H_DTYPE)
+    rot = tl.where(low, -hp, hp)
+    bt = r // heads
+    c = tl.load(cos_ptr + bt * D + offs, mask=live, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + bt * D + offs, mask=live, other=0.0).to(tl.float32)
+    out_ty = y_ptr.dtype.element_ty
+    y = round_to(round_to(h * c, out_ty) + round_to(rot * s, out_ty), out_ty)
+    tl.store(y_ptr + r * D + offs, y.to(out_ty), mask=live)
+
+
+@triton.jit(do_not_specialize=["rows_q", "rows_k"])
+def _qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, rows_q, rows_k, hq, hk, D,
+                         eps_q, eps_k, HQ_DTYPE: tl.constexpr, HK_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0).to(tl.int64)
+    if r < rows_q:
+        _norm_rope_row(q_ptr, wq_ptr, qo_ptr, cos_ptr, sin_ptr, r, hq, D, eps_q, HQ_DTYPE, BLOCK)
+    else:
+        _norm_rope_row(k_ptr, wk_ptr, ko_ptr, cos_ptr, sin_ptr, r - rows_q, hk, D, eps_k, HK_DTYPE, BLOCK)
+
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
+    """q [B, T, Hq, D], k [B, T, Hkv, D] (rows contiguous), weights [D], cos/sin [B, T, D] ->
+    (q_out [B, T, Hq, D], k_out [B, T, Hkv, D]) in HF's dtypes (see module doc). Callers check the shapes."""
+    b, t, hq, d = q.shape
+    hk = k.shape[2]
+    q, k = q.contiguous(), k.contiguous()
+    cos, sin = cos.expand(b, t, d).contiguous(), sin.expand(b, t, d).contiguous()
+    hq_dt, hk_dt = torch.promote_types(wq.dtype, q.dtype), torch.promote_types(wk.dtype, k.dtype)
+    qo = torch.empty(q.shape, dtype=torch.promote_types(hq_dt, cos.dtype), device=q.device)
+    ko = torch.empty(k.shape, dtype=torch.promote_types(hk_dt, cos.dtype), device=k.device)
+    rows_q, rows_k = b * t * hq, b * t * hk
+    if rows_q + rows_k:
+        with _on_device(q):
+            _qk_norm_rope_kernel[(rows_q + rows_k,)](
+                q, k, wq.contiguous(), wk.contiguous(), qo, ko, cos, sin, rows_q, rows_k, hq, hk, d,
+                float(eps_q), float(eps_k), HQ_DTYPE=_TL[hq_dt], HK_DTYPE=_TL[hk_dt],
+                BLOCK=triton.next_power_of_2(d), num_warps=4, enable_fp_fusion=False)
+    return qo, ko

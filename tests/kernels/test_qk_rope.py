@@ -1,0 +1,112 @@
+"""Fused q/k norm + rotary embedding: the kernel is bitwise the fused norms followed by HF's rotary ops, rows do not
+depend on the row count, `fuse_attention` takes Qwen3-style attention only, and a converted model's no-grad forward
+(the kernel) equals its training forward (HF's ops through the fused norms) bitwise.
+
+CPU: TRITON_INTERPRET=1 (triton_setup) with the fused kernels enabled for CPU tensors; CUDA: the compiled kernels.
+"""
+
+from __future__ import annotations
+
+from triton_setup import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
+
+import pytest
+import torch
+from bitwise import assert_bitwise_equal
+
+from rl4bit.kernels import fused
+from rl4bit.kernels.qk_rope_triton import qk_norm_rope
+from rl4bit.kernels.rmsnorm_triton import rms_norm
+from rl4bit.trainer.fused_attention import _rotate_half, fuse_attention, fuse_attentions
+
+DEV_TYPE = torch.device(DEVICE).type
+# (q/k dtype, norm weight dtype, cos dtype): trainer (BF16 projections, FP32 norm weights and cos), BF16 all, FP32 all
+CASES = [(torch.bfloat16, torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16, torch.bfloat16),
+         (torch.float32, torch.float32, torch.float32)]
+
+
+@pytest.fixture
+def on():
+    fused.set_enabled(True, DEV_TYPE)
+    yield
+    fused.set_enabled(True, "cuda")
+
+
+def _rand(*shape, dtype=torch.float32, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype).to(DEVICE)
+
+
+def _rope_inputs(b, t, d, dtype, seed):
+    angle = (torch.arange(t, dtype=torch.float32)[:, None] + 3) * torch.logspace(0, -3, d // 2).repeat(2)[None]
+    cos, sin = angle.cos().expand(b, t, d), angle.sin().expand(b, t, d)
+    return cos.to(dtype).to(DEVICE), sin.to(dtype).to(DEVICE)
+
+
+def _separate(q, k, wq, wk, cos, sin):
+    """The fused norm kernel, then HF's `apply_rotary_pos_emb` ops ([B, T, H, D] layout)."""
+    q, k = rms_norm(q, wq, 1e-6), rms_norm(k, wk, 1e-6)
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtypes", CASES, ids=lambda c: "-".join(str(t).replace("torch.", "") for t in c))
+def test_kernel_is_fused_norm_then_hf_rotary_bitwise(d, dtypes):
+    xd, wd, cd = dtypes
+    q, k = _rand(2, 7, 4, d, dtype=xd, seed=1, scale=3.0), _rand(2, 7, 2, d, dtype=xd, seed=2, scale=3.0)
+    wq, wk = _rand(d, dtype=wd, seed=3), _rand(d, dtype=wd, seed=4)
+    cos, sin = _rope_inputs(2, 7, d, cd, 5)
+    got = qk_norm_rope(q, k, wq, wk, 1e-6, 1e-6, cos, sin)
+    for g, w, name in zip(got, _separate(q, k, wq, wk, cos, sin), "qk"):
+        assert_bitwise_equal(g, w, f"{name} {dtypes}")
+
+
+def test_rows_do_not_depend_on_the_row_count():
+    q, k = _rand(1, 40, 4, 64, dtype=torch.bfloat16, seed=6), _rand(1, 40, 2, 64, dtype=torch.bfloat16, seed=7)
+    w = _rand(64, seed=8)
+    cos, sin = _rope_inputs(1, 40, 64, torch.float32, 9)
+    full = qk_norm_rope(q, k, w, w, 1e-6, 1e-6, cos, sin)
+    for lo, hi in ((0, 1), (3, 4), (10, 40)):
+        part = qk_norm_rope(q[:, lo:hi], k[:, lo:hi], w, w, 1e-6, 1e-6, cos[:, lo:hi], sin[:, lo:hi])
+        assert_bitwise_equal(part[0], full[0][:, lo:hi], f"q rows {lo}:{hi}")
+        assert_bitwise_equal(part[1], full[1][:, lo:hi], f"k rows {lo}:{hi}")
+
+
+def _tiny(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    extra = dict(head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2) \
+        if family == "qwen3_moe" else dict(num_experts=4, num_experts_per_tok=2)
+    cfg = AutoConfig.for_model(family, vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               num_hidden_layers=2, intermediate_size=128, max_position_embeddings=64, **extra)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_fuse_attention_takes_qwen3_style_attention_only():
+    qwen, olmoe = _tiny("qwen3_moe"), _tiny("olmoe")  # OLMoE normalizes q/k over all heads: another layout
+    assert fuse_attentions(qwen) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+    assert fuse_attentions(olmoe) == []
+    assert fuse_attention(qwen.model.layers[0].self_attn)  # idempotent
+
+
+def test_converted_model_no_grad_forward_equals_training_forward_bitwise(on):
+    """The kernel path (no grad: samplers, logprob recompute) and the autograd path (HF's ops through the fused
+    norms: training) give the same logits, under BF16 autocast with FP32 masters as the trainer runs."""
+    from rl4bit.trainer.recipe import RecipeConfig
+    from rl4bit.trainer.surgery import convert_model
+
+    model = _tiny("qwen3_moe")
+    convert_model(model, RecipeConfig(name="bf16"))
+    assert all(getattr(m.self_attn, "_rl4bit_fused_attention", False) for m in model.model.layers)
+    model.to(DEVICE)
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.autocast(DEV_TYPE, torch.bfloat16):
+        with torch.no_grad():
+            kernel = model(input_ids=ids).logits
+        trained = model(input_ids=ids).logits
+        with fused.disabled(), torch.no_grad():
+            plain = model(input_ids=ids).logits
+    assert trained.requires_grad
+    assert_bitwise_equal(kernel, trained.detach(), "no-grad (kernel) vs training forward")
+    torch.testing.assert_close(kernel, plain, rtol=2e-2, atol=2e-2)  # HF's own norms: another mean order

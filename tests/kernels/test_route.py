@@ -1,0 +1,59 @@
+"""The fused MoE grouping kernel gives exactly torch's integers: stable argsort, order // k, bincount.
+
+CPU: TRITON_INTERPRET=1 (triton_setup); CUDA: the compiled kernel.
+"""
+
+from __future__ import annotations
+
+from triton_setup import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
+
+import pytest
+import torch
+
+from rl4bit.kernels import fused
+from rl4bit.kernels.route_triton import MAX_ENTRIES, expert_order
+from rl4bit.trainer.qgemm import device_counts, expert_grouping
+
+
+def _want(flat, e, k):
+    order = torch.argsort(flat, stable=True)
+    return order, order // k, torch.bincount(flat, minlength=e + 1)[:e].to(torch.int32)
+
+
+@pytest.mark.parametrize("tokens,e,k", [(0, 8, 2), (1, 8, 2), (5, 4, 1), (16, 32, 4), (256, 32, 4), (300, 128, 8),
+                                        (MAX_ENTRIES // 8, 64, 8)])
+def test_matches_argsort_and_bincount(tokens, e, k):
+    g = torch.Generator().manual_seed(tokens + e)
+    flat = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).reshape(-1) if tokens else \
+        torch.zeros(0, dtype=torch.int64)
+    flat = flat.to(DEVICE)
+    for got, want, what in zip(expert_order(flat, e, k), _want(flat, e, k), ("order", "tok", "counts")):
+        assert got.dtype == want.dtype and torch.equal(got, want), what
+
+
+def test_skewed_routing_and_the_ep_sentinel_sort_last():
+    """Many ties (every token on experts 0 and 3) and the expert-parallel sentinel (== E): kept last, not counted."""
+    flat = torch.tensor([3, 0] * 40 + [4, 0, 4, 3], device=DEVICE)
+    order, tok, counts = expert_order(flat, 4, 2)
+    want = _want(flat, 4, 2)
+    assert torch.equal(order, want[0]) and torch.equal(tok, want[1]) and torch.equal(counts, want[2])
+    assert counts.tolist() == [41, 0, 0, 41]
+
+
+def test_grouping_takes_the_kernel_only_when_fused_and_small():
+    flat = torch.randint(0, 16, (64,), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    fused.set_enabled(True, torch.device(DEVICE).type)
+    try:
+        got = expert_grouping(flat, 16, 4)
+        big = torch.randint(0, 16, (MAX_ENTRIES + 4,), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+        got_big = expert_grouping(big, 16, 4)  # past the kernel's size: torch's ops, same contract
+    finally:
+        fused.set_enabled(True, "cuda")
+    for a, b in zip(got, _want(flat, 16, 4)):
+        assert torch.equal(a, b)
+    assert torch.equal(got_big[2], device_counts(big, 16)) and torch.equal(got_big[0], torch.argsort(big, stable=True))
+
+
+def test_bad_input_names_the_limit():
+    with pytest.raises(ValueError, match="<= 4096 entries"):
+        expert_order(torch.zeros(MAX_ENTRIES + 1, dtype=torch.int64, device=DEVICE), 4, 1)

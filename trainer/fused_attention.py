@@ -1,0 +1,134 @@
+"""Qwen3-style attention with its per-head q/k RMSNorms and rotary embedding in one kernel (CUDA).
+
+    fuse_attention(module)     # by `trainer.surgery.convert_model`, for trainer and samplers alike
+
+HF's Qwen3 / Qwen3-MoE attention runs q_norm, k_norm and `apply_rotary_pos_emb`
+between its projections and the attention function: with the norms fused, two
+norm kernels and ten small elementwise kernels (products, negations, two
+`cat`s, sums) per layer, a tenth of a batch-1 decode step's launches. The
+replacement forward is HF's own with that stretch done by
+`kernels.qk_rope_triton` (one launch, the same bits as the fused norms followed
+by HF's rotary ops: tested), and everything else untouched: projections, the
+configured attention function (the engine's, the trainer's or HF's), o_proj.
+The kernel has no backward: a forward that needs gradients (training) runs the
+same stretch as HF's ops (`reference`, through the fused norms), whose values
+are the kernel's, so the training forward, the trainer's logprob recompute and
+the samplers agree bitwise.
+
+`fuse_attention` installs it only where the replacement reproduces the
+module's forward bitwise: on a probe (on the module's device, every kernel off,
+HF's eager attention) the replacement's own path of torch ops (`reference`)
+must equal the original forward; another layout (OLMoE's norm over all heads,
+no q/k norm, partial rotary, a KV cache) keeps HF's forward. At run time it
+takes the kernel when the fused kernels are on for the tensors' device
+(`kernels.fused`) and no KV cache object is passed; else the original forward.
+
+Leaves out: attention modules of other families (their forwards stay HF's).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+import torch
+from torch import nn
+
+from rl4bit.kernels import fused
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def reference(q, k, q_norm: nn.Module, k_norm: nn.Module, cos, sin):
+    """What HF's forward runs between projections and attention, as torch ops (the norms through their own
+    modules: fused norms when those are on), on q [B, T, Hq, D] and k [B, T, Hkv, D], cos/sin [B, T, D]."""
+    q, k = q_norm(q), k_norm(k)
+    c, s = cos.unsqueeze(2), sin.unsqueeze(2)
+    return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+
+
+def _kernel_ok(q, k, cos) -> bool:
+    d = q.shape[-1]
+    return (d % 2 == 0 and d <= 1024 and cos.shape[-1] == d and k.shape[-1] == d
+            and all(t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in (q, k, cos)))
+
+
+def _forward(module: nn.Module, orig_forward, hidden_states, position_embeddings, attention_mask, *args,
+             use_reference: bool = False, **kwargs):
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if args or cache is not None or not (use_reference or fused.enabled(hidden_states.device.type)):
+        return orig_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    kwargs.pop("past_key_values", None)
+    kwargs.pop("cache", None)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, module.head_dim)
+    q = module.q_proj(hidden_states).view(hidden_shape)
+    k = module.k_proj(hidden_states).view(hidden_shape)
+    v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, module.q_norm.weight,
+                                                                          module.k_norm.weight))
+    if use_reference or needs_grad or not _kernel_ok(q, k, cos):
+        q, k = reference(q, k, module.q_norm, module.k_norm, cos, sin)  # the kernel's bits, with autograd
+    else:
+        from rl4bit.kernels.qk_rope_triton import qk_norm_rope
+
+        q, k = qk_norm_rope(q, k, module.q_norm.weight, module.k_norm.weight, module.q_norm.variance_epsilon,
+                            module.k_norm.variance_epsilon, cos, sin)
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager)
+    out, weights = attention(module, q.transpose(1, 2), k.transpose(1, 2), v, attention_mask,
+                             dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling,
+                             sliding_window=getattr(module, "sliding_window", None), **kwargs)
+    return module.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+_NEEDS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "head_dim", "scaling", "config")
+
+
+def reproduces(module: nn.Module) -> bool:
+    """True when the replacement's torch-op path equals `module.forward` bitwise on a probe (see module doc)."""
+    if not all(hasattr(module, a) for a in _NEEDS) or not hasattr(sys.modules[type(module).__module__],
+                                                                    "eager_attention_forward"):
+        return False
+    w = module.q_proj.weight
+    if w.device.type == "meta":
+        return False
+    d = module.head_dim
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 5, w.shape[1], generator=g).to(w.dtype).to(w.device)
+    angle = torch.arange(5.0)[:, None] * torch.linspace(0.1, 1.0, d)[None]
+    cos, sin = angle.cos()[None].to(x), angle.sin()[None].to(x)
+    saved = module.config._attn_implementation
+    module.config._attn_implementation = "eager"
+    try:
+        with torch.no_grad(), fused.disabled():
+            want = module.forward(x, (cos, sin), None)
+            got = _forward(module, module.forward, x, (cos, sin), None, use_reference=True)
+    except Exception:  # noqa: BLE001 - a forward of another shape or signature is not the one this replaces
+        return False
+    finally:
+        module.config._attn_implementation = saved
+    return all(isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b) for a, b in
+               ((got[0], want[0]), (got[1], want[1])))
+
+
+def fuse_attention(module: nn.Module) -> bool:
+    """Route `module`'s forward through `_forward` if it reproduces it (see `reproduces`); idempotent."""
+    if getattr(module, "_rl4bit_fused_attention", False):
+        return True
+    if not type(module).__name__.endswith("Attention") or not reproduces(module):
+        return False
+    module.forward = functools.partial(_forward, module, module.forward)
+    module._rl4bit_fused_attention = True
+    return True
+
+
+def fuse_attentions(model: nn.Module) -> list[str]:
+    """`fuse_attention` on every module of `model`; returns the names of the fused ones."""
+    return [name for name, m in model.named_modules() if fuse_attention(m)]
