@@ -1,6 +1,6 @@
 """The MoE grouping of a small batch in one Triton kernel: stable order by expert, token of each entry, counts.
 
-    order, tok, counts = expert_order(top_k_index.reshape(-1), num_experts, k)
+    order, tok, counts, inv = expert_order(top_k_index.reshape(-1), num_experts, k)
 
 is, for a flat index of at most MAX_ENTRIES entries (a decode step's routing),
 
@@ -8,6 +8,7 @@ is, for a flat index of at most MAX_ENTRIES entries (a decode step's routing),
     tok = order // k                        int64: the token each grouped entry came from
     counts = bincount(flat, num_experts)    int32 [E]: entries per expert (an index >= E is not counted and,
                                             being the largest key, sorts last: the EP sentinel)
+    inv[order] = arange(n)                  int64: each entry's place in the grouped order (the combine's)
 
 in one program: a bitonic sort (`tl.sort`) of the unique keys `expert * BLOCK + entry` and a histogram.
 Integers only, so the results are exactly torch's (tested against `argsort` / `bincount`); what it saves
@@ -30,7 +31,7 @@ MAX_ENTRIES = 4096
 
 
 @triton.jit
-def _route_kernel(idx_ptr, order_ptr, tok_ptr, counts_ptr, N, E, K: tl.constexpr, BLOCK: tl.constexpr,
+def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, N, E, K: tl.constexpr, BLOCK: tl.constexpr,
                   E_PAD: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     live = offs < N
@@ -38,22 +39,24 @@ def _route_kernel(idx_ptr, order_ptr, tok_ptr, counts_ptr, N, E, K: tl.constexpr
     order = tl.sort(e * BLOCK + offs) % BLOCK  # keys are unique: ties cannot reorder, so the sort is stable
     tl.store(order_ptr + offs, order.to(tl.int64), mask=live)
     tl.store(tok_ptr + offs, (order // K).to(tl.int64), mask=live)
+    tl.store(inv_ptr + order, offs.to(tl.int64), mask=live)  # order maps live places onto live entries
     counts = tl.histogram(e, E_PAD)
     bins = tl.arange(0, E_PAD)
     tl.store(counts_ptr + bins, counts.to(tl.int32), mask=bins < E)
 
 
 def expert_order(flat: torch.Tensor, num_experts: int, k: int):
-    """(order int64, tok int64, counts int32 [E]) of a flat int index of <= MAX_ENTRIES entries (see module doc)."""
+    """(order int64, tok int64, counts int32 [E], inv int64) of a flat int index of <= MAX_ENTRIES entries (see module doc)."""
     n = flat.numel()
     if n > MAX_ENTRIES or flat.dim() != 1 or flat.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"expert_order: a 1-D int index of <= {MAX_ENTRIES} entries, got {tuple(flat.shape)} "
                          f"{flat.dtype}; larger inputs take torch.argsort / bincount")
     order = torch.empty(n, dtype=torch.int64, device=flat.device)
     tok = torch.empty(n, dtype=torch.int64, device=flat.device)
+    inv = torch.empty(n, dtype=torch.int64, device=flat.device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
     block = triton.next_power_of_2(max(n, 2))
     with _on_device(flat):
-        _route_kernel[(1,)](flat.contiguous(), order, tok, counts, n, num_experts, K=k, BLOCK=block,
+        _route_kernel[(1,)](flat.contiguous(), order, tok, inv, counts, n, num_experts, K=k, BLOCK=block,
                             E_PAD=triton.next_power_of_2(num_experts + 1), num_warps=4 if block <= 1024 else 8)
-    return order, tok, counts
+    return order, tok, counts, inv

@@ -187,7 +187,7 @@ def engine_experts(self, hidden_states, top_k_index, top_k_weights):
     out = torch.zeros_like(hidden_states)
     flat = top_k_index.reshape(-1)
     if hidden_states.is_cuda and hidden_states.dtype == self.gate_up_proj.dtype == torch.bfloat16:
-        order, tok, counts = expert_grouping(flat, self.num_experts, top_k_index.shape[1])
+        order, tok, counts, _ = expert_grouping(flat, self.num_experts, top_k_index.shape[1])
         h = self._apply_gate(bf16_grouped(hidden_states[tok], self.gate_up_proj, counts))
         y = bf16_grouped(h, self.down_proj, counts) * top_k_weights.reshape(-1)[order, None]
         return out.index_add_(0, tok, y.to(out.dtype))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rl4bit.trainer.combine import combine
 from rl4bit.trainer.qgemm import GemmSpec, bf16_grouped, compute_dtype, expert_grouping, grouped_forward
 from rl4bit.trainer.qgemm import grouped_gemm
 from rl4bit.trainer.qgemm import quantize_activation, quantize_weight
@@ -93,9 +94,9 @@ class QuantExperts(_QuantMixin, nn.Module):
                 # the engine uses: the trainer's passes run under no_grad): counts stay on the device (the Triton
                 # GEMM or torch._grouped_mm reads them there), so the step makes no host sync here and can be
                 # captured in a CUDA graph; the engine never runs expert parallelism (no EP sentinel index).
-                order, tok, counts = expert_grouping(flat, self.num_experts, k)
+                order, tok, counts, inv = expert_grouping(flat, self.num_experts, k)
             else:
-                order = torch.argsort(flat, stable=True)
+                order, inv = torch.argsort(flat, stable=True), None
                 counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts].tolist()
                 order = order[: sum(counts)]  # drops the EP sentinel index == num_experts, sorted last
                 tok = order // k
@@ -104,9 +105,7 @@ class QuantExperts(_QuantMixin, nn.Module):
         h = self._gemm(x, "gate_up_proj", counts, 0)
         gate, up = h.chunk(2, dim=-1)
         o = self._gemm(self.act_fn(gate) * up, "down_proj", counts, 1)
-        o = o * top_k_weights.reshape(-1)[order, None].to(o.dtype)
-        out = torch.zeros_like(hidden_states)
-        out.index_add_(0, tok, o.to(out.dtype))
+        out = combine(o, top_k_weights, top_k_index, order, tok, inv, hidden_states, self.num_experts)
         if self.served is None:
             self.calls += 1
         return out

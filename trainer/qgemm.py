@@ -388,9 +388,10 @@ def _group_offsets(counts, device) -> torch.Tensor:
 
 
 def expert_grouping(flat_index: torch.Tensor, groups: int, k: int):
-    """(order, tok, counts) of a flat top-k index on its device, no host read: `argsort(stable)`, `order // k`,
-    `device_counts`. A decode step's small index takes one fused kernel (`kernels.route_triton`, the same
-    integers) when the fused kernels are on (`kernels.fused`)."""
+    """(order, tok, counts, inv) of a flat top-k index on its device, no host read: `argsort(stable)`,
+    `order // k`, `device_counts`, and inv (inv[order] = arange: each entry's place in the grouped order).
+    A decode step's small index takes one fused kernel (`kernels.route_triton`, the same integers) when the
+    fused kernels are on (`kernels.fused`)."""
     from rl4bit.kernels import fused
 
     if fused.enabled(flat_index.device.type):
@@ -399,7 +400,14 @@ def expert_grouping(flat_index: torch.Tensor, groups: int, k: int):
         if flat_index.numel() <= MAX_ENTRIES:
             return expert_order(flat_index, groups, k)
     order = torch.argsort(flat_index, stable=True)
-    return order, order // k, device_counts(flat_index, groups)
+    return order, order // k, device_counts(flat_index, groups), inverse_order(order, flat_index.numel())
+
+
+def inverse_order(order: torch.Tensor, n: int) -> torch.Tensor:
+    """int64 [n] inv with inv[order] = arange(len(order)): where each entry landed in the grouped order (entries
+    missing from `order`, the dropped expert-parallel sentinels, are left unset)."""
+    inv = torch.empty(n, dtype=torch.int64, device=order.device)
+    return inv.index_copy_(0, order, torch.arange(order.numel(), device=order.device, dtype=torch.int64))
 
 
 def device_counts(flat_index: torch.Tensor, groups: int) -> torch.Tensor:

@@ -17,7 +17,9 @@ from rl4bit.trainer.qgemm import device_counts, expert_grouping
 
 def _want(flat, e, k):
     order = torch.argsort(flat, stable=True)
-    return order, order // k, torch.bincount(flat, minlength=e + 1)[:e].to(torch.int32)
+    inv = torch.empty_like(order)
+    inv[order] = torch.arange(order.numel(), device=order.device)
+    return order, order // k, torch.bincount(flat, minlength=e + 1)[:e].to(torch.int32), inv
 
 
 @pytest.mark.parametrize("tokens,e,k", [(0, 8, 2), (1, 8, 2), (5, 4, 1), (16, 32, 4), (256, 32, 4), (300, 128, 8),
@@ -27,16 +29,16 @@ def test_matches_argsort_and_bincount(tokens, e, k):
     flat = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).reshape(-1) if tokens else \
         torch.zeros(0, dtype=torch.int64)
     flat = flat.to(DEVICE)
-    for got, want, what in zip(expert_order(flat, e, k), _want(flat, e, k), ("order", "tok", "counts")):
+    for got, want, what in zip(expert_order(flat, e, k), _want(flat, e, k), ("order", "tok", "counts", "inv")):
         assert got.dtype == want.dtype and torch.equal(got, want), what
 
 
 def test_skewed_routing_and_the_ep_sentinel_sort_last():
     """Many ties (every token on experts 0 and 3) and the expert-parallel sentinel (== E): kept last, not counted."""
     flat = torch.tensor([3, 0] * 40 + [4, 0, 4, 3], device=DEVICE)
-    order, tok, counts = expert_order(flat, 4, 2)
-    want = _want(flat, 4, 2)
-    assert torch.equal(order, want[0]) and torch.equal(tok, want[1]) and torch.equal(counts, want[2])
+    got, want = expert_order(flat, 4, 2), _want(flat, 4, 2)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    counts = got[2]
     assert counts.tolist() == [41, 0, 0, 41]
 
 
@@ -51,7 +53,9 @@ def test_grouping_takes_the_kernel_only_when_fused_and_small():
         fused.set_enabled(True, "cuda")
     for a, b in zip(got, _want(flat, 16, 4)):
         assert torch.equal(a, b)
-    assert torch.equal(got_big[2], device_counts(big, 16)) and torch.equal(got_big[0], torch.argsort(big, stable=True))
+    for a, b in zip(got_big, _want(big, 16, 4)):
+        assert torch.equal(a, b)
+    assert torch.equal(got_big[2], device_counts(big, 16))
 
 
 def test_bad_input_names_the_limit():

@@ -1,0 +1,67 @@
+"""The MoE combine of `QuantExperts`: each token's expert outputs, weighted by the router, summed into its row.
+
+    out = combine(o, top_k_weights, top_k_index, order, tok, inv, hidden_states)
+
+`reference` is the torch expression (what the CPU runs, and CUDA with the fused
+kernels off). With the fused kernels on for o's device (`kernels.fused`), one
+fixed-order kernel (`kernels.combine_triton`) computes the same values in
+`reference`'s CPU order, bitwise, in every pass: the samplers, the trainer's
+logprob recompute and its training forward (there through `_Combine`, whose
+backward differentiates `reference`: index_add_'s gradient is a gather, so
+the gradients are deterministic already). The point besides the launch count:
+on CUDA `index_add_` adds a token's terms with atomics in scheduling order.
+
+Leaves out: the expert-parallel combine (`trainer.expert_parallel`, its own
+all-to-all and S2F6 path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl4bit.kernels import fused
+from rl4bit.trainer.qgemm import inverse_order
+
+
+def reference(o, top_k_weights, order, tok, hidden_states):
+    """o [n, H] (grouped order) weighted by top_k_weights[order] (cast to o's dtype), added into zeros like
+    hidden_states at rows tok."""
+    o = o * top_k_weights.reshape(-1)[order, None].to(o.dtype)
+    return torch.zeros_like(hidden_states).index_add_(0, tok, o.to(hidden_states.dtype))
+
+
+class _Combine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, o, top_k_weights, top_k_index, order, tok, inv, hidden_states, num_experts):
+        from rl4bit.kernels.combine_triton import combine as kernel
+
+        ctx.save_for_backward(o, top_k_weights, order, tok)
+        ctx.like = (hidden_states.shape, hidden_states.dtype)
+        return kernel(o, top_k_weights, top_k_index, inv, hidden_states.dtype, num_experts)
+
+    @staticmethod
+    def backward(ctx, dout):
+        o, w, order, tok = ctx.saved_tensors
+        need_o, need_w = ctx.needs_input_grad[:2]
+        shape, dtype = ctx.like
+        with torch.enable_grad():
+            od, wd = o.detach().requires_grad_(need_o), w.detach().requires_grad_(need_w)
+            y = reference(od, wd, order, tok, torch.empty(shape, dtype=dtype, device=o.device))
+        wanted = [t for t, need in ((od, need_o), (wd, need_w)) if need]
+        grads = iter(torch.autograd.grad(y, wanted, dout))
+        return (next(grads) if need_o else None), (next(grads) if need_w else None), None, None, None, None, None, None
+
+
+def combine(o, top_k_weights, top_k_index, order, tok, inv, hidden_states, num_experts: int):
+    """[T, H] in hidden_states' dtype: the kernel when the fused kernels are on for o's device, else `reference`.
+    inv [T*k]: each (token, slot)'s row in o (`qgemm.expert_grouping`; None: computed from order here);
+    indices >= num_experts add nothing."""
+    if not fused.enabled(o.device.type):
+        return reference(o, top_k_weights, order, tok, hidden_states)
+    if inv is None:
+        inv = inverse_order(order, top_k_index.numel())
+    if torch.is_grad_enabled() and (o.requires_grad or top_k_weights.requires_grad):
+        return _Combine.apply(o, top_k_weights, top_k_index, order, tok, inv, hidden_states, num_experts)
+    from rl4bit.kernels.combine_triton import combine as kernel
+
+    return kernel(o, top_k_weights, top_k_index, inv, hidden_states.dtype, num_experts)
