@@ -7,14 +7,17 @@ sends every call back to the torch ops (A/B benchmarks: `rl4bit bench rollout
 --compare-unfused`); `set_enabled(True, "cpu")` runs the kernels on CPU tensors
 through the Triton interpreter (tests only). Not thread-safe: switch between
 forwards, and the same way in every process of a job (trainer and samplers
-must run the same kernels to agree bitwise).
+must run the same kernels to agree bitwise). The environment variable
+`RL4BIT_FUSED=0` starts a process with them off (Ray actors inherit it): the
+A/B of whole jobs (`RL4BIT_FUSED=0 rl4bit bench step ...`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 
-_STATE = {"device_type": "cuda"}
+_STATE = {"device_type": None if os.environ.get("RL4BIT_FUSED", "1") == "0" else "cuda"}
 """Which tensors take the fused kernels: "cuda", "cpu" (interpreter tests) or None (torch ops everywhere)."""
 
 

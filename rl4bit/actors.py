@@ -172,6 +172,8 @@ class Cluster:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         threads = str(self.cfg.run.cpu_threads or os.cpu_count() or 1)
         env = {"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "RAY_USAGE_STATS_ENABLED": "0"}
+        if "RL4BIT_FUSED" in os.environ:  # every actor runs the fused kernels as the driver says (kernels.fused)
+            env["RL4BIT_FUSED"] = os.environ["RL4BIT_FUSED"]
         if self.cfg.ray.address is not None:
             ray.init(address=self.cfg.ray.address, runtime_env={"env_vars": env}, log_to_driver=True)
             return
