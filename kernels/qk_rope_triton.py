@@ -26,16 +26,17 @@ import triton
 import triton.language as tl
 
 from rl4bit.kernels.invariant_triton import _on_device
-from rl4bit.kernels.rmsnorm_triton import round_to
+from rl4bit.kernels.qgemm_triton import interpret
+from rl4bit.kernels.rmsnorm_triton import round_to, rsqrt_f32, square_rn
 
 
 @triton.jit
 def _norm_rope_row(x_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, r, heads, D, eps, H_DTYPE: tl.constexpr,
-                   BLOCK: tl.constexpr):
+                   ASM: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     live = offs < D
     x = tl.load(x_ptr + r * D + offs, mask=live, other=0.0).to(tl.float32)
-    rstd = tl.math.rsqrt(tl.div_rn(tl.sum(x * x, axis=0), D.to(tl.float32)) + eps)
+    rstd = rsqrt_f32(tl.div_rn(tl.sum(square_rn(x, ASM), axis=0), D.to(tl.float32)) + eps, ASM)
     w = tl.load(w_ptr + offs, mask=live, other=0.0).to(tl.float32)
     h = round_to(w * round_to(x * rstd, x_ptr.dtype.element_ty), H_DTYPE)
     half = D // 2
@@ -55,12 +56,13 @@ def _norm_rope_row(x_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, r, heads, D, eps, H_DT
 
 @triton.jit(do_not_specialize=["rows_q", "rows_k"])
 def _qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, rows_q, rows_k, hq, hk, D,
-                         eps_q, eps_k, HQ_DTYPE: tl.constexpr, HK_DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+                         eps_q, eps_k, HQ_DTYPE: tl.constexpr, HK_DTYPE: tl.constexpr, ASM: tl.constexpr,
+                         BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     if r < rows_q:
-        _norm_rope_row(q_ptr, wq_ptr, qo_ptr, cos_ptr, sin_ptr, r, hq, D, eps_q, HQ_DTYPE, BLOCK)
+        _norm_rope_row(q_ptr, wq_ptr, qo_ptr, cos_ptr, sin_ptr, r, hq, D, eps_q, HQ_DTYPE, ASM, BLOCK)
     else:
-        _norm_rope_row(k_ptr, wk_ptr, ko_ptr, cos_ptr, sin_ptr, r - rows_q, hk, D, eps_k, HK_DTYPE, BLOCK)
+        _norm_rope_row(k_ptr, wk_ptr, ko_ptr, cos_ptr, sin_ptr, r - rows_q, hk, D, eps_k, HK_DTYPE, ASM, BLOCK)
 
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
@@ -81,6 +83,6 @@ def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
         with _on_device(q):
             _qk_norm_rope_kernel[(rows_q + rows_k,)](
                 q, k, wq.contiguous(), wk.contiguous(), qo, ko, cos, sin, rows_q, rows_k, hq, hk, d,
-                float(eps_q), float(eps_k), HQ_DTYPE=_TL[hq_dt], HK_DTYPE=_TL[hk_dt],
+                float(eps_q), float(eps_k), HQ_DTYPE=_TL[hq_dt], HK_DTYPE=_TL[hk_dt], ASM=not interpret(),
                 BLOCK=triton.next_power_of_2(d), num_warps=4, enable_fp_fusion=False)
     return qo, ko

@@ -2,21 +2,26 @@
 
     y = weight * (x_fp32 * rsqrt(mean(x_fp32²) + eps)).to(x.dtype)      (HF Qwen3/Llama/Mixtral/OLMoE RMSNorm)
 
-One program per row. The sum of squares runs like the invariant mode's mean
-(`invariant_triton._row_mean_kernel`): FP32 lanes over BLOCK-wide chunks in
-order (BLOCK from the row length only), each square rounded to FP32 before it
-is added (no FMA: `enable_fp_fusion=False`), one tree sum, then `div_rn` by the
-row length. The rest is elementwise with HF's roundings: the normalized value
-rounded to the input dtype, then one FP32 product with the weight rounded to
-the output dtype (torch's type promotion of weight and input: a BF16 x BF16 or
-FP32 x BF16 product is exact in FP32, so that is torch's one rounding too).
+One program per row. The sum of squares: FP32 lanes over BLOCK-wide chunks in
+order (BLOCK from the row length only), each square rounded to FP32 by itself
+(`square_rn`, an opaque `mul.rn`: no compiler may contract it with the add),
+one tree sum (`tl.sum`), then `div_rn` by the row length; `rsqrt_f32` is the
+instruction torch.rsqrt runs. The rest is elementwise with HF's roundings: the
+normalized value rounded to the input dtype, then one FP32 product with the
+weight rounded to the output dtype (torch's type promotion of weight and input:
+a BF16 x BF16 or FP32 x BF16 product is exact in FP32, so that is torch's one
+rounding too).
 
 So a row's bits depend on that row, its weight and eps alone (never on the row
-count: batch-invariant by construction), and on the GPU they equal HF's own
-forward run in the invariant mode, whose mean is that same order (tested on the
-H200); against plain ATen, whose reduction order differs, they agree to
-rounding. Trainer and embedded samplers both run this kernel (`rmsnorm.py`),
-which is what makes their norms agree bitwise.
+count: batch-invariant by construction). Trainer and embedded samplers both run
+this kernel (`rmsnorm.py`), which is what makes their norms agree bitwise. It is
+not bitwise any other kernel's reduction: `tl.sum`'s tree follows the layout the
+compiler picks for this kernel, so even the invariant mode's mean kernel, with
+the same loop, can sum in another order (measured on the H200: FP32 rows of
+1100 differ from HF's forward in the invariant mode in the last bit of rstd in
+some rows; BF16 rows and the 128/1024/2048 lengths tried were equal). Under the
+interpreter (numpy sums) it is bitwise HF's forward in the invariant mode, which
+checks the elementwise formula; on the GPU it agrees with HF's forward to rounding.
 
 Leaves out: the backward (`rmsnorm.py` recomputes HF's eager ops for it), rows
 whose elements are not contiguous (the caller copies), fused residual adds.
@@ -29,6 +34,7 @@ import triton
 import triton.language as tl
 
 from rl4bit.kernels.invariant_triton import _on_device
+from rl4bit.kernels.qgemm_triton import interpret
 
 
 @triton.jit
@@ -43,15 +49,38 @@ def round_to(v, dtype: tl.constexpr):
         return v.to(dtype).to(tl.float32)
 
 
+@triton.jit
+def square_rn(v, ASM: tl.constexpr):
+    """v * v rounded to FP32 by itself (an opaque `mul.rn`, never contracted into an FMA with the sum it feeds,
+    whatever the Triton version's contraction setting), as torch's `pow(2)` materializes it. ASM off (the
+    interpreter, which has no FMA contraction): a plain product."""
+    if ASM:
+        return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $1;", "=r,r", [v], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return v * v
+
+
+@triton.jit
+def rsqrt_f32(v, ASM: tl.constexpr):
+    """torch.rsqrt's FP32 result on CUDA (`rsqrt.approx.f32`, without flush-to-zero: the H200 gave torch's bits
+    on 6.3M inputs); the interpreter: tl.math.rsqrt."""
+    if ASM:
+        return tl.inline_asm_elementwise("rsqrt.approx.f32 $0, $1;", "=r,r", [v], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return tl.math.rsqrt(v)
+
+
 @triton.jit(do_not_specialize=["C"])
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, C, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, C, eps, ASM: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, C, BLOCK):
         v = tl.load(x_ptr + r * C + c0 + offs, mask=c0 + offs < C, other=0.0).to(tl.float32)
-        acc += v * v
-    rstd = tl.math.rsqrt(tl.div_rn(tl.sum(acc, axis=0), C.to(tl.float32)) + eps)
+        acc += square_rn(v, ASM)
+    rstd = rsqrt_f32(tl.div_rn(tl.sum(acc, axis=0), C.to(tl.float32)) + eps, ASM)
     for c0 in range(0, C, BLOCK):
         m = c0 + offs < C
         v = tl.load(x_ptr + r * C + c0 + offs, mask=m, other=0.0).to(tl.float32)
@@ -72,6 +101,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x2.numel():
         block = min(1024, triton.next_power_of_2(c))
         with _on_device(x2):
-            _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, c, float(eps), BLOCK=block, num_warps=4,
-                                             enable_fp_fusion=False)
+            _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, c, float(eps), ASM=not interpret(),
+                                             BLOCK=block, num_warps=4, enable_fp_fusion=False)
     return y.reshape(x.shape)

@@ -190,6 +190,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     samples > 1: also n samples a prompt, shared prefill beside one prefill per sample (BF16 weights).
     compare_unfused: also the NVFP4-weights engine with the fused kernels off."""
     from rl4bit.kernels.rmsnorm import fuse_norms
+    from rl4bit.trainer.fused_attention import fuse_attentions
 
     cuda = torch.device(device).type == "cuda"
     if cuda and not quick:
@@ -200,7 +201,8 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     new = new_tokens or new
     dtype = torch.bfloat16
     model = build_model(name, p + new + 1, dtype, device)
-    fuse_norms(model)  # as convert_model does for the trainer's and the samplers' models (nvfp4_model's copy too)
+    fuse_norms(model)
+    fuse_attentions(model)  # as convert_model does for the trainer's and the samplers' models (nvfp4_model's copy too)
     n_params = sum(t.numel() for t in model.parameters())
     gen = torch.Generator().manual_seed(0)
     qmodel = nvfp4_model(model)

@@ -10,10 +10,9 @@ replacement forward is HF's own with that stretch done by
 `kernels.qk_rope_triton` (one launch, the same bits as the fused norms followed
 by HF's rotary ops: tested), and everything else untouched: projections, the
 configured attention function (the engine's, the trainer's or HF's), o_proj.
-The kernel has no backward: a forward that needs gradients (training) runs the
-same stretch as HF's ops (`reference`, through the fused norms), whose values
-are the kernel's, so the training forward, the trainer's logprob recompute and
-the samplers agree bitwise.
+A forward that needs gradients (training) runs the kernel too (`_QKNormRope`,
+whose backward differentiates HF's ops), so the training forward, the trainer's
+logprob recompute and the samplers run the same forward bits by construction.
 
 `fuse_attention` installs it only where the replacement reproduces the
 module's forward bitwise: on a probe (on the module's device, every kernel off,
@@ -50,6 +49,34 @@ def reference(q, k, q_norm: nn.Module, k_norm: nn.Module, cos, sin):
     return q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
 
 
+class _QKNormRope(torch.autograd.Function):
+    """The kernel's forward; the backward differentiates HF's ops (`rmsnorm.reference` + the rotation),
+    recomputed from the saved inputs: right gradients, and every pass runs the same forward bits."""
+
+    @staticmethod
+    def forward(ctx, q, k, wq, wk, cos, sin, eps_q, eps_k):
+        from rl4bit.kernels.qk_rope_triton import qk_norm_rope
+
+        ctx.save_for_backward(q, k, wq, wk, cos, sin)
+        ctx.eps = (eps_q, eps_k)
+        return qk_norm_rope(q, k, wq, wk, eps_q, eps_k, cos, sin)
+
+    @staticmethod
+    def backward(ctx, dq, dk):
+        from rl4bit.kernels.rmsnorm import reference as rms
+
+        saved = ctx.saved_tensors
+        need = ctx.needs_input_grad[:4]
+        with torch.enable_grad():
+            q, k, wq, wk = (t.detach().requires_grad_(n) for t, n in zip(saved[:4], need))
+            c, s = saved[4].unsqueeze(2), saved[5].unsqueeze(2)
+            qn, kn = rms(q, wq, ctx.eps[0]), rms(k, wk, ctx.eps[1])
+            outs = (qn * c + _rotate_half(qn) * s, kn * c + _rotate_half(kn) * s)
+        wanted = [t for t, n in zip((q, k, wq, wk), need) if n]
+        grads = iter(torch.autograd.grad(outs, wanted, (dq, dk), allow_unused=True))
+        return (*(next(grads) if n else None for n in need), None, None, None, None)
+
+
 def _kernel_ok(q, k, cos) -> bool:
     d = q.shape[-1]
     return (d % 2 == 0 and d <= 1024 and cos.shape[-1] == d and k.shape[-1] == d
@@ -69,15 +96,17 @@ def _forward(module: nn.Module, orig_forward, hidden_states, position_embeddings
     k = module.k_proj(hidden_states).view(hidden_shape)
     v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, module.q_norm.weight,
-                                                                          module.k_norm.weight))
-    if use_reference or needs_grad or not _kernel_ok(q, k, cos):
-        q, k = reference(q, k, module.q_norm, module.k_norm, cos, sin)  # the kernel's bits, with autograd
+    if use_reference or not _kernel_ok(q, k, cos):
+        q, k = reference(q, k, module.q_norm, module.k_norm, cos, sin)
     else:
-        from rl4bit.kernels.qk_rope_triton import qk_norm_rope
+        wq, wk = module.q_norm.weight, module.k_norm.weight
+        eq, ek = module.q_norm.variance_epsilon, module.k_norm.variance_epsilon
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, wq, wk)):
+            q, k = _QKNormRope.apply(q, k, wq, wk, cos, sin, eq, ek)
+        else:
+            from rl4bit.kernels.qk_rope_triton import qk_norm_rope
 
-        q, k = qk_norm_rope(q, k, module.q_norm.weight, module.k_norm.weight, module.q_norm.variance_epsilon,
-                            module.k_norm.variance_epsilon, cos, sin)
+            q, k = qk_norm_rope(q, k, wq, wk, eq, ek, cos, sin)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     eager = sys.modules[type(module).__module__].eager_attention_forward

@@ -91,8 +91,8 @@ def test_fuse_attention_takes_qwen3_style_attention_only():
 
 
 def test_converted_model_no_grad_forward_equals_training_forward_bitwise(on):
-    """The kernel path (no grad: samplers, logprob recompute) and the autograd path (HF's ops through the fused
-    norms: training) give the same logits, under BF16 autocast with FP32 masters as the trainer runs."""
+    """The no-grad forward (samplers, logprob recompute) and the training forward (the same kernel under autograd)
+    give the same logits, under BF16 autocast with FP32 masters as the trainer runs; the gradients are HF's."""
     from rl4bit.trainer.recipe import RecipeConfig
     from rl4bit.trainer.surgery import convert_model
 
@@ -101,12 +101,22 @@ def test_converted_model_no_grad_forward_equals_training_forward_bitwise(on):
     assert all(getattr(m.self_attn, "_rl4bit_fused_attention", False) for m in model.model.layers)
     model.to(DEVICE)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    grads = []
     with torch.autocast(DEV_TYPE, torch.bfloat16):
         with torch.no_grad():
             kernel = model(input_ids=ids).logits
-        trained = model(input_ids=ids).logits
+        for off in (False, True):
+            with fused.disabled() if off else torch.enable_grad():
+                logits = model(input_ids=ids).logits
+            logits.float().square().mean().backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if "self_attn" in n})
+            model.zero_grad()
+            if not off:
+                trained = logits.detach()
         with fused.disabled(), torch.no_grad():
             plain = model(input_ids=ids).logits
-    assert trained.requires_grad
-    assert_bitwise_equal(kernel, trained.detach(), "no-grad (kernel) vs training forward")
+    assert_bitwise_equal(kernel, trained, "no-grad (kernel) vs training forward")
     torch.testing.assert_close(kernel, plain, rtol=2e-2, atol=2e-2)  # HF's own norms: another mean order
+    assert len(grads[0]) == 2 * 6  # q/k/v/o projections and the two norms of each layer
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], rtol=5e-2, atol=1e-4, msg=n)

