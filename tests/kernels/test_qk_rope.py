@@ -9,11 +9,13 @@ from __future__ import annotations
 
 from triton_setup import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
+from unittest import mock
+
 import pytest
 import torch
 from bitwise import assert_bitwise_equal
 
-from rl4bit.kernels import fused
+from rl4bit.kernels import fused, qk_rope_triton
 from rl4bit.kernels.qk_rope_triton import qk_norm_rope
 from rl4bit.kernels.rmsnorm_triton import rms_norm
 from rl4bit.trainer.fused_attention import _rotate_half, fuse_attention, fuse_attentions
@@ -102,19 +104,22 @@ def test_converted_model_no_grad_forward_equals_training_forward_bitwise(on):
     model.to(DEVICE)
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     grads = []
-    with torch.autocast(DEV_TYPE, torch.bfloat16):
+    spy = mock.patch.object(qk_rope_triton, "qk_norm_rope", wraps=qk_rope_triton.qk_norm_rope)
+    with torch.autocast(DEV_TYPE, torch.bfloat16), spy as calls:
         with torch.no_grad():
-            kernel = model(input_ids=ids).logits
+            kernel = model(input_ids=ids, use_cache=False).logits  # as trainer and engine call it
+        assert calls.call_count == 2  # one launch a layer
         for off in (False, True):
             with fused.disabled() if off else torch.enable_grad():
-                logits = model(input_ids=ids).logits
+                logits = model(input_ids=ids, use_cache=False).logits
+            assert calls.call_count == 4  # the training forward runs the kernel too; off: HF's forward
             logits.float().square().mean().backward()
             grads.append({n: p.grad.clone() for n, p in model.named_parameters() if "self_attn" in n})
             model.zero_grad()
             if not off:
                 trained = logits.detach()
         with fused.disabled(), torch.no_grad():
-            plain = model(input_ids=ids).logits
+            plain = model(input_ids=ids, use_cache=False).logits
     assert_bitwise_equal(kernel, trained, "no-grad (kernel) vs training forward")
     torch.testing.assert_close(kernel, plain, rtol=2e-2, atol=2e-2)  # HF's own norms: another mean order
     assert len(grads[0]) == 2 * 6  # q/k/v/o projections and the two norms of each layer
