@@ -8,8 +8,8 @@ six to eight small kernels in HF's eager form (casts, pow, mean, add, rsqrt,
 two products): ~30 of the ~95 kernels of a batch-1 decode step's layer, which
 is bound by its kernel count, not by reading weights. One kernel each instead.
 
-Numerics: `rmsnorm_triton` documents the order (HF's elementwise roundings; the
-invariant mode's mean order). Every process of a job converts its model with
+Numerics: `rmsnorm_triton` documents the order (HF's elementwise roundings, a
+fixed sum order a row). Every process of a job converts its model with
 the same `convert_model`, so trainer and samplers run the same kernel on the
 same rows: their norms agree bitwise. `reference` is HF's formula as torch ops,
 which `fuse_norm` checks bitwise against the module's own forward on a probe
