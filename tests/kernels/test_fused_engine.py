@@ -1,0 +1,63 @@
+"""The embedded engine with the fused kernels on (norms, q/k norm + RoPE, MoE combine): still batch-invariant,
+its scoring pass gives the sampled logprobs bitwise, and the kernels are in effect.
+
+CPU: TRITON_INTERPRET=1 (triton_setup) with the fused kernels enabled for CPU tensors. A converted model (bf16
+recipe under BF16 autocast with FP32 masters, as the trainer holds it), so every fused path of `convert_model` runs.
+"""
+
+from __future__ import annotations
+
+from triton_setup import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
+
+from unittest import mock
+
+import torch
+
+from rl4bit.bench_rollout import _NullTokenizer
+from rl4bit.kernels import combine_triton, fused, qk_rope_triton, rmsnorm_triton
+from rl4bit.sampler.engine import EmbeddedEngine
+from rl4bit.sampler.types import Request, SamplingParams
+
+
+def _model():
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from rl4bit.trainer.recipe import RecipeConfig
+    from rl4bit.trainer.surgery import convert_model
+
+    cfg = Qwen3MoeConfig(vocab_size=48, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                         num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
+                         bos_token_id=None, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.5 if p.ndim > 1 else 0.1).add_(1.0 if p.ndim == 1 else 0.0)
+    convert_model(model, RecipeConfig(name="bf16"))
+    return model.eval()
+
+
+def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
+    torch.set_num_threads(1)
+    model = _model()
+    g = torch.Generator().manual_seed(5)
+    reqs = [Request(str(i), torch.randint(1, 48, (3 + 2 * i,), generator=g).tolist(),
+                    SamplingParams(temperature=1.0, seed=i, max_new_tokens=4)) for i in range(4)]
+    fused.set_enabled(True, "cpu")
+    spies = [mock.patch.object(m, n, wraps=getattr(m, n)) for m, n in
+             ((rmsnorm_triton, "rms_norm"), (qk_rope_triton, "qk_norm_rope"), (combine_triton, "combine"))]
+    try:
+        with spies[0] as norms, spies[1] as ropes, spies[2] as combines:
+            engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=4, autocast=torch.bfloat16,
+                                    max_seq_len=32)
+            alone = [engine.generate([r])[0] for r in reqs]
+            together = engine.generate(reqs[::-1])[::-1]
+            scores = [engine.score(r.prompt_ids, r.completion_ids) for r in together]
+        assert norms.call_count and ropes.call_count and combines.call_count  # the fused paths ran
+    finally:
+        fused.set_enabled(True, "cuda")
+    for a, b in zip(alone, together):
+        assert (a.completion_ids, a.logprobs) == (b.completion_ids, b.logprobs), a.request_id
+    for r, s in zip(together, scores):
+        assert s == r.logprobs, r.request_id
