@@ -4,16 +4,18 @@
 
 For every head row x (q [B, T, Hq, D] and k [B, T, Hkv, D], heads' rows contiguous) and cos/sin [B, T, D]:
 
-    h = rmsnorm_triton's norm of x with its weight          (the same program: same order, same bits)
+    h = rmsnorm_triton's norm of x with its weight          (the same formula and loop)
     out = h * cos + rotate_half(h) * sin                     (HF's `apply_rotary_pos_emb`)
 
 with HF's roundings: h in promote(weight, x) (the norm's output dtype), each product and the sum rounded to
 promote(h, cos) (torch's elementwise ops, one rounding each, no FMA: `enable_fp_fusion=False`).
 rotate_half(h)[i] is -h[i + D/2] for i < D/2 and h[i - D/2] above: each program recomputes the partner
 element's norm value from its input (elementwise, so exactly the value the norm gave it). One program per
-head row, the row's sum of squares in `rmsnorm_triton`'s lane order, so a row's bits depend on that row alone
-(batch-invariant) and equal the fused norm followed by HF's rotary ops (tested), which is what HF's forward
-runs when the norms are fused.
+head row with a fixed sum order, so a row's bits depend on that row alone (batch-invariant). Every pass of
+trainer and samplers runs this kernel (`trainer/fused_attention.py`; training through an autograd Function),
+which is what makes them agree. It runs the same loop as `rmsnorm_triton`, and on the H200 it equals the
+fused norm followed by HF's rotary ops bitwise for D = 64 and 128 (tested); by construction it need not
+(`tl.sum`'s tree is the compiler's layout choice for each kernel).
 
 Leaves out: odd head dims, partial rotary (rotary dim < head dim), interleaved (GPT-J) rotation, a row of
 more than 1024 elements (one chunk).
@@ -69,10 +71,17 @@ _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl
 
 
 def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
-    """q [B, T, Hq, D], k [B, T, Hkv, D] (rows contiguous), weights [D], cos/sin [B, T, D] ->
-    (q_out [B, T, Hq, D], k_out [B, T, Hkv, D]) in HF's dtypes (see module doc). Callers check the shapes."""
+    """q [B, T, Hq, D], k [B, T, Hkv, D], weights [D], cos/sin [B, T, D] (or broadcastable) ->
+    (q_out [B, T, Hq, D], k_out [B, T, Hkv, D]) in HF's dtypes (see module doc). ValueError on other shapes."""
     b, t, hq, d = q.shape
     hk = k.shape[2]
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if (d % 2 or d > 1024 or k.shape[:2] != q.shape[:2] or k.shape[3] != d or wq.shape != (d,) or wk.shape != (d,)
+            or cos.shape[-1] != d or sin.shape != cos.shape
+            or any(x.dtype not in floats for x in (q, k, wq, wk, cos, sin))):
+        raise ValueError(f"qk_norm_rope: q {tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(wq.shape)} / "
+                         f"{tuple(wk.shape)}, cos/sin {tuple(cos.shape)} / {tuple(sin.shape)}; need [B, T, H, D] q/k "
+                         "with one even D <= 1024, [D] weights, cos/sin [B, T, D], FP32/BF16/FP16")
     q, k = q.contiguous(), k.contiguous()
     cos, sin = cos.expand(b, t, d).contiguous(), sin.expand(b, t, d).contiguous()
     hq_dt, hk_dt = torch.promote_types(wq.dtype, q.dtype), torch.promote_types(wk.dtype, k.dtype)

@@ -68,9 +68,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm of `x` (kernel when enabled for x's device, else `reference`)."""
     if not enabled(x.device.type):
         return reference(x, weight, eps)
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if x.dtype not in floats or weight.dtype not in floats or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
         raise ValueError(f"fused RMSNorm: input {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
-                         f"{weight.dtype}; need a float input whose last dim is the 1-D weight's length")
+                         f"{weight.dtype}; need FP32/BF16/FP16 input and weight, the input's last dim the 1-D "
+                         "weight's length")
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _FusedRMSNorm.apply(x, weight, eps)
     from rl4bit.kernels.rmsnorm_triton import rms_norm as kernel

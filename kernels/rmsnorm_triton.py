@@ -8,9 +8,8 @@ order (BLOCK from the row length only), each square rounded to FP32 by itself
 one tree sum (`tl.sum`), then `div_rn` by the row length; `rsqrt_f32` is the
 instruction torch.rsqrt runs. The rest is elementwise with HF's roundings: the
 normalized value rounded to the input dtype, then one FP32 product with the
-weight rounded to the output dtype (torch's type promotion of weight and input:
-a BF16 x BF16 or FP32 x BF16 product is exact in FP32, so that is torch's one
-rounding too).
+weight rounded to the output dtype (torch's type promotion of weight and input;
+torch too computes that product in FP32 and rounds it once).
 
 So a row's bits depend on that row, its weight and eps alone (never on the row
 count: batch-invariant by construction). Trainer and embedded samplers both run
@@ -40,11 +39,12 @@ from rl4bit.kernels.qgemm_triton import interpret
 @triton.jit
 def round_to(v, dtype: tl.constexpr):
     """FP32 `v` rounded to `dtype` (to nearest, ties to even), returned as FP32. BF16 by integer ops: the same
-    bits as the GPU's conversion, and also under TRITON_INTERPRET=1, whose FP32 -> BF16 cast truncates."""
+    bits as the GPU's conversion, and also under TRITON_INTERPRET=1, whose FP32 -> BF16 cast truncates. NaN
+    stays NaN (the integer carry would turn the GPU's 0x7FFFFFFF into -0.0); overflow rounds to Inf."""
     if dtype == tl.bfloat16:
         b = v.to(tl.uint32, bitcast=True)
         b = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-        return b.to(tl.float32, bitcast=True)
+        return tl.where(v != v, v, b.to(tl.float32, bitcast=True))
     else:
         return v.to(dtype).to(tl.float32)
 
@@ -94,6 +94,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     torch's promotion of the two. `x` is copied first if its rows are not contiguous."""
     c = x.shape[-1]
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    if c == 0 or x.numel() == 0:
+        return torch.empty(x.shape, dtype=out_dtype, device=x.device)
     x2 = x.reshape(-1, c)
     if x2.numel() and (x2.stride(-1) != 1 or x2.stride(0) != c):
         x2 = x2.contiguous()

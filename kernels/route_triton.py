@@ -8,6 +8,10 @@ is, for a flat index of at most MAX_ENTRIES entries (a decode step's routing),
     tok = order // k                        int64: the token each grouped entry came from
     counts = bincount(flat, num_experts)    int32 [E]: entries per expert (an index >= E is not counted and,
                                             being the largest key, sorts last: the EP sentinel)
+
+exactly torch's for indices in [0, E] (E: the expert-parallel sentinel). Any index outside [0, E) counts as
+that sentinel here: sorts last, in entry order, uncounted (torch would order distinct out-of-range values
+by value, and negative ones first); never an out-of-bounds write.
     inv[order] = arange(n)                  int64: each entry's place in the grouped order (the combine's)
 
 in one program: a bitonic sort (`tl.sort`) of the unique keys `expert * BLOCK + entry` and a histogram.
@@ -15,7 +19,7 @@ Integers only, so the results are exactly torch's (tested against `argsort` / `b
 is kernels: torch's version is about six launches (sort, index fill, zeros, ones, index_add, floor divide),
 one of the decode step's costs (kernel count, not bytes). Larger inputs (training) keep torch's ops.
 
-Leaves out: negative indices (the caller's routing never makes them).
+Leaves out: torch's order among distinct out-of-range indices (the caller's routing never makes them).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, N, E, K: tl.
                   E_PAD: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     live = offs < N
-    e = tl.minimum(tl.load(idx_ptr + offs, mask=live, other=E).to(tl.int32), E)  # padding and EP sentinels: E
+    e = tl.load(idx_ptr + offs, mask=live, other=E)
+    e = tl.where((e < 0) | (e > E), E, e).to(tl.int32)  # padding and anything outside [0, E): the sentinel E
     order = tl.sort(e * BLOCK + offs) % BLOCK  # keys are unique: ties cannot reorder, so the sort is stable
     tl.store(order_ptr + offs, order.to(tl.int64), mask=live)
     tl.store(tok_ptr + offs, (order // K).to(tl.int64), mask=live)

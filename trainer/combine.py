@@ -56,7 +56,8 @@ def combine(o, top_k_weights, top_k_index, order, tok, inv, hidden_states, num_e
     """[T, H] in hidden_states' dtype: the kernel when the fused kernels are on for o's device, else `reference`.
     inv [T*k]: each (token, slot)'s row in o (`qgemm.expert_grouping`; None: computed from order here);
     indices >= num_experts add nothing."""
-    if not fused.enabled(o.device.type):
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if not fused.enabled(o.device.type) or any(t.dtype not in floats for t in (o, top_k_weights, hidden_states)):
         return reference(o, top_k_weights, order, tok, hidden_states)
     if inv is None:
         inv = inverse_order(order, top_k_index.numel())

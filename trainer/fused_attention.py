@@ -83,6 +83,10 @@ def _kernel_ok(q, k, cos) -> bool:
             and all(t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in (q, k, cos)))
 
 
+def _weights_ok(module) -> bool:
+    return all(n.weight.dtype in (torch.float32, torch.bfloat16, torch.float16) for n in (module.q_norm, module.k_norm))
+
+
 def _forward(module: nn.Module, orig_forward, hidden_states, position_embeddings, attention_mask, *args,
              use_reference: bool = False, **kwargs):
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
@@ -96,7 +100,7 @@ def _forward(module: nn.Module, orig_forward, hidden_states, position_embeddings
     k = module.k_proj(hidden_states).view(hidden_shape)
     v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     cos, sin = position_embeddings
-    if use_reference or not _kernel_ok(q, k, cos):
+    if use_reference or not _kernel_ok(q, k, cos) or not _weights_ok(module):
         q, k = reference(q, k, module.q_norm, module.k_norm, cos, sin)
     else:
         wq, wk = module.q_norm.weight, module.k_norm.weight

@@ -83,3 +83,21 @@ def test_quant_experts_output_and_gradients_do_not_change():
             fused.set_enabled(True, "cuda")
     for a, b, name in zip(results[0], results[1], ("out", "d hidden", "d router weights", "d down_proj")):
         assert_bitwise_equal(a, b, name)
+
+
+def test_a_non_finite_expert_output_reaches_its_token_only():
+    """NaN / Inf terms propagate as in the CPU expression (Inf * 0 weight -> NaN), never dropped to a finite sum."""
+    idx, w = _routing(6, 4, 2, 5)
+    w[0, 1] = 0.0
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    tok = order // 2
+    o = torch.randn(order.numel(), 32, generator=torch.Generator().manual_seed(6))
+    inv = inverse_order(order, flat.numel())
+    o[inv[1], 3] = float("inf")  # token 0, slot 1, weight 0: Inf * 0 = NaN
+    o[inv[4], 7] = float("nan")  # token 2
+    for hd in (torch.float32, torch.bfloat16):
+        want = reference(o, w, order, tok, torch.zeros(6, 32, dtype=hd))
+        got = kernel(o.to(DEVICE), w.to(DEVICE), idx.to(DEVICE), inv.to(DEVICE), hd, 4).cpu()
+        assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(want).sum() == 2, hd
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()), hd

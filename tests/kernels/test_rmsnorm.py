@@ -17,7 +17,10 @@ from torch import nn
 
 from rl4bit.kernels import fused as fused_switch
 from rl4bit.kernels import invariant, rmsnorm
-from rl4bit.kernels.rmsnorm_triton import rms_norm
+import triton
+import triton.language as tl
+
+from rl4bit.kernels.rmsnorm_triton import rms_norm, round_to
 
 DEV_TYPE = torch.device(DEVICE).type
 KEY = "CUDA" if HAS_CUDA else "CPU"
@@ -152,3 +155,32 @@ def test_convert_model_fuses_every_norm_and_backward_follows_hf(fused):
 def test_bad_input_names_the_problem(fused):
     with pytest.raises(ValueError, match="last dim"):
         rmsnorm.rms_norm(_rand(4, 64, seed=11), _rand(32, seed=12), 1e-6)
+
+
+def test_round_to_bf16_keeps_nan_and_rounds_ties_to_even():
+    """The integer BF16 rounding: GPU NaN patterns (0x7FFFFFFF, 0xFFFFFFFF, signalling) stay NaN, overflow goes to
+    Inf, ties go to even; every other value rounds like torch's FP32 -> BF16 cast."""
+    @triton.jit
+    def k(x_ptr, y_ptr, N, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        v = tl.load(x_ptr + offs, mask=offs < N, other=0.0)
+        tl.store(y_ptr + offs, round_to(v, tl.bfloat16), mask=offs < N)
+
+    bits = torch.tensor([0x7FFFFFFF, -1, 0x7F800001, 0x7FC00000, 0x7F7FFFFF, 0x7F800000, 0x3F808000, 0x3F818000,
+                         0x3F808001, 0x80000000, 0x00000001], dtype=torch.int64).to(torch.int32)
+    x = torch.cat([bits.view(torch.float32), torch.randn(500, generator=torch.Generator().manual_seed(13)) * 1e3])
+    y = torch.empty_like(x).to(DEVICE)
+    k[(1,)](x.to(DEVICE), y, x.numel(), BLOCK=1024)
+    y, want = y.cpu(), x.to(torch.bfloat16).float()
+    assert torch.isnan(y[:4]).all()
+    assert torch.equal(y[4:], want[4:])
+
+
+def test_non_finite_rows_stay_non_finite():
+    """A NaN or Inf in a row makes that row NaN, as HF's forward does (never a row of zeros), and no other row."""
+    x, w = _rand(4, 96, dtype=torch.bfloat16, seed=14), _rand(96, seed=15)
+    x[1, 5], x[2, 7] = float("nan"), float("inf")
+    got = rms_norm(x, w, 1e-6)
+    want = rmsnorm.reference(x, w, 1e-6)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got[1]).all()
+    assert torch.isfinite(got[[0, 3]]).all()

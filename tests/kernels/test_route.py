@@ -61,3 +61,11 @@ def test_grouping_takes_the_kernel_only_when_fused_and_small():
 def test_bad_input_names_the_limit():
     with pytest.raises(ValueError, match="<= 4096 entries"):
         expert_order(torch.zeros(MAX_ENTRIES + 1, dtype=torch.int64, device=DEVICE), 4, 1)
+
+
+def test_out_of_range_indices_are_the_sentinel_never_a_stray_write():
+    """Negative or > E indices count as the sentinel: sorted last in entry order, uncounted, inv still a permutation."""
+    flat = torch.tensor([2, -1, 0, 1, 3, 2, 9], device=DEVICE)
+    order, tok, counts, inv = expert_order(flat, 4, 1)
+    assert order.tolist() == [2, 3, 0, 5, 4, 1, 6] and counts.tolist() == [1, 1, 2, 1]
+    assert torch.equal(inv[order].cpu(), torch.arange(7)) and torch.equal(tok, order)
