@@ -8,7 +8,7 @@ sends every call back to the torch ops (A/B benchmarks: `rl4bit bench rollout
 through the Triton interpreter (tests only). Not thread-safe: switch between
 forwards, and the same way in every process of a job (trainer and samplers
 must run the same kernels to agree bitwise). The environment variable
-`RL4BIT_FUSED=0` starts a process with them off (Ray actors inherit it): the
+`RL4BIT_FUSED=0` (or false/off/no) starts a process with them off (Ray actors inherit it): the
 A/B of whole jobs (`RL4BIT_FUSED=0 rl4bit bench step ...`).
 """
 
@@ -17,7 +17,21 @@ from __future__ import annotations
 import contextlib
 import os
 
-_STATE = {"device_type": None if os.environ.get("RL4BIT_FUSED", "1") == "0" else "cuda"}
+def _default() -> str | None:
+    """"cuda" unless RL4BIT_FUSED is 0/false/off/no, the build is ROCm (the kernels hold NVIDIA PTX) or Triton is
+    not installed (an optional extra)."""
+    import importlib.util
+
+    import torch
+
+    if os.environ.get("RL4BIT_FUSED", "1").strip().lower() in ("0", "false", "off", "no"):
+        return None
+    if getattr(torch.version, "hip", None) or importlib.util.find_spec("triton") is None:
+        return None
+    return "cuda"
+
+
+_STATE = {"device_type": _default()}
 """Which tensors take the fused kernels: "cuda", "cpu" (interpreter tests) or None (torch ops everywhere)."""
 
 
@@ -28,6 +42,11 @@ def enabled(device_type: str = "cuda") -> bool:
 
 def set_enabled(on: bool, device_type: str = "cuda") -> None:
     _STATE["device_type"] = device_type if on else None
+
+
+def state() -> str | None:
+    """The current setting (for callers that cache work done under it: the decode graphs)."""
+    return _STATE["device_type"]
 
 
 @contextlib.contextmanager

@@ -68,11 +68,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm of `x` (kernel when enabled for x's device, else `reference`)."""
     if not enabled(x.device.type):
         return reference(x, weight, eps)
+    if weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        raise ValueError(f"fused RMSNorm: input {tuple(x.shape)}, weight {tuple(weight.shape)}; the input's last "
+                         "dim must be the 1-D weight's length")
     floats = (torch.float32, torch.bfloat16, torch.float16)
-    if x.dtype not in floats or weight.dtype not in floats or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
-        raise ValueError(f"fused RMSNorm: input {tuple(x.shape)} {x.dtype}, weight {tuple(weight.shape)} "
-                         f"{weight.dtype}; need FP32/BF16/FP16 input and weight, the input's last dim the 1-D "
-                         "weight's length")
+    if x.dtype not in floats or weight.dtype not in floats:
+        return reference(x, weight, eps)  # FP64 and the like: HF's ops (the kernel computes in FP32)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _FusedRMSNorm.apply(x, weight, eps)
     from rl4bit.kernels.rmsnorm_triton import rms_norm as kernel
@@ -87,20 +88,25 @@ def _fused_forward(module: nn.Module, orig_forward, hidden_states: torch.Tensor)
 
 
 def reproduces(module: nn.Module) -> bool:
-    """True when `module`'s forward is bitwise `reference` on probes (FP32 and BF16 rows, its own device)."""
+    """True when `module`'s forward is bitwise `reference` on probes: FP32 and BF16 rows, a random weight in
+    the module's weight dtype (all-ones, HF's init, would hide where the weight product is rounded), on the
+    module's device. The module must hold exactly one tensor, `weight`, and a float `variance_epsilon`."""
     w = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", None)
-    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float) or w.device.type == "meta":
+    state = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or not isinstance(eps, float) or w.device.type == "meta" \
+            or state != ["weight"]:
         return False
     g = torch.Generator().manual_seed(0)
+    probe_w = (torch.randn(w.shape[0], generator=g) * 2).to(w.dtype).to(w.device)
     with torch.no_grad():
         for dtype in (torch.float32, torch.bfloat16):
             x = (torch.randn(3, w.shape[0], generator=g) * 3).to(dtype).to(w.device)
             try:
-                got = module.forward(x)
+                got = torch.func.functional_call(module, {"weight": probe_w}, (x,))
             except Exception:  # noqa: BLE001 - a forward that needs more arguments is not HF's plain RMSNorm
                 return False
-            want = reference(x, w, eps)
+            want = reference(x, probe_w, eps)
             if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or not torch.equal(got, want):
                 return False
     return True

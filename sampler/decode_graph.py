@@ -37,6 +37,10 @@ A forward that cannot be captured (a host read inside it, e.g. an FP32 model's
 experts on CUDA, which have no grouped kernel) fails the first capture; the
 engine then decodes op by op, with a warning, and `error` says why.
 
+A change of the fused-kernels setting (`rl4bit.kernels.fused`) drops the
+captured graphs (they hold the kernels chosen at capture), so graphed decode
+steps and eager prefill always run the same kernels.
+
 Graphs read the model's weights and the KV cache by address: weight updates
 copy in place (`EmbeddedEngine.update_weights`), and anything that replaces a
 tensor (a module put into serving mode) must call `reset()`. Autocast's
@@ -55,6 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rl4bit.kernels import fused
 from rl4bit.sampler.kv_cache import StepLayout, pad_rows
 
 MODES = ("off", "static", "cuda")
@@ -116,6 +121,8 @@ class DecodeGraphs:
         self._side = None
         """The warm-ups' stream: one for every capture (the allocator caches blocks per stream, so a new stream
         per capture would strand each warm-up's freed memory)."""
+        self._fused_state = fused.state()
+        """The fused-kernels setting (`rl4bit.kernels.fused`) the captured graphs were built under."""
         self.captures = 0
         self.replays = 0
         self.error: str | None = None
@@ -146,6 +153,9 @@ class DecodeGraphs:
         """
         if self.error is not None:
             return None
+        if fused.state() != self._fused_state:  # captured graphs hold the kernels chosen at capture
+            self._buckets.clear()
+            self._fused_state = fused.state()
         b = len(tokens)
         rows = self.bucket_rows(b)
         bucket = self._buckets.get(rows)

@@ -76,6 +76,7 @@ from rl4bit.kernels import QTensor
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.trainer import ep_codec
 from rl4bit.trainer.modules import QuantExperts
+from rl4bit.trainer.combine import combine
 from rl4bit.trainer.qgemm import compute_dtype, grouped_gemm, quantize_activation
 
 COMBINE_TENSOR_ID = 4
@@ -287,10 +288,9 @@ class ExpertParallelExperts(QuantExperts):
             acc = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
             acc = acc.index_add(0, route.tok, z * w.float())
             out = ep_codec.combine_output(acc, self.combine, seed).to(hidden_states.dtype)
-        else:  # the exact ops of QuantExperts.forward
-            o2 = z * w.to(z.dtype)
-            out = torch.zeros_like(hidden_states)
-            out.index_add_(0, route.tok, o2.to(out.dtype))
+        else:  # the exact combine of QuantExperts.forward (trainer/combine.py: the fixed-order kernel when fused)
+            out = combine(z, top_k_weights, top_k_index, route.order, route.tok, None, hidden_states,
+                          self.global_num_experts)
         self.calls += 1
         return out
 

@@ -14,13 +14,17 @@ A forward that needs gradients (training) runs the kernel too (`_QKNormRope`,
 whose backward differentiates HF's ops), so the training forward, the trainer's
 logprob recompute and the samplers run the same forward bits by construction.
 
-`fuse_attention` installs it only where the replacement reproduces the
-module's forward bitwise: on a probe (on the module's device, every kernel off,
-HF's eager attention) the replacement's own path of torch ops (`reference`)
-must equal the original forward; another layout (OLMoE's norm over all heads,
-no q/k norm, partial rotary, a KV cache) keeps HF's forward. At run time it
-takes the kernel when the fused kernels are on for the tensors' device
-(`kernels.fused`) and no KV cache object is passed; else the original forward.
+`fuse_attention` installs it only where the q/k norms are fused HF RMSNorms
+(`rmsnorm.fuse_norm` checked their formula on a random weight) and the
+replacement reproduces the module's forward bitwise: on a probe (a copy of the
+module, every kernel off, HF's eager attention, full-width rotary) the
+replacement's own path of torch ops (`reference`) must equal the original
+forward; another layout (OLMoE's norm over all heads, no q/k norm, Gemma's
+norms) keeps HF's forward. At run time it takes the kernel when the fused
+kernels are on for the tensors' device (`kernels.fused`), no KV cache object
+is passed, position embeddings are given and span the whole head (partial
+rotary: HF's forward), and shapes and dtypes suit the kernel; else HF's
+forward, decided the same way in every pass.
 
 Leaves out: attention modules of other families (their forwards stay HF's).
 """
@@ -73,7 +77,8 @@ class _QKNormRope(torch.autograd.Function):
             qn, kn = rms(q, wq, ctx.eps[0]), rms(k, wk, ctx.eps[1])
             outs = (qn * c + _rotate_half(qn) * s, kn * c + _rotate_half(kn) * s)
         wanted = [t for t, n in zip((q, k, wq, wk), need) if n]
-        grads = iter(torch.autograd.grad(outs, wanted, (dq, dk), allow_unused=True))
+        pairs = [(o, g) for o, g in zip(outs, (dq, dk)) if o.requires_grad]  # a side with no input needing grad
+        grads = iter(torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True))
         return (*(next(grads) if n else None for n in need), None, None, None, None)
 
 
@@ -87,21 +92,26 @@ def _weights_ok(module) -> bool:
     return all(n.weight.dtype in (torch.float32, torch.bfloat16, torch.float16) for n in (module.q_norm, module.k_norm))
 
 
-def _forward(module: nn.Module, orig_forward, hidden_states, position_embeddings, attention_mask, *args,
+def _forward(module: nn.Module, orig_forward, eager, hidden_states, position_embeddings, attention_mask, *args,
              use_reference: bool = False, **kwargs):
     cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    if args or cache is not None or not (use_reference or fused.enabled(hidden_states.device.type)):
+    if (args or cache is not None or position_embeddings is None
+            or not (use_reference or fused.enabled(hidden_states.device.type))):
         return orig_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
-    kwargs.pop("past_key_values", None)
-    kwargs.pop("cache", None)
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
+    cos, sin = position_embeddings
+    if cos.shape[-1] != module.head_dim:  # partial rotary: not the layout the kernel and the probe cover
+        return orig_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     q = module.q_proj(hidden_states).view(hidden_shape)
     k = module.k_proj(hidden_states).view(hidden_shape)
     v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-    cos, sin = position_embeddings
-    if use_reference or not _kernel_ok(q, k, cos) or not _weights_ok(module):
+    if use_reference:
         q, k = reference(q, k, module.q_norm, module.k_norm, cos, sin)
+    elif not (_kernel_ok(q, k, cos) and _weights_ok(module)):
+        # decided by shapes and dtypes alone, the same in every pass; nothing has been consumed yet but the
+        # projections' call counters, so recompute through HF's forward (the projections run twice)
+        return orig_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     else:
         wq, wk = module.q_norm.weight, module.k_norm.weight
         eq, ek = module.q_norm.variance_epsilon, module.k_norm.variance_epsilon
@@ -111,9 +121,10 @@ def _forward(module: nn.Module, orig_forward, hidden_states, position_embeddings
             from rl4bit.kernels.qk_rope_triton import qk_norm_rope
 
             q, k = qk_norm_rope(q, k, wq, wk, eq, ek, cos, sin)
+    kwargs.pop("past_key_values", None)
+    kwargs.pop("cache", None)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    eager = sys.modules[type(module).__module__].eager_attention_forward
     attention = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager)
     out, weights = attention(module, q.transpose(1, 2), k.transpose(1, 2), v, attention_mask,
                              dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling,
@@ -125,30 +136,38 @@ _NEEDS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "head_dim"
 
 
 def reproduces(module: nn.Module) -> bool:
-    """True when the replacement's torch-op path equals `module.forward` bitwise on a probe (see module doc)."""
-    if not all(hasattr(module, a) for a in _NEEDS) or not hasattr(sys.modules[type(module).__module__],
-                                                                    "eager_attention_forward"):
+    """True when the replacement's torch-op path equals `module.forward` bitwise on a probe (see module doc),
+    run on a copy of the module (its projections' call counters, which key stochastic rounding, stay as
+    they are) whose q/k norms are fused HF RMSNorms (`rmsnorm.fuse_norm` checked their formula)."""
+    import copy
+
+    if not all(hasattr(module, a) for a in _NEEDS) or _eager(module) is None:
+        return False
+    if not all(getattr(n, "_rl4bit_fused_norm", False) for n in (module.q_norm, module.k_norm)):
         return False
     w = module.q_proj.weight
-    if w.device.type == "meta":
+    if w is None or w.device.type == "meta":
         return False
-    d = module.head_dim
+    copy_ = copy.deepcopy(module)
+    d = copy_.head_dim
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 5, w.shape[1], generator=g).to(w.dtype).to(w.device)
     angle = torch.arange(5.0)[:, None] * torch.linspace(0.1, 1.0, d)[None]
     cos, sin = angle.cos()[None].to(x), angle.sin()[None].to(x)
-    saved = module.config._attn_implementation
-    module.config._attn_implementation = "eager"
+    copy_.config._attn_implementation = "eager"  # the copy's own config
     try:
         with torch.no_grad(), fused.disabled():
-            want = module.forward(x, (cos, sin), None)
-            got = _forward(module, module.forward, x, (cos, sin), None, use_reference=True)
+            want = copy_.forward(x, (cos, sin), None)
+            got = _forward(copy_, copy_.forward, _eager(copy_), x, (cos, sin), None, use_reference=True)
     except Exception:  # noqa: BLE001 - a forward of another shape or signature is not the one this replaces
         return False
-    finally:
-        module.config._attn_implementation = saved
     return all(isinstance(a, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b) for a, b in
                ((got[0], want[0]), (got[1], want[1])))
+
+
+def _eager(module: nn.Module):
+    """The module's own family's `eager_attention_forward` (the default HF falls back to), or None."""
+    return getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
 
 
 def fuse_attention(module: nn.Module) -> bool:
@@ -157,7 +176,7 @@ def fuse_attention(module: nn.Module) -> bool:
         return True
     if not type(module).__name__.endswith("Attention") or not reproduces(module):
         return False
-    module.forward = functools.partial(_forward, module, module.forward)
+    module.forward = functools.partial(_forward, module, module.forward, _eager(module))
     module._rl4bit_fused_attention = True
     return True
 

@@ -389,7 +389,8 @@ def _group_offsets(counts, device) -> torch.Tensor:
 
 def expert_grouping(flat_index: torch.Tensor, groups: int, k: int):
     """(order, tok, counts, inv) of a flat top-k index on its device, no host read: `argsort(stable)`,
-    `order // k`, `device_counts`, and inv (inv[order] = arange: each entry's place in the grouped order).
+    `order // k`, `device_counts`, and inv (inv[order] = arange: each entry's place in the grouped order;
+    None from torch's path, where `trainer.combine` builds it only if its kernel runs).
     A decode step's small index takes one fused kernel (`kernels.route_triton`, the same integers) when the
     fused kernels are on (`kernels.fused`)."""
     from rl4bit.kernels import fused
@@ -400,7 +401,7 @@ def expert_grouping(flat_index: torch.Tensor, groups: int, k: int):
         if flat_index.numel() <= MAX_ENTRIES:
             return expert_order(flat_index, groups, k)
     order = torch.argsort(flat_index, stable=True)
-    return order, order // k, device_counts(flat_index, groups), inverse_order(order, flat_index.numel())
+    return order, order // k, device_counts(flat_index, groups), None  # inv: combine() makes it if it needs it
 
 
 def inverse_order(order: torch.Tensor, n: int) -> torch.Tensor:

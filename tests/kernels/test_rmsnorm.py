@@ -184,3 +184,25 @@ def test_non_finite_rows_stay_non_finite():
     want = rmsnorm.reference(x, w, 1e-6)
     assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(got[1]).all()
     assert torch.isfinite(got[[0, 3]]).all()
+
+
+class Olmo2StyleRMSNorm(nn.Module):
+    """OLMo2's order: the weight product in FP32, then one cast. Equal to HF's Qwen3 order when the weight is all
+    ones (HF's init), not otherwise: the probe's random weight must tell them apart."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(c))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, x):
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h).to(x.dtype)
+
+
+def test_probe_uses_a_random_weight():
+    norm = Olmo2StyleRMSNorm(64).to(torch.bfloat16).to(DEVICE)
+    x = _rand(4, 64, dtype=torch.bfloat16, seed=16)
+    assert torch.equal(norm(x), rmsnorm.reference(x, norm.weight, 1e-6))  # at init the two formulas agree
+    assert not rmsnorm.reproduces(norm) and not rmsnorm.fuse_norm(norm)

@@ -84,6 +84,22 @@ def test_a_module_put_into_serving_drops_the_graphs(tokenizer):
     assert engine.graphs._buckets
 
 
+def test_switching_the_fused_kernels_drops_the_graphs(tokenizer):
+    """Graphs hold the kernels chosen at capture: a change of `rl4bit.kernels.fused` must rebuild them."""
+    from rl4bit.kernels import fused
+
+    engine = EmbeddedEngine(make_model(), tokenizer, max_batch_size=2, decode_graphs="static")
+    reqs = _requests(2, seed=25)
+    engine.generate(reqs)
+    bucket = next(iter(engine.graphs._buckets.values()))
+    with fused.disabled():
+        engine.generate(reqs)
+        assert next(iter(engine.graphs._buckets.values())) is not bucket
+    bucket = next(iter(engine.graphs._buckets.values()))
+    engine.generate(reqs)  # the setting is back: rebuilt again
+    assert next(iter(engine.graphs._buckets.values())) is not bucket
+
+
 def test_deleting_the_engine_frees_it(tokenizer):
     """No reference cycle between the engine and its graphs: the KV cache goes with the last reference."""
     import weakref
