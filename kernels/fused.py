@@ -17,9 +17,10 @@ from __future__ import annotations
 import contextlib
 import os
 
+
 def _default() -> str | None:
-    """"cuda" unless RL4BIT_FUSED is 0/false/off/no, the build is ROCm (the kernels hold NVIDIA PTX) or Triton is
-    not installed (an optional extra)."""
+    """The setting a process starts with: on for CUDA tensors unless RL4BIT_FUSED is 0/false/off/no, the build is
+    ROCm (the kernels hold NVIDIA PTX) or Triton is not installed (an optional extra)."""
     import importlib.util
 
     import torch
