@@ -10,10 +10,11 @@ is, bitwise, what `QuantExperts` computes with torch ops on the CPU:
 o [n, H] holds the expert outputs in grouped order (`order`, stable by expert), inv [T*k] each (token, slot)
 entry's row in o (inv[order[i]] = i), top_k_index [T, k] the experts (an index >= E, the expert-parallel
 sentinel, has no row and adds nothing). One program per (token, column block): the token's entries are
-added in ascending row of o (= ascending expert, as the CPU's sequential index_add_), each sum rounded to
-out_dtype. On CUDA, torch's index_add_ adds with atomics in whatever order the blocks run, so a token's
-sum of three or more FP32 terms is not even reproducible run to run; here it is a function of the token's
-own row (batch-invariant), and one launch replaces six (gather, two casts, product, zero fill, index_add).
+added in ascending row of o (= ascending expert, as the CPU's sequential index_add_) in FP32 and rounded
+to out_dtype once at the end (the CPU's index_add_ accumulates BF16 in FP32 too: measured). On CUDA, torch's
+index_add_ adds with atomics (documented as nondeterministic), so a token's sum of three or more terms may
+come out in another order run to run; here it is a function of the token's own row (batch-invariant), and
+one launch replaces six (gather, two casts, product, zero fill, index_add).
 
 Leaves out: the backward (`trainer/combine.py` differentiates the torch expression).
 """

@@ -9,7 +9,7 @@ fixed-order kernel (`kernels.combine_triton`) computes the same values in
 logprob recompute and its training forward (there through `_Combine`, whose
 backward differentiates `reference`: index_add_'s gradient is a gather, so
 the gradients are deterministic already). The point besides the launch count:
-on CUDA `index_add_` adds a token's terms with atomics in scheduling order.
+on CUDA `index_add_` adds a token's terms with atomics (torch documents it as nondeterministic).
 
 Leaves out: the expert-parallel combine (`trainer.expert_parallel`, its own
 all-to-all and S2F6 path).
