@@ -28,9 +28,6 @@ import triton.language as tl
 from rl4bit.kernels.invariant_triton import _on_device
 from rl4bit.kernels.rmsnorm_triton import round_to
 
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 @triton.jit(do_not_specialize=["E"])
 def _combine_kernel(o_ptr, w_ptr, idx_ptr, inv_ptr, out_ptr, H, E, K: tl.constexpr, K_PAD: tl.constexpr,
                     BLOCK_H: tl.constexpr):

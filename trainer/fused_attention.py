@@ -82,14 +82,13 @@ class _QKNormRope(torch.autograd.Function):
         return (*(next(grads) if n else None for n in need), None, None, None, None)
 
 
-def _kernel_ok(q, k, cos) -> bool:
-    d = q.shape[-1]
-    return (d % 2 == 0 and d <= 1024 and cos.shape[-1] == d and k.shape[-1] == d
-            and all(t.dtype in (torch.float32, torch.bfloat16, torch.float16) for t in (q, k, cos)))
-
-
-def _weights_ok(module) -> bool:
-    return all(n.weight.dtype in (torch.float32, torch.bfloat16, torch.float16) for n in (module.q_norm, module.k_norm))
+def _kernel_ok(module, cos) -> bool:
+    """Whether the kernel covers this layer and call: even head dim <= 1024, full-width rotary, float norm
+    weights and cos/sin. Decided before the projections, from shapes and dtypes alone (the same in every pass)."""
+    d = module.head_dim
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    return (d % 2 == 0 and d <= 1024 and cos.shape[-1] == d and cos.dtype in floats
+            and all(n.weight.dtype in floats for n in (module.q_norm, module.k_norm)))
 
 
 def _forward(module: nn.Module, orig_forward, eager, hidden_states, position_embeddings, attention_mask, *args,
@@ -101,17 +100,13 @@ def _forward(module: nn.Module, orig_forward, eager, hidden_states, position_emb
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, module.head_dim)
     cos, sin = position_embeddings
-    if cos.shape[-1] != module.head_dim:  # partial rotary: not the layout the kernel and the probe cover
-        return orig_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
+    if cos.shape[-1] != module.head_dim or not (use_reference or _kernel_ok(module, cos)):
+        return orig_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)  # partial rotary &c.
     q = module.q_proj(hidden_states).view(hidden_shape)
     k = module.k_proj(hidden_states).view(hidden_shape)
     v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
     if use_reference:
         q, k = reference(q, k, module.q_norm, module.k_norm, cos, sin)
-    elif not (_kernel_ok(q, k, cos) and _weights_ok(module)):
-        # decided by shapes and dtypes alone, the same in every pass; nothing has been consumed yet but the
-        # projections' call counters, so recompute through HF's forward (the projections run twice)
-        return orig_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)
     else:
         wq, wk = module.q_norm.weight, module.k_norm.weight
         eq, ek = module.q_norm.variance_epsilon, module.k_norm.variance_epsilon

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl4bit.kernels import QTensor, dequantize, invariant, quantize, requantize
+from rl4bit.kernels import QTensor, dequantize, fused, invariant, quantize, requantize
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.trainer.transfer import to_device
 
@@ -393,8 +393,6 @@ def expert_grouping(flat_index: torch.Tensor, groups: int, k: int):
     None from torch's path, where `trainer.combine` builds it only if its kernel runs).
     A decode step's small index takes one fused kernel (`kernels.route_triton`, the same integers) when the
     fused kernels are on (`kernels.fused`)."""
-    from rl4bit.kernels import fused
-
     if fused.enabled(flat_index.device.type):
         from rl4bit.kernels.route_triton import MAX_ENTRIES, expert_order  # triton is optional off the fused path
 
