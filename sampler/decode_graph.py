@@ -85,6 +85,23 @@ class DecodeLayout(StepLayout):
             self._groups[g] = [(1, tok, self.token_slot, ~allowed)]
         return self._groups[g]
 
+    def attention_tables(self, g: int, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """`StepLayout.attention_tables` for P one-token rows, as device ops on `token_slot`/`token_pos` (every
+        row is a sequence: padding rows read and write the scratch slot)."""
+        from rl4bit.kernels.attention_triton import BLOCK_M
+
+        if self._tables is None:
+            self._tables = {}
+        if g not in self._tables:
+            rows = self.token_slot.numel()
+            per = -(-g // BLOCK_M)  # row tiles a one-token sequence needs
+            first = torch.arange(rows, device=device)
+            seqs = torch.stack([first, torch.ones_like(first), self.token_pos,
+                                self.token_slot * self.cache.k[0].stride(0)])
+            at = torch.arange(rows * per, device=device)
+            self._tables[g] = (seqs, torch.stack([at // per, at % per * BLOCK_M]), True)
+        return self._tables[g]
+
 
 class _Bucket:
     """Static buffers of one row count P, and its graph once captured."""

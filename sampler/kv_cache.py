@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.moe import ExpertsInterface
 
+from rl4bit.kernels.attention import attend, fused_attention_ok
 from rl4bit.trainer.qgemm import bf16_grouped, expert_grouping
 
 ENGINE_IMPL = "rl4bit_engine"
@@ -106,6 +107,23 @@ class StepLayout:
     min_rows: int = MIN_ROWS
     _groups: dict | None = None
     """Per group size g (query heads per kv head): the step's index tensors, built once and shared by every layer."""
+    _tables: dict | None = None
+    """Per group size g: the fused attention kernel's (seqs, tiles, covered), built once and shared by every layer."""
+
+    def attention_tables(self, g: int, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """`attention_triton`'s sequence and tile tables for this step (keys in the cache: kv_base = slot's
+        offset), and whether the sequences cover every packed row (then the output needs no clearing)."""
+        from rl4bit.kernels.attention_triton import seq_table, tile_table
+
+        if self._tables is None:
+            self._tables = {}
+        if g not in self._tables:
+            lengths = [b - a for a, b in self.spans]
+            stride = self.cache.k[0].stride(0)
+            seqs = seq_table([a for a, _ in self.spans], lengths, self.starts, [s * stride for s in self.slots],
+                             device)
+            self._tables[g] = (seqs, tile_table(lengths, g, device), False)
+        return self._tables[g]
 
     def groups(self, g: int, device) -> list[tuple]:
         """Sequences with equal token counts n: (n, tok [G, n], slots [G], blocked [G, rows, max_len]: True = masked).
@@ -162,6 +180,10 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
     hkv = kc.shape[1]
     g = hq // hkv
     dev = query.device
+    if fused_attention_ok(query, d):  # the trainer's kernel too (trainer.actor.train_attention)
+        seqs, tiles, covered = step.attention_tables(g, dev)
+        out = attend(query[0].transpose(0, 1), kc, vc, seqs, tiles, scaling, kc.dtype, covered=covered)
+        return out[None], None
     out = query.new_zeros(1, t, hq, d)
     for n, tok, slots, blocked in step.groups(g, dev):
         G = tok.shape[0]

@@ -80,6 +80,7 @@ from transformers import AttentionInterface
 from rl4bit.config import JobConfig
 from rl4bit.kernels import NonFiniteInputError, deferred_checks
 from rl4bit.kernels import invariant
+from rl4bit.kernels.attention import attend, compute_dtype, fused_attention_ok
 from rl4bit.models import autocast_dtype, build_model
 from rl4bit.sampler.kv_cache import MIN_ROWS, model_implementations, pad_rows
 from rl4bit.tokenizer import build_tokenizer
@@ -115,7 +116,7 @@ class TrainLayout:
     """
 
     def __init__(self, spans: list[tuple[int, int]], max_len: int, min_rows: int, device):
-        self.max_len, self.min_rows, self.device = max_len, min_rows, device
+        self.max_len, self.min_rows, self.device, self.spans = max_len, min_rows, device, spans
         by_len: dict[int, list[int]] = {}
         for a, b in spans:
             by_len.setdefault(b - a, []).append(a)
@@ -123,6 +124,18 @@ class TrainLayout:
         self.groups = [(n, to_device(torch.tensor(firsts)[:, None] + torch.arange(n)[None, :], device))
                        for n, firsts in by_len.items()]
         self._allowed: dict[tuple[int, int], torch.Tensor] = {}
+        self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def attention_tables(self, g: int, pos_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attention_triton`'s sequence and tile tables: keys in the packed row (kv_base = first row's offset)."""
+        from rl4bit.kernels.attention_triton import seq_table, tile_table
+
+        if (g, pos_stride) not in self._tables:
+            lengths = [b - a for a, b in self.spans]
+            seqs = seq_table([a for a, _ in self.spans], lengths, [0] * len(lengths),
+                             [a * pos_stride for a, _ in self.spans], self.device)
+            self._tables[g, pos_stride] = (seqs, tile_table(lengths, g, self.device))
+        return self._tables[g, pos_stride]
 
     def allowed(self, n: int, g: int) -> torch.Tensor:
         """[max(g*n, min_rows), max_len] bool: query row (head-major, position j) may read key position <= j."""
@@ -148,6 +161,14 @@ def train_attention(module, query, key, value, attention_mask, scaling, dropout=
     _, hq, t, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
+    if fused_attention_ok(query, d):  # the engine's kernel (kv_cache.engine_attention), keys read in the row
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+        if k.stride() != v.stride() or k.stride(-1) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        seqs, tiles = layout.attention_tables(g, k.stride(0))
+        out = attend(query[0].transpose(0, 1), k, v, seqs, tiles, scaling, compute_dtype(query, key),
+                     groups=layout.groups)
+        return out[None], None
     out = query.new_zeros(1, t, hq, d)
     for n, tok in layout.groups:
         G = tok.shape[0]

@@ -1,5 +1,6 @@
-"""The embedded engine with the fused kernels on (norms, q/k norm + RoPE, MoE combine): still batch-invariant,
-its scoring pass gives the sampled logprobs bitwise, and the kernels are in effect.
+"""The embedded engine with the fused kernels on (norms, q/k norm + RoPE, attention, MoE combine): still
+batch-invariant, its scoring pass, its static decode forward (the CUDA graphs' tables) and the trainer's logprob
+recompute (with and without gradients) give the sampled logprobs bitwise, and the kernels are in effect.
 
 CPU: TRITON_INTERPRET=1 (triton_setup) with the fused kernels enabled for CPU tensors. A converted model (bf16
 recipe under BF16 autocast with FP32 masters, as the trainer holds it), so every fused path of `convert_model` runs.
@@ -14,7 +15,7 @@ from unittest import mock
 import torch
 
 from rl4bit.bench_rollout import _NullTokenizer
-from rl4bit.kernels import combine_triton, fused, qk_rope_triton, rmsnorm_triton
+from rl4bit.kernels import attention, attention_triton, combine_triton, fused, qk_rope_triton, rmsnorm_triton
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, SamplingParams
 
@@ -39,6 +40,8 @@ def _model():
 
 
 def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
+    from rl4bit.trainer.actor import sequence_logprobs
+
     torch.set_num_threads(1)
     model = _model()
     g = torch.Generator().manual_seed(5)
@@ -46,18 +49,33 @@ def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
                     SamplingParams(temperature=1.0, seed=i, max_new_tokens=4)) for i in range(4)]
     fused.set_enabled(True, "cpu")
     spies = [mock.patch.object(m, n, wraps=getattr(m, n)) for m, n in
-             ((rmsnorm_triton, "rms_norm"), (qk_rope_triton, "qk_norm_rope"), (combine_triton, "combine"))]
+             ((rmsnorm_triton, "rms_norm"), (qk_rope_triton, "qk_norm_rope"), (combine_triton, "combine"),
+              (attention_triton, "attention"))]
     try:
-        with spies[0] as norms, spies[1] as ropes, spies[2] as combines:
+        with spies[0] as norms, spies[1] as ropes, spies[2] as combines, spies[3] as attentions:
             engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=4, autocast=torch.bfloat16,
                                     max_seq_len=32)
             alone = [engine.generate([r])[0] for r in reqs]
             together = engine.generate(reqs[::-1])[::-1]
             scores = [engine.score(r.prompt_ids, r.completion_ids) for r in together]
-        assert norms.call_count and ropes.call_count and combines.call_count  # the fused paths ran
+            static = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=4, autocast=torch.bfloat16,
+                                    max_seq_len=32, decode_graphs="static").generate(reqs)
+            prompts, completions = [r.prompt_ids for r in together], [r.completion_ids for r in together]
+            with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
+                recomputed = sequence_logprobs(model, prompts, completions, 1.0, 32)[0]
+            with torch.autocast("cpu", torch.bfloat16), torch.enable_grad():  # the training forward
+                trained = sequence_logprobs(model, prompts, completions, 1.0, 32)[0]
+            with mock.patch.object(attention, "reference", wraps=attention.reference) as backwards:
+                trained[0].sum().backward()  # through the fused attention's backward
+        assert norms.call_count and ropes.call_count and combines.call_count and attentions.call_count
     finally:
         fused.set_enabled(True, "cuda")
     for a, b in zip(alone, together):
         assert (a.completion_ids, a.logprobs) == (b.completion_ids, b.logprobs), a.request_id
-    for r, s in zip(together, scores):
+    for a, b in zip(static, together):
+        assert (a.completion_ids, a.logprobs) == (b.completion_ids, b.logprobs), a.request_id
+    for r, s, x, y in zip(together, scores, recomputed, trained):
         assert s == r.logprobs, r.request_id
+        assert x.tolist() == r.logprobs and y.tolist() == r.logprobs, r.request_id
+    assert backwards.call_count == 2  # each layer's fused attention differentiated (the engine precast the
+    # model's projection weights to BF16 buffers, so the gradient reaches the norms and embeddings, not them)

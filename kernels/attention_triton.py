@@ -1,0 +1,175 @@
+"""Causal attention of packed sequences, reading each sequence's keys where they lie (a KV-cache slot or the packed
+row): one Triton kernel for the embedded engine's prefill and decode and for the trainer's forward.
+
+    out = attention(q, k, v, seqs, tiles, scaling, compute_dtype)
+
+Rows: a sequence s has n_s query tokens at packed rows q_start_s .. q_start_s + n_s - 1 of q [T, Hq, D], the
+first one at causal position pos0_s; its keys / values for kv head h at position j are
+k[kv_base_s + h * s_kh + j * s_kp + 0..D-1] (element offsets into k's storage, the same for v with v's strides):
+a cache slot (`kv_base = slot * stride0`) or the packed row itself (`kv_base = first row * row stride`). Query
+head h reads kv head h // G (grouped-query attention). Query token t attends to key positions 0 .. pos0 + t.
+
+Numerics, per query row (C = `compute_dtype`, what the matmuls run in: the autocast dtype, or the operands'):
+
+    q, k, v rounded to C; score_j = C(C(sum_d q_d k_jd) * scaling)          (FP32 accumulation)
+    online softmax over key blocks of BLOCK_N from position 0, in order: m = running max,
+    p_j = exp(score_j - m), l = l * exp(m_old - m) + sum p, acc = acc * exp(m_old - m) + C(p) @ v
+    out = C(acc / l)                         (IEEE division), stored in the output's dtype (q's)
+
+The same roundings as the engine's torch path (`kv_cache.engine_attention`: scores and products in C, softmax
+in FP32, probabilities in C), but another softmax algorithm and summation order, so not its bits: within a
+job every pass runs this kernel or every pass runs the torch ops (`rl4bit.kernels.fused`).
+
+Why a row's bits depend on that row alone: every launch has the same tile shapes (BLOCK_M query rows from the
+row count of no one: a constant; BLOCK_N and BLOCK_D from the head dim and C alone), a row's key blocks are
+visited in the same order from 0, and a block past a row's last key leaves its m, l and acc untouched (a
+select, not a multiply by exp(0)). So a token's output is the same in a decode step of any batch, in a
+prefill next to other tokens, and in the trainer's pass over the whole sequence, as long as its q, keys and
+values are. (Masked keys add p = 0 products: exact zeros, which can change only the sign of an output that is
+exactly zero.) Under TRITON_INTERPRET=1 tiles are FP32 before `tl.dot` (exact products of C values, as on the
+GPU's tensor cores), so the interpreter tests check the same properties, not the GPU's bits.
+
+Leaves out: sliding windows, softcapping, attention sinks, ALiBi, head dims above 256, dropout, the backward
+(`kernels/attention.py` differentiates the torch formula), writing the new keys into the cache (the caller
+does: two index writes).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl4bit.kernels.invariant_triton import _on_device
+from rl4bit.kernels.qgemm_triton import interpret
+from rl4bit.kernels.rmsnorm_triton import round_to
+
+BLOCK_M = 16
+"""Query rows a program takes: a constant (tensor-core tiles need 16), so no launch's tile depends on a count."""
+
+MAX_HEAD_DIM = 256
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def block_n(head_dim: int) -> int:
+    """Key positions per block: from the head dim alone (bits depend on it: never from a count)."""
+    return 64 if head_dim <= 128 else 32
+
+
+@triton.jit(do_not_specialize=["n_seqs", "n_tiles", "s_qt", "s_qh", "s_kh", "s_kp", "s_vh", "s_vp", "s_ot",
+                               "s_oh"])
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_tiles, s_qt, s_qh, s_kh, s_kp, s_vh,
+                      s_vp, s_ot, s_oh, D, scaling, G: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr,
+                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    s = tl.load(tile_ptr + tile)
+    row0 = tl.load(tile_ptr + n_tiles + tile)
+    q_start = tl.load(seq_ptr + s)
+    n = tl.load(seq_ptr + n_seqs + s)
+    pos0 = tl.load(seq_ptr + 2 * n_seqs + s)
+    kv_base = tl.load(seq_ptr + 3 * n_seqs + s)
+
+    r = row0 + tl.arange(0, BLOCK_M).to(tl.int64)  # rows token-major: (token t, query head of this kv head)
+    live = r < n * G
+    t = r // G
+    head = kvh * G + r % G
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + (q_start + t)[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
+                mask=live[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    q = round_to(q, C)
+    if not UPCAST:
+        q = q.to(C)
+    limit = tl.where(live, pos0 + t, -1)  # a row's last key position (-1: a row past the sequence)
+    last = pos0 + tl.minimum(n - 1, (row0 + BLOCK_M - 1) // G)  # the tile's last key position
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    k_rows = k_ptr + kv_base + kvh * s_kh
+    v_rows = v_ptr + kv_base + kvh * s_vh
+    for j0 in range(0, last + 1, BLOCK_N):
+        j = j0 + tl.arange(0, BLOCK_N).to(tl.int64)
+        j_ok = j <= last
+        kt = tl.load(k_rows + j[None, :] * s_kp + d[:, None], mask=d_ok[:, None] & j_ok[None, :], other=0.0)
+        kt = round_to(kt.to(tl.float32), C)
+        if not UPCAST:
+            kt = kt.to(C)
+        if IEEE:
+            dots = tl.dot(q, kt, input_precision="ieee")
+        else:
+            dots = tl.dot(q, kt)
+        score = round_to(round_to(dots, C) * scaling, C)
+        score = tl.where(j[None, :] <= limit[:, None], score, float("-inf"))
+        active = j0 <= limit  # rows with a key in this block; the others keep their state bit for bit
+        m_new = tl.where(active, tl.maximum(m, tl.max(score, axis=1)), 0.0)  # finite where active (key j0)
+        alpha = tl.exp(tl.where(active, m - m_new, 0.0))  # exp(-inf) = 0 on a row's first block
+        p = tl.where(active[:, None], tl.exp(score - m_new[:, None]), 0.0)
+        vb = tl.load(v_rows + j[:, None] * s_vp + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+        vb = round_to(vb.to(tl.float32), C)
+        pc = round_to(p, C)
+        if not UPCAST:
+            vb = vb.to(C)
+            pc = pc.to(C)
+        if IEEE:
+            pv = tl.dot(pc, vb, input_precision="ieee")
+        else:
+            pv = tl.dot(pc, vb)
+        l_sum = tl.where(active, l_sum * alpha + tl.sum(p, axis=1), l_sum)
+        acc = tl.where(active[:, None], acc * alpha[:, None] + pv, acc)
+        m = tl.where(active, m_new, m)
+    l_sum = tl.where(live, l_sum, 1.0)  # a row past the sequence (not stored) divides 0 by 1, not by 0
+    out = round_to(round_to(tl.div_rn(acc, l_sum[:, None]), C), o_ptr.dtype.element_ty)
+    o = o_ptr + (q_start + t)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
+    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+
+
+def seq_table(q_start, n, pos0, kv_base, device) -> torch.Tensor:
+    """int64 [4, S]: the per-sequence columns the kernel reads (lists or tensors of S values each)."""
+    cols = [torch.as_tensor(c, dtype=torch.int64) for c in (q_start, n, pos0, kv_base)]
+    return torch.stack(cols).to(device)
+
+
+def tile_table(n: list[int], group: int, device) -> torch.Tensor:
+    """int64 [2, tiles]: (sequence, first row) of every BLOCK_M-row tile of n[s] * group rows per sequence."""
+    seq, row0 = [], []
+    for s, count in enumerate(n):
+        for r in range(0, count * group, BLOCK_M):
+            seq.append(s)
+            row0.append(r)
+    return torch.tensor([seq, row0], dtype=torch.int64).to(device)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Tensor, tiles: torch.Tensor,
+              scaling: float, compute_dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+    """Write into `out` [T, Hq, D] (q's dtype) the attention of q [T, Hq, D] (see module docstring).
+
+    k / v: any tensors whose last dim is the head dim (contiguous) and whose rows for (kv head h, position j)
+    sit at seqs' kv_base + h * s_h + j * s_p, with (s_h, s_p) = k.stride()[-3:-1]: a cache [slots, Hkv, L, D]
+    or a packed [1?, Hkv, T, D] view. `seqs` int64 [4, S] (`seq_table`), `tiles` int64 [2, n_tiles]
+    (`tile_table`), both on q's device. Rows of `out` no sequence covers are left as they are.
+    """
+    t_rows, hq, d = q.shape
+    hkv = k.shape[-3]
+    if hq % hkv or d != k.shape[-1] or d != v.shape[-1] or v.shape[-3] != hkv:
+        raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need q [T, Hq, D] "
+                         f"and k, v [..., Hkv, positions, D] with Hq a multiple of Hkv")
+    if d > MAX_HEAD_DIM or compute_dtype not in _TL:
+        raise ValueError(f"attention: head dim {d} (at most {MAX_HEAD_DIM}) / compute dtype {compute_dtype}")
+    if any(x.stride(-1) != 1 for x in (q, k, v, out)) or out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError("attention: q, k, v and out need a contiguous last dim; out q's shape and dtype")
+    if k.stride()[-3:-1] != v.stride()[-3:-1]:
+        raise ValueError(f"attention: k and v need the same head and position strides (one kv_base serves both), "
+                         f"got {k.stride()} and {v.stride()}")
+    if tiles.shape[1] == 0:
+        return out
+    bd = max(16, triton.next_power_of_2(d))
+    with _on_device(q):
+        _attention_kernel[(tiles.shape[1], hkv)](
+            q, k, v, out, seqs, tiles, seqs.shape[1], tiles.shape[1], q.stride(0), q.stride(1), k.stride(-3),
+            k.stride(-2), v.stride(-3), v.stride(-2), out.stride(0), out.stride(1), d, float(scaling),
+            G=hq // hkv, C=_TL[compute_dtype], IEEE=compute_dtype == torch.float32, UPCAST=interpret(),
+            BLOCK_M=BLOCK_M, BLOCK_N=block_n(d), BLOCK_D=bd, num_warps=4, enable_fp_fusion=False)
+    return out

@@ -1,0 +1,129 @@
+"""The fused causal attention (`kernels/attention_triton.py`, `kernels/attention.py`).
+
+Against `attention.reference` (torch ops, the same roundings, plain softmax) to rounding; bitwise against itself
+where its docstring promises it: a token's output is the same alone or next to other sequences, in a prefill of
+its whole sequence or a one-token decode step, with its keys in a cache slot or in the packed row (the trainer's
+layout). CPU: the Triton interpreter (triton_setup); with CUDA, the compiled kernel.
+"""
+
+from __future__ import annotations
+
+from triton_setup import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
+
+import pytest
+import torch
+
+from rl4bit.kernels.attention import attend, reference
+from rl4bit.kernels.attention_triton import BLOCK_M, attention, seq_table, tile_table
+
+
+def _packed(lengths, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(lengths) + 3  # three rows no sequence covers
+    q, k, v = (torch.randn(t, h, d, generator=g).to(dtype).to(DEVICE) for h in (hq, hkv, hkv))
+    return q, k, v
+
+
+def _groups(lengths):
+    by_len, at = {}, 0
+    for n in lengths:
+        by_len.setdefault(n, []).append(at)
+        at += n
+    return [(n, (torch.tensor(firsts)[:, None] + torch.arange(n)[None, :]).to(DEVICE)) for n, firsts in by_len.items()]
+
+
+def _packed_tables(lengths, hq, hkv, pos_stride):
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    return (seq_table(starts, lengths, [0] * len(lengths), [a * pos_stride for a in starts], DEVICE),
+            tile_table(lengths, hq // hkv, DEVICE))
+
+
+def _run_packed(q, k, v, lengths, dtype, scaling=0.25):
+    seqs, tiles = _packed_tables(lengths, q.shape[1], k.shape[1], k.stride(0))
+    return attend(q, k, v, seqs, tiles, scaling, dtype, groups=_groups(lengths))
+
+
+@pytest.mark.parametrize("dtype,compute,hq,hkv,d", [
+    (torch.float32, torch.float32, 4, 2, 16),
+    (torch.float32, torch.bfloat16, 8, 2, 24),   # FP32 q/k (qk-norm) under BF16 autocast; head dim not a power of 2
+    (torch.bfloat16, torch.bfloat16, 4, 4, 32),
+])
+def test_matches_the_torch_formula(dtype, compute, hq, hkv, d):
+    lengths = [5, 1, 70, 5, 17]  # 70 keys: two key blocks; 17 tokens x g heads: several row tiles
+    q, k, v = _packed(lengths, hq, hkv, d, dtype)
+    got = _run_packed(q, k, v, lengths, compute)
+    want = reference(q, k, v, _groups(lengths), 0.25, compute)
+    tol = 1e-5 if compute == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert torch.equal(got[-3:], torch.zeros_like(got[-3:]))  # uncovered rows stay zero
+    assert got.dtype == q.dtype
+
+
+def test_a_sequence_is_the_same_bits_alone_and_next_to_others():
+    lengths = [9, 33, 2, 40]
+    q, k, v = _packed(lengths, 8, 2, 16, torch.float32, seed=1)
+    together = _run_packed(q, k, v, lengths, torch.bfloat16)
+    at = 0
+    for n in lengths:
+        alone = _run_packed(q[at:at + n].clone(), k[at:at + n].clone(), v[at:at + n].clone(), [n], torch.bfloat16)
+        assert torch.equal(alone[:n], together[at:at + n])
+        at += n
+
+
+def test_decode_steps_over_a_cache_equal_the_prefill_and_the_packed_row():
+    """One sequence of 70 tokens: its keys in cache slot 2 of 4 (other slots hold noise), attended as a prefill
+    in two chunks (5 tokens, then 65 from position 5: row tiles straddle the 64-key block edge), as 70
+    one-token decode steps (each next to another sequence's step), and in the packed row."""
+    n, hq, hkv, d, max_len = 70, 8, 2, 16, 80
+    q, k, v = _packed([n], hq, hkv, d, torch.float32, seed=2)
+    q, k, v = q[:n], k[:n], v[:n]
+    g = torch.Generator().manual_seed(3)
+    kc = torch.randn(4, hkv, max_len, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    vc = torch.randn(4, hkv, max_len, d, generator=g).to(torch.bfloat16).to(DEVICE)
+    kc[2, :, :n], vc[2, :, :n] = k.transpose(0, 1), v.transpose(0, 1)
+    c, slot2 = torch.bfloat16, 2 * kc.stride(0)
+    packed = _run_packed(q, k, v, [n], c)
+    chunks = attend(q, kc, vc, seq_table([0, 5], [5, n - 5], [0, 5], [slot2, slot2], DEVICE),
+                    tile_table([5, n - 5], hq // hkv, DEVICE), 0.25, c, covered=True)
+    assert torch.equal(chunks, packed)
+    for t in range(n):  # row 0: the sequence's token t; row 1: a neighbour at position 75 of slot 1
+        qs = torch.stack([q[t], q[(t + 5) % n]])
+        seqs = seq_table([0, 1], [1, 1], [t, 75], [slot2, 1 * kc.stride(0)], DEVICE)
+        step = attend(qs, kc, vc, seqs, tile_table([1, 1], hq // hkv, DEVICE), 0.25, c, covered=True)
+        assert torch.equal(step[0], packed[t]), t
+
+
+def test_gradients_are_the_torch_formulas():
+    lengths = [6, 19, 6]
+    q, k, v = (x.requires_grad_() for x in _packed(lengths, 4, 2, 16, torch.float32, seed=4))
+    weight = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    out = _run_packed(q, k, v, lengths, torch.bfloat16)
+    got = torch.autograd.grad((out * weight).sum(), (q, k, v))
+    want = torch.autograd.grad((reference(q, k, v, _groups(lengths), 0.25, torch.bfloat16) * weight).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    assert all(a.abs().sum() > 0 for a in got)
+
+
+def test_frozen_keys_and_values_get_no_gradient():
+    lengths = [4, 7]
+    q, k, v = _packed(lengths, 4, 2, 16, torch.float32, seed=6)
+    q.requires_grad_()
+    (dq,) = torch.autograd.grad(_run_packed(q, k, v, lengths, torch.float32).sum(), (q,))
+    assert dq.shape == q.shape and torch.isfinite(dq).all()
+
+
+def test_bad_shapes_raise():
+    q, k, v = _packed([4], 6, 4, 16, torch.float32)  # 6 query heads over 4 kv heads
+    seqs, tiles = _packed_tables([4], 6, 4, k.stride(0))
+    with pytest.raises(ValueError, match="multiple of Hkv"):
+        attention(q, k.transpose(0, 1), v.transpose(0, 1), seqs, tiles, 1.0, torch.float32, torch.zeros_like(q))
+    q, k, v = _packed([4], 4, 2, 512, torch.float32)
+    with pytest.raises(ValueError, match="head dim 512"):
+        attention(q, k.transpose(0, 1), v.transpose(0, 1), seqs, tiles, 1.0, torch.float32, torch.zeros_like(q))
+
+
+def test_tile_table_covers_every_row_once():
+    tiles = tile_table([1, 5, 9], 4, "cpu")
+    rows = {(int(s), int(r0) + i) for s, r0 in tiles.T for i in range(BLOCK_M) if int(r0) + i < [1, 5, 9][s] * 4}
+    assert rows == {(s, r) for s, n in enumerate([1, 5, 9]) for r in range(n * 4)}
