@@ -29,9 +29,11 @@ values are. (Masked keys add p = 0 products: exact zeros, which can change only 
 exactly zero.) Under TRITON_INTERPRET=1 tiles are FP32 before `tl.dot` (exact products of C values, as on the
 GPU's tensor cores), so the interpreter tests check the same properties, not the GPU's bits.
 
+`cache_write` puts a step's new keys and values into their cache slots (one launch for what were two index
+writes and two casts).
+
 Leaves out: sliding windows, softcapping, attention sinks, ALiBi, head dims above 256, dropout, the backward
-(`kernels/attention.py` differentiates the torch formula), writing the new keys into the cache (the caller
-does: two index writes).
+(`kernels/attention.py` differentiates the torch formula).
 """
 
 from __future__ import annotations
@@ -124,6 +126,43 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_t
     out = round_to(round_to(tl.div_rn(acc, l_sum[:, None]), C), o_ptr.dtype.element_ty)
     o = o_ptr + (q_start + t)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
     tl.store(o, out.to(o_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["s_kt", "s_kh", "s_vt", "s_vh", "s_cs", "s_ch", "s_cp"])
+def _cache_write_kernel(k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, s_kt, s_kh, s_vt, s_vh, s_cs, s_ch, s_cp,
+                        H, D, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + i)
+    pos = tl.load(pos_ptr + i)
+    h = tl.arange(0, BLOCK_H).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    ok = (h < H)[:, None] & (d < D)[None, :]
+    dst = slot * s_cs + pos * s_cp + h[:, None] * s_ch + d[None, :]
+    ty = kc_ptr.dtype.element_ty
+    k = tl.load(k_ptr + i * s_kt + h[:, None] * s_kh + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(kc_ptr + dst, round_to(k, ty).to(ty), mask=ok)
+    v = tl.load(v_ptr + i * s_vt + h[:, None] * s_vh + d[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(vc_ptr + dst, round_to(v, ty).to(ty), mask=ok)
+
+
+def cache_write(key: torch.Tensor, value: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, slot: torch.Tensor,
+                pos: torch.Tensor) -> None:
+    """kc[slot[i], :, pos[i]] = key[i] and the same for values, rounded to the cache's dtype (to nearest, ties
+    to even: torch's `.to`), in one launch. key / value [N, Hkv, D], kc / vc [slots,
+    Hkv, L, D] of one shape and strides, slot / pos int64 [N] on the cache's device. Rows that repeat a
+    (slot, position) race, as torch's index write does (the engine's padding rows, which write its scratch slot)."""
+    n, h, d = key.shape
+    key, value = (x if x.stride(-1) == 1 else x.contiguous() for x in (key, value))
+    if value.shape != key.shape or kc.shape != vc.shape or kc.stride() != vc.stride() or kc.shape[1:2] != (h,) \
+            or kc.shape[-1] != d or kc.stride(-1) != 1:
+        raise ValueError(f"cache_write: key {tuple(key.shape)}, value {tuple(value.shape)}, cache "
+                         f"{tuple(kc.shape)} / {tuple(vc.shape)}: need [N, Hkv, D] rows into [slots, Hkv, L, D]")
+    if n == 0:
+        return
+    with _on_device(kc):
+        _cache_write_kernel[(n,)](key, value, kc, vc, slot, pos, key.stride(0), key.stride(1), value.stride(0),
+                                  value.stride(1), kc.stride(0), kc.stride(1), kc.stride(2), h, d,
+                                  BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), num_warps=4)
 
 
 def seq_table(q_start, n, pos0, kv_base, device) -> torch.Tensor:

@@ -173,17 +173,20 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
     layer = module.layer_idx
     kc, vc = step.cache.k[layer], step.cache.v[layer]
     n_real = step.token_slot.numel()
-    kc[step.token_slot, :, step.token_pos] = key[0, :, :n_real].transpose(0, 1).to(kc.dtype)
-    vc[step.token_slot, :, step.token_pos] = value[0, :, :n_real].transpose(0, 1).to(vc.dtype)
-
     _, hq, t, d = query.shape
     hkv = kc.shape[1]
     g = hq // hkv
     dev = query.device
     if fused_attention_ok(query, d):  # the trainer's kernel too (trainer.actor.train_attention)
+        from rl4bit.kernels.attention_triton import cache_write
+
+        cache_write(key[0, :, :n_real].transpose(0, 1), value[0, :, :n_real].transpose(0, 1), kc, vc,
+                    step.token_slot, step.token_pos)
         seqs, tiles, covered = step.attention_tables(g, dev)
         out = attend(query[0].transpose(0, 1), kc, vc, seqs, tiles, scaling, kc.dtype, covered=covered)
         return out[None], None
+    kc[step.token_slot, :, step.token_pos] = key[0, :, :n_real].transpose(0, 1).to(kc.dtype)
+    vc[step.token_slot, :, step.token_pos] = value[0, :, :n_real].transpose(0, 1).to(vc.dtype)
     out = query.new_zeros(1, t, hq, d)
     for n, tok, slots, blocked in step.groups(g, dev):
         G = tok.shape[0]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from rl4bit.kernels.attention import attend, reference
-from rl4bit.kernels.attention_triton import BLOCK_M, attention, seq_table, tile_table
+from rl4bit.kernels.attention_triton import BLOCK_M, attention, cache_write, seq_table, tile_table
 
 
 def _packed(lengths, hq, hkv, d, dtype, seed=0):
@@ -127,3 +127,20 @@ def test_tile_table_covers_every_row_once():
     tiles = tile_table([1, 5, 9], 4, "cpu")
     rows = {(int(s), int(r0) + i) for s, r0 in tiles.T for i in range(BLOCK_M) if int(r0) + i < [1, 5, 9][s] * 4}
     assert rows == {(s, r) for s, n in enumerate([1, 5, 9]) for r in range(n * 4)}
+
+
+def test_cache_write_is_torchs_index_write():
+    """FP32 keys rounded into a BF16 cache (ties to even, NaN kept), and BF16 into BF16, at scattered slots."""
+    g = torch.Generator().manual_seed(7)
+    key = torch.randn(5, 2, 24, 3, generator=g)[..., 0]  # last dim not contiguous: copied first
+    value = torch.randn(5, 2, 24, generator=g)
+    key[0, 0, :4] = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, float("nan"), -0.0])  # ties, NaN, -0
+    slot, pos = torch.tensor([3, 0, 3, 1, 2]), torch.tensor([0, 7, 9, 2, 31])
+    for dtype in (torch.bfloat16, torch.float32):
+        want_k, want_v = (torch.zeros(4, 2, 32, 24, dtype=dtype) for _ in range(2))
+        want_k[slot, :, pos], want_v[slot, :, pos] = key.to(dtype), value.to(dtype)
+        kc, vc = torch.zeros_like(want_k).to(DEVICE), torch.zeros_like(want_v).to(DEVICE)
+        cache_write(key.to(DEVICE), value.to(DEVICE), kc, vc, slot.to(DEVICE), pos.to(DEVICE))
+        assert torch.equal(kc.cpu().view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+                           want_k.view(torch.int16 if dtype == torch.bfloat16 else torch.int32))
+        assert torch.equal(vc.cpu(), want_v)
