@@ -199,8 +199,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
         raise ValueError(f"attention: head dim {d} (at most {MAX_HEAD_DIM}) / compute dtype {compute_dtype}")
     if any(x.stride(-1) != 1 for x in (q, k, v, out)) or out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError("attention: q, k, v and out need a contiguous last dim; out q's shape and dtype")
-    if k.stride()[-3:-1] != v.stride()[-3:-1]:
-        raise ValueError(f"attention: k and v need the same head and position strides (one kv_base serves both), "
+    if k.stride() != v.stride():
+        raise ValueError(f"attention: k and v need the same strides (one kv_base and one stride serve both), "
                          f"got {k.stride()} and {v.stride()}")
     if tiles.shape[1] == 0:
         return out

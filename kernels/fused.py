@@ -1,4 +1,5 @@
-"""The process-global switch for rl4bit's fused decode-path kernels (RMSNorm, MoE grouping, RoPE, combine).
+"""The process-global switch for rl4bit's fused decode-path kernels (RMSNorm, MoE grouping, RoPE, combine,
+attention).
 
 Each fused kernel replaces a run of small torch ops with one launch and keeps
 the bits the trainer and the samplers agree on (each kernel's docstring says

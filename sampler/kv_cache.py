@@ -17,6 +17,13 @@ public interfaces, make that forward batch-invariant:
 - experts (`ExpertsInterface`, name "rl4bit_engine"): HF's eager loop over
   experts in index order, with each expert's token rows padded to `min_rows`.
 
+With the fused kernels on (CUDA by default, `rl4bit.kernels.fused`), attention
+instead takes `rl4bit.kernels.attention`: one launch writes the step's keys and
+values into their slots, and one Triton kernel attends every sequence reading
+its keys in place, in blocks of a fixed size from position 0 (no padding to
+`max_len`, no gathers); the trainer's `train_attention` runs the same kernel
+on the packed row, so the bits still agree (`attention_triton`'s docstring).
+
 Why `min_rows`: on CPU (torch 2.13, measured) an fp32 GEMM row's bits depend
 on M for M in {1,2,3,5,6,7,9,10,11} (small-M kernels) and are identical for
 every other M; BF16 mostly none, but M=1 (a GEMV path) differed on one
@@ -177,7 +184,7 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
     hkv = kc.shape[1]
     g = hq // hkv
     dev = query.device
-    if fused_attention_ok(query, d):  # the trainer's kernel too (trainer.actor.train_attention)
+    if fused_attention_ok(query, key, kc.dtype):  # the trainer's kernel too (trainer.actor.train_attention)
         from rl4bit.kernels.attention_triton import cache_write
 
         cache_write(key[0, :, :n_real].transpose(0, 1), value[0, :, :n_real].transpose(0, 1), kc, vc,

@@ -149,11 +149,14 @@ class TrainLayout:
 def train_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, rl4bit_train=None, **kwargs):
     """`kv_cache.engine_attention` for whole sequences, without the KV cache (cheap to differentiate).
 
-    Each sequence's keys/values are zero-padded to `max_len` positions, exactly
-    what its cache slot holds after a prefill, so every matmul, mask and softmax
-    has the engine's shapes and values and the outputs match it bit for bit.
-    Sequences of equal length are stacked into one batched matmul, as the
-    engine stacks them (each (sequence, kv head) stays its own matrix).
+    With the fused kernels on (`fused_attention_ok`): the engine's Triton kernel
+    reading keys in the packed row (`kernels.attention.attend`; its backward
+    differentiates the torch formula). Otherwise the torch path: each
+    sequence's keys/values zero-padded to `max_len` positions, exactly what its
+    cache slot holds after a prefill, so every matmul, mask and softmax has the
+    engine's shapes and values. Either way the outputs match the engine's bit
+    for bit. Sequences of equal length are stacked into one batched matmul, as
+    the engine stacks them (each (sequence, kv head) stays its own matrix).
     `rl4bit_train` is the forward's `TrainLayout`.
     """
     layout: TrainLayout = rl4bit_train
@@ -161,13 +164,13 @@ def train_attention(module, query, key, value, attention_mask, scaling, dropout=
     _, hq, t, d = query.shape
     hkv = key.shape[1]
     g = hq // hkv
-    if fused_attention_ok(query, d):  # the engine's kernel (kv_cache.engine_attention), keys read in the row
+    dtype = compute_dtype(query, key)
+    if fused_attention_ok(query, key, dtype):  # the engine's kernel (kv_cache.engine_attention), keys in the row
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
         if k.stride() != v.stride() or k.stride(-1) != 1:
             k, v = k.contiguous(), v.contiguous()
         seqs, tiles = layout.attention_tables(g, k.stride(0))
-        out = attend(query[0].transpose(0, 1), k, v, seqs, tiles, scaling, compute_dtype(query, key),
-                     groups=layout.groups)
+        out = attend(query[0].transpose(0, 1), k, v, seqs, tiles, scaling, dtype, groups=layout.groups)
         return out[None], None
     out = query.new_zeros(1, t, hq, d)
     for n, tok in layout.groups:

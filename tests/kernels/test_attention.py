@@ -13,7 +13,8 @@ from triton_setup import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before tri
 import pytest
 import torch
 
-from rl4bit.kernels.attention import attend, reference
+from rl4bit.kernels import fused
+from rl4bit.kernels.attention import attend, fused_attention_ok, reference
 from rl4bit.kernels.attention_triton import BLOCK_M, attention, cache_write, seq_table, tile_table
 
 
@@ -47,13 +48,14 @@ def _run_packed(q, k, v, lengths, dtype, scaling=0.25):
     (torch.float32, torch.float32, 4, 2, 16),
     (torch.float32, torch.bfloat16, 8, 2, 24),   # FP32 q/k (qk-norm) under BF16 autocast; head dim not a power of 2
     (torch.bfloat16, torch.bfloat16, 4, 4, 32),
+    (torch.float16, torch.float16, 2, 1, 160),    # head dim > 128: the narrower key block
 ])
 def test_matches_the_torch_formula(dtype, compute, hq, hkv, d):
     lengths = [5, 1, 70, 5, 17]  # 70 keys: two key blocks; 17 tokens x g heads: several row tiles
     q, k, v = _packed(lengths, hq, hkv, d, dtype)
     got = _run_packed(q, k, v, lengths, compute)
     want = reference(q, k, v, _groups(lengths), 0.25, compute)
-    tol = 1e-5 if compute == torch.float32 else 2e-2
+    tol = {torch.float32: 1e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}[compute]
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     assert torch.equal(got[-3:], torch.zeros_like(got[-3:]))  # uncovered rows stay zero
     assert got.dtype == q.dtype
@@ -121,6 +123,29 @@ def test_bad_shapes_raise():
     q, k, v = _packed([4], 4, 2, 512, torch.float32)
     with pytest.raises(ValueError, match="head dim 512"):
         attention(q, k.transpose(0, 1), v.transpose(0, 1), seqs, tiles, 1.0, torch.float32, torch.zeros_like(q))
+    q, k, v = _packed([4], 4, 2, 16, torch.float32)
+    with pytest.raises(ValueError, match="same strides"):  # one kv_base serves both
+        attention(q, k.transpose(0, 1), v.transpose(0, 1).contiguous(), seqs, tiles, 1.0, torch.float32,
+                  torch.zeros_like(q))
+
+
+def test_unsupported_calls_fall_back_instead_of_raising():
+    """The callers' gate: what `attention` would refuse goes to their torch path."""
+    q, k = torch.zeros(1, 6, 3, 16, device=DEVICE), torch.zeros(1, 2, 3, 16, device=DEVICE)
+    saved = fused.state()
+    fused.set_enabled(True, q.device.type)
+    try:
+        assert fused_attention_ok(q, k, torch.bfloat16) and fused_attention_ok(q.half(), k, torch.float32)
+        assert not fused_attention_ok(q, k[:, :1].expand(1, 4, 3, 16), torch.float32)  # 6 heads over 4
+        assert not fused_attention_ok(q, k, torch.float64)
+        assert not fused_attention_ok(q.double(), k.double(), torch.float32)
+        assert not fused_attention_ok(q, k[..., :8], torch.float32)  # head dims disagree
+        wide = torch.zeros(1, 2, 3, 512, device=DEVICE)
+        assert not fused_attention_ok(wide, wide, torch.float32)
+        fused.set_enabled(False)
+        assert not fused_attention_ok(q, k, torch.bfloat16)
+    finally:
+        fused.set_enabled(saved is not None, saved or "cuda")
 
 
 def test_tile_table_covers_every_row_once():
