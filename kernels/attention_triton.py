@@ -5,9 +5,10 @@ row): one Triton kernel for the embedded engine's prefill and decode and for the
 
 Rows: a sequence s has n_s query tokens at packed rows q_start_s .. q_start_s + n_s - 1 of q [T, Hq, D], the
 first one at causal position pos0_s; its keys / values for kv head h at position j are
-k[kv_base_s + h * s_kh + j * s_kp + 0..D-1] (element offsets into k's storage, the same for v with v's strides):
-a cache slot (`kv_base = slot * stride0`) or the packed row itself (`kv_base = first row * row stride`). Query
-head h reads kv head h // G (grouped-query attention). Query token t attends to key positions 0 .. pos0 + t.
+k[(kv_row_s + j) * s_kp + h * s_kh + 0..D-1] (element offsets into k's storage, the same for v): `kv_row` counts
+position strides, so a cache slot is `kv_row = slot * stride0 / s_kp` and the packed row `kv_row = first row`
+(offsets stay multiples of the strides, which Triton's specialization sees: vectorized loads). Query head h
+reads kv head h // G (grouped-query attention). Query token t attends to key positions 0 .. pos0 + t.
 
 Numerics, per query row (C = `compute_dtype`, what the matmuls run in: the autocast dtype, or the operands'):
 
@@ -59,11 +60,23 @@ def block_n(head_dim: int) -> int:
     return 64 if head_dim <= 128 else 32
 
 
-@triton.jit(do_not_specialize=["n_seqs", "n_tiles", "s_qt", "s_qh", "s_kh", "s_kp", "s_vh", "s_vp", "s_ot",
-                               "s_oh"])
+@triton.jit
+def _to_compute(x, C: tl.constexpr, IS_C: tl.constexpr, UPCAST: tl.constexpr):
+    """A loaded tile rounded to C (`round_to`; nothing to do when it is stored in C already): C, or FP32 holding
+    C values under the interpreter."""
+    if not IS_C:
+        x = round_to(x.to(tl.float32), C)
+    if UPCAST:
+        return x.to(tl.float32)
+    else:
+        return x.to(C)
+
+
+@triton.jit(do_not_specialize=["n_seqs", "n_tiles"])  # strides specialize (multiples of 16: vector loads)
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_tiles, s_qt, s_qh, s_kh, s_kp, s_vh,
-                      s_vp, s_ot, s_oh, D, scaling, G: tl.constexpr, C: tl.constexpr, IEEE: tl.constexpr,
-                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                      s_vp, s_ot, s_oh, D, scaling, G: tl.constexpr, C: tl.constexpr, KV_IS_C: tl.constexpr,
+                      IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_D: tl.constexpr):
     tile = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     s = tl.load(tile_ptr + tile)
@@ -71,7 +84,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_t
     q_start = tl.load(seq_ptr + s)
     n = tl.load(seq_ptr + n_seqs + s)
     pos0 = tl.load(seq_ptr + 2 * n_seqs + s)
-    kv_base = tl.load(seq_ptr + 3 * n_seqs + s)
+    kv_row = tl.load(seq_ptr + 3 * n_seqs + s)
 
     r = row0 + tl.arange(0, BLOCK_M).to(tl.int64)  # rows token-major: (token t, query head of this kv head)
     live = r < n * G
@@ -80,25 +93,22 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_t
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     q = tl.load(q_ptr + (q_start + t)[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
-                mask=live[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
-    q = round_to(q, C)
-    if not UPCAST:
-        q = q.to(C)
+                mask=live[:, None] & d_ok[None, :], other=0.0)
+    q = _to_compute(q, C, False, UPCAST)
     limit = tl.where(live, pos0 + t, -1)  # a row's last key position (-1: a row past the sequence)
     last = pos0 + tl.minimum(n - 1, (row0 + BLOCK_M - 1) // G)  # the tile's last key position
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    k_rows = k_ptr + kv_base + kvh * s_kh
-    v_rows = v_ptr + kv_base + kvh * s_vh
+    k_rows = k_ptr + kvh * s_kh
+    v_rows = v_ptr + kvh * s_vh
     for j0 in range(0, last + 1, BLOCK_N):
         j = j0 + tl.arange(0, BLOCK_N).to(tl.int64)
         j_ok = j <= last
-        kt = tl.load(k_rows + j[None, :] * s_kp + d[:, None], mask=d_ok[:, None] & j_ok[None, :], other=0.0)
-        kt = round_to(kt.to(tl.float32), C)
-        if not UPCAST:
-            kt = kt.to(C)
+        kt = tl.load(k_rows + (kv_row + j)[None, :] * s_kp + d[:, None], mask=d_ok[:, None] & j_ok[None, :],
+                     other=0.0)
+        kt = _to_compute(kt, C, KV_IS_C, UPCAST)
         if IEEE:
             dots = tl.dot(q, kt, input_precision="ieee")
         else:
@@ -109,12 +119,10 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_t
         m_new = tl.where(active, tl.maximum(m, tl.max(score, axis=1)), 0.0)  # finite where active (key j0)
         alpha = tl.exp(tl.where(active, m - m_new, 0.0))  # exp(-inf) = 0 on a row's first block
         p = tl.where(active[:, None], tl.exp(score - m_new[:, None]), 0.0)
-        vb = tl.load(v_rows + j[:, None] * s_vp + d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
-        vb = round_to(vb.to(tl.float32), C)
-        pc = round_to(p, C)
-        if not UPCAST:
-            vb = vb.to(C)
-            pc = pc.to(C)
+        vb = tl.load(v_rows + (kv_row + j)[:, None] * s_vp + d[None, :], mask=j_ok[:, None] & d_ok[None, :],
+                     other=0.0)
+        vb = _to_compute(vb, C, KV_IS_C, UPCAST)
+        pc = _to_compute(p, C, False, UPCAST)
         if IEEE:
             pv = tl.dot(pc, vb, input_precision="ieee")
         else:
@@ -165,9 +173,9 @@ def cache_write(key: torch.Tensor, value: torch.Tensor, kc: torch.Tensor, vc: to
                                   BLOCK_H=triton.next_power_of_2(h), BLOCK_D=triton.next_power_of_2(d), num_warps=4)
 
 
-def seq_table(q_start, n, pos0, kv_base, device) -> torch.Tensor:
+def seq_table(q_start, n, pos0, kv_row, device) -> torch.Tensor:
     """int64 [4, S]: the per-sequence columns the kernel reads (lists or tensors of S values each)."""
-    cols = [torch.as_tensor(c, dtype=torch.int64) for c in (q_start, n, pos0, kv_base)]
+    cols = [torch.as_tensor(c, dtype=torch.int64) for c in (q_start, n, pos0, kv_row)]
     return torch.stack(cols).to(device)
 
 
@@ -186,8 +194,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
     """Write into `out` [T, Hq, D] (q's dtype) the attention of q [T, Hq, D] (see module docstring).
 
     k / v: any tensors whose last dim is the head dim (contiguous) and whose rows for (kv head h, position j)
-    sit at seqs' kv_base + h * s_h + j * s_p, with (s_h, s_p) = k.stride()[-3:-1]: a cache [slots, Hkv, L, D]
-    or a packed [1?, Hkv, T, D] view. `seqs` int64 [4, S] (`seq_table`), `tiles` int64 [2, n_tiles]
+    sit at (seqs' kv_row + j) * s_p + h * s_h, with (s_h, s_p) = k.stride()[-3:-1]: a cache [slots, Hkv, L, D]
+    (kv_row = slot * Hkv * L) or a packed [Hkv, T, D] view (kv_row = the sequence's first row).
+    `seqs` int64 [4, S] (`seq_table`), `tiles` int64 [2, n_tiles]
     (`tile_table`), both on q's device. Rows of `out` no sequence covers are left as they are.
     """
     t_rows, hq, d = q.shape
@@ -200,7 +209,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
     if any(x.stride(-1) != 1 for x in (q, k, v, out)) or out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError("attention: q, k, v and out need a contiguous last dim; out q's shape and dtype")
     if k.stride() != v.stride():
-        raise ValueError(f"attention: k and v need the same strides (one kv_base and one stride serve both), "
+        raise ValueError(f"attention: k and v need the same strides (one kv_row and one stride serve both), "
                          f"got {k.stride()} and {v.stride()}")
     if tiles.shape[1] == 0:
         return out
@@ -209,6 +218,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
         _attention_kernel[(tiles.shape[1], hkv)](
             q, k, v, out, seqs, tiles, seqs.shape[1], tiles.shape[1], q.stride(0), q.stride(1), k.stride(-3),
             k.stride(-2), v.stride(-3), v.stride(-2), out.stride(0), out.stride(1), d, float(scaling),
-            G=hq // hkv, C=_TL[compute_dtype], IEEE=compute_dtype == torch.float32, UPCAST=interpret(),
+            G=hq // hkv, C=_TL[compute_dtype], KV_IS_C=k.dtype == v.dtype == compute_dtype,
+            IEEE=compute_dtype == torch.float32, UPCAST=interpret(),
             BLOCK_M=BLOCK_M, BLOCK_N=block_n(d), BLOCK_D=bd, num_warps=4, enable_fp_fusion=False)
     return out

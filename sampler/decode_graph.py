@@ -97,7 +97,7 @@ class DecodeLayout(StepLayout):
             per = -(-g // BLOCK_M)  # row tiles a one-token sequence needs
             first = torch.arange(rows, device=device)
             seqs = torch.stack([first, torch.ones_like(first), self.token_pos,
-                                self.token_slot * self.cache.k[0].stride(0)])
+                                self.token_slot * self.cache.slot_rows])
             at = torch.arange(rows * per, device=device)
             self._tables[g] = (seqs, torch.stack([at // per, at % per * BLOCK_M]), True)
         return self._tables[g]

@@ -65,6 +65,8 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_len = max_len
+        self.slot_rows = kv_heads * max_len
+        """A slot's size in cache rows (positions x kv heads): slot s starts at row s * slot_rows."""
         self.free = list(range(slots))[::-1]
 
     def acquire(self) -> int:
@@ -118,17 +120,16 @@ class StepLayout:
     """Per group size g: the fused attention kernel's (seqs, tiles, covered), built once and shared by every layer."""
 
     def attention_tables(self, g: int, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """`attention_triton`'s sequence and tile tables for this step (keys in the cache: kv_base = slot's
-        offset), and whether the sequences cover every packed row (then the output needs no clearing)."""
+        """`attention_triton`'s sequence and tile tables for this step (keys in the cache: kv_row = the slot's
+        first row, in position strides), and whether the sequences cover every packed row (then the output needs no clearing)."""
         from rl4bit.kernels.attention_triton import seq_table, tile_table
 
         if self._tables is None:
             self._tables = {}
         if g not in self._tables:
             lengths = [b - a for a, b in self.spans]
-            stride = self.cache.k[0].stride(0)
-            seqs = seq_table([a for a, _ in self.spans], lengths, self.starts, [s * stride for s in self.slots],
-                             device)
+            rows = self.cache.slot_rows
+            seqs = seq_table([a for a, _ in self.spans], lengths, self.starts, [s * rows for s in self.slots], device)
             self._tables[g] = (seqs, tile_table(lengths, g, device), False)
         return self._tables[g]
 

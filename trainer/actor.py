@@ -124,18 +124,18 @@ class TrainLayout:
         self.groups = [(n, to_device(torch.tensor(firsts)[:, None] + torch.arange(n)[None, :], device))
                        for n, firsts in by_len.items()]
         self._allowed: dict[tuple[int, int], torch.Tensor] = {}
-        self._tables: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def attention_tables(self, g: int, pos_stride: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`attention_triton`'s sequence and tile tables: keys in the packed row (kv_base = first row's offset)."""
+    def attention_tables(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attention_triton`'s sequence and tile tables: keys in the packed row (kv_row = the first row)."""
         from rl4bit.kernels.attention_triton import seq_table, tile_table
 
-        if (g, pos_stride) not in self._tables:
+        if g not in self._tables:
             lengths = [b - a for a, b in self.spans]
-            seqs = seq_table([a for a, _ in self.spans], lengths, [0] * len(lengths),
-                             [a * pos_stride for a, _ in self.spans], self.device)
-            self._tables[g, pos_stride] = (seqs, tile_table(lengths, g, self.device))
-        return self._tables[g, pos_stride]
+            starts = [a for a, _ in self.spans]
+            self._tables[g] = (seq_table(starts, lengths, [0] * len(lengths), starts, self.device),
+                               tile_table(lengths, g, self.device))
+        return self._tables[g]
 
     def allowed(self, n: int, g: int) -> torch.Tensor:
         """[max(g*n, min_rows), max_len] bool: query row (head-major, position j) may read key position <= j."""
@@ -169,7 +169,7 @@ def train_attention(module, query, key, value, attention_mask, scaling, dropout=
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
         if k.stride() != v.stride() or k.stride(-1) != 1:
             k, v = k.contiguous(), v.contiguous()
-        seqs, tiles = layout.attention_tables(g, k.stride(0))
+        seqs, tiles = layout.attention_tables(g)
         out = attend(query[0].transpose(0, 1), k, v, seqs, tiles, scaling, dtype, groups=layout.groups)
         return out[None], None
     out = query.new_zeros(1, t, hq, d)

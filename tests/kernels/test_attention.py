@@ -33,14 +33,14 @@ def _groups(lengths):
     return [(n, (torch.tensor(firsts)[:, None] + torch.arange(n)[None, :]).to(DEVICE)) for n, firsts in by_len.items()]
 
 
-def _packed_tables(lengths, hq, hkv, pos_stride):
+def _packed_tables(lengths, hq, hkv):
     starts = [sum(lengths[:i]) for i in range(len(lengths))]
-    return (seq_table(starts, lengths, [0] * len(lengths), [a * pos_stride for a in starts], DEVICE),
+    return (seq_table(starts, lengths, [0] * len(lengths), starts, DEVICE),
             tile_table(lengths, hq // hkv, DEVICE))
 
 
 def _run_packed(q, k, v, lengths, dtype, scaling=0.25):
-    seqs, tiles = _packed_tables(lengths, q.shape[1], k.shape[1], k.stride(0))
+    seqs, tiles = _packed_tables(lengths, q.shape[1], k.shape[1])
     return attend(q, k, v, seqs, tiles, scaling, dtype, groups=_groups(lengths))
 
 
@@ -83,14 +83,14 @@ def test_decode_steps_over_a_cache_equal_the_prefill_and_the_packed_row():
     kc = torch.randn(4, hkv, max_len, d, generator=g).to(torch.bfloat16).to(DEVICE)
     vc = torch.randn(4, hkv, max_len, d, generator=g).to(torch.bfloat16).to(DEVICE)
     kc[2, :, :n], vc[2, :, :n] = k.transpose(0, 1), v.transpose(0, 1)
-    c, slot2 = torch.bfloat16, 2 * kc.stride(0)
+    c, slot2 = torch.bfloat16, 2 * hkv * max_len  # slot 2's first row, in position strides
     packed = _run_packed(q, k, v, [n], c)
     chunks = attend(q, kc, vc, seq_table([0, 5], [5, n - 5], [0, 5], [slot2, slot2], DEVICE),
                     tile_table([5, n - 5], hq // hkv, DEVICE), 0.25, c, covered=True)
     assert torch.equal(chunks, packed)
     for t in range(n):  # row 0: the sequence's token t; row 1: a neighbour at position 75 of slot 1
         qs = torch.stack([q[t], q[(t + 5) % n]])
-        seqs = seq_table([0, 1], [1, 1], [t, 75], [slot2, 1 * kc.stride(0)], DEVICE)
+        seqs = seq_table([0, 1], [1, 1], [t, 75], [slot2, 1 * hkv * max_len], DEVICE)
         step = attend(qs, kc, vc, seqs, tile_table([1, 1], hq // hkv, DEVICE), 0.25, c, covered=True)
         assert torch.equal(step[0], packed[t]), t
 
@@ -117,7 +117,7 @@ def test_frozen_keys_and_values_get_no_gradient():
 
 def test_bad_shapes_raise():
     q, k, v = _packed([4], 6, 4, 16, torch.float32)  # 6 query heads over 4 kv heads
-    seqs, tiles = _packed_tables([4], 6, 4, k.stride(0))
+    seqs, tiles = _packed_tables([4], 6, 4)
     with pytest.raises(ValueError, match="multiple of Hkv"):
         attention(q, k.transpose(0, 1), v.transpose(0, 1), seqs, tiles, 1.0, torch.float32, torch.zeros_like(q))
     q, k, v = _packed([4], 4, 2, 512, torch.float32)

@@ -2,8 +2,9 @@
 batch-invariant, its scoring pass, its static decode forward (the CUDA graphs' tables) and the trainer's logprob
 recompute (with and without gradients) give the sampled logprobs bitwise, and the kernels are in effect.
 
-CPU: TRITON_INTERPRET=1 (triton_setup) with the fused kernels enabled for CPU tensors. A converted model (bf16
-recipe under BF16 autocast with FP32 masters, as the trainer holds it), so every fused path of `convert_model` runs.
+CPU: TRITON_INTERPRET=1 (triton_setup) with the fused kernels enabled for CPU tensors; with CUDA the compiled
+kernels on the GPU in the invariant mode (static decode there is the graphs' forward run eagerly). A converted model (bf16 recipe under
+BF16 autocast with FP32 masters, as the trainer holds it), so every fused path of `convert_model` runs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from unittest import mock
 import torch
 
 from rl4bit.bench_rollout import _NullTokenizer
-from rl4bit.kernels import attention, attention_triton, combine_triton, fused, qk_rope_triton, rmsnorm_triton
+from rl4bit.kernels import (attention, attention_triton, combine_triton, fused, invariant, qk_rope_triton,
+                            rmsnorm_triton)
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, SamplingParams
 
@@ -36,7 +38,7 @@ def _model():
         for p in model.parameters():
             p.normal_(0, 0.5 if p.ndim > 1 else 0.1).add_(1.0 if p.ndim == 1 else 0.0)
     convert_model(model, RecipeConfig(name="bf16"))
-    return model.eval()
+    return model.eval().to(DEVICE)
 
 
 def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
@@ -47,29 +49,34 @@ def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
     g = torch.Generator().manual_seed(5)
     reqs = [Request(str(i), torch.randint(1, 48, (3 + 2 * i,), generator=g).tolist(),
                     SamplingParams(temperature=1.0, seed=i, max_new_tokens=4)) for i in range(4)]
-    fused.set_enabled(True, "cpu")
+    dev = torch.device(DEVICE).type
+    saved = fused.state()
+    fused.set_enabled(True, dev)
+    if dev == "cuda":  # cuBLAS picks GEMM kernels by row count: batch invariance on the GPU needs the mode
+        invariant.set_mode(True, "CUDA")
     spies = [mock.patch.object(m, n, wraps=getattr(m, n)) for m, n in
              ((rmsnorm_triton, "rms_norm"), (qk_rope_triton, "qk_norm_rope"), (combine_triton, "combine"),
               (attention_triton, "attention"))]
     try:
         with spies[0] as norms, spies[1] as ropes, spies[2] as combines, spies[3] as attentions:
             engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=4, autocast=torch.bfloat16,
-                                    max_seq_len=32)
+                                    max_seq_len=32, device=DEVICE, decode_graphs="off")
             alone = [engine.generate([r])[0] for r in reqs]
             together = engine.generate(reqs[::-1])[::-1]
             scores = [engine.score(r.prompt_ids, r.completion_ids) for r in together]
             static = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=4, autocast=torch.bfloat16,
-                                    max_seq_len=32, decode_graphs="static").generate(reqs)
+                                    max_seq_len=32, device=DEVICE, decode_graphs="static").generate(reqs)
             prompts, completions = [r.prompt_ids for r in together], [r.completion_ids for r in together]
-            with torch.autocast("cpu", torch.bfloat16), torch.no_grad():
+            with torch.autocast(dev, torch.bfloat16), torch.no_grad():
                 recomputed = sequence_logprobs(model, prompts, completions, 1.0, 32)[0]
-            with torch.autocast("cpu", torch.bfloat16), torch.enable_grad():  # the training forward
+            with torch.autocast(dev, torch.bfloat16), torch.enable_grad():  # the training forward
                 trained = sequence_logprobs(model, prompts, completions, 1.0, 32)[0]
             with mock.patch.object(attention, "reference", wraps=attention.reference) as backwards:
                 trained[0].sum().backward()  # through the fused attention's backward
         assert norms.call_count and ropes.call_count and combines.call_count and attentions.call_count
     finally:
-        fused.set_enabled(True, "cuda")
+        fused.set_enabled(saved is not None, saved or "cuda")
+        invariant.set_mode(False)
     for a, b in zip(alone, together):
         assert (a.completion_ids, a.logprobs) == (b.completion_ids, b.logprobs), a.request_id
     for a, b in zip(static, together):
