@@ -191,6 +191,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     compare_unfused: also the NVFP4-weights engine with the fused kernels off."""
     from rl4bit.kernels.rmsnorm import fuse_norms
     from rl4bit.trainer.fused_attention import fuse_attentions
+    from rl4bit.trainer.fused_router import fuse_routers
 
     cuda = torch.device(device).type == "cuda"
     if cuda and not quick:
@@ -203,6 +204,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     model = build_model(name, p + new + 1, dtype, device)
     fuse_norms(model)
     fuse_attentions(model)  # as convert_model does for the trainer's and the samplers' models (nvfp4_model's copy too)
+    fuse_routers(model)
     n_params = sum(t.numel() for t in model.parameters())
     gen = torch.Generator().manual_seed(0)
     qmodel = nvfp4_model(model)

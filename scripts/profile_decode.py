@@ -13,6 +13,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from rl4bit.kernels.rmsnorm import fuse_norms
 from rl4bit.trainer.fused_attention import fuse_attentions
+from rl4bit.trainer.fused_router import fuse_routers
 from rl4bit.bench_rollout import _NullTokenizer, build_model, nvfp4_model
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, SamplingParams
@@ -32,6 +33,7 @@ def main() -> None:
     model = build_model(args.model, args.prompt + args.new + 1, torch.bfloat16, args.device)
     fuse_norms(model)
     fuse_attentions(model)  # as the trainer's and samplers' converted models run them
+    fuse_routers(model)
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     reqs = [Request(str(i), r.tolist(), SamplingParams(temperature=args.temperature, max_new_tokens=args.new, seed=i)) for i, r in enumerate(prompts)]
     for name, m in (("bf16", model), ("nvfp4", nvfp4_model(model))):

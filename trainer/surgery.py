@@ -9,7 +9,8 @@ quantization scope):
   `gate_up_proj` / `down_proj`) become `QuantExperts` under every recipe
   (bf16 too, so all recipes share one routing/grouping code path);
 - under scope "all_linear", attention / dense-MLP linears become `QuantLinear`;
-- routers compute their logits in FP32 (autocast off, FP32 input and weight);
+- routers compute their logits in FP32 (autocast off, FP32 input and weight), Qwen3-MoE-style ones
+  (softmax, top-k, renormalize) in one fused kernel on CUDA (`rl4bit.trainer.fused_router`);
 - parameters are made FP32 (master weights; AdamW state follows them). Run
   the forward under `torch.autocast(device, torch.bfloat16)`: BF16 compute,
   FP32 master weights. Everything else (attention math, norms, embeddings,
@@ -33,6 +34,7 @@ from torch import nn
 
 from rl4bit.kernels.rmsnorm import fuse_norms
 from rl4bit.trainer.fused_attention import fuse_attentions
+from rl4bit.trainer.fused_router import fuse_router
 from rl4bit.trainer.modules import QuantExperts, QuantLinear
 from rl4bit.trainer.plan import _is_router, expert_weight_shapes, quant_plan
 from rl4bit.trainer.qgemm import GemmSpec
@@ -77,6 +79,7 @@ def convert_model(model: nn.Module, recipe: RecipeConfig, *, master_dtype=torch.
             new = QuantLinear.from_linear(module, gemm_spec(recipe, fmt), recipe.seed, layer_id)
         else:
             if _is_router(name, module):
+                fuse_router(module)  # the kernel under the FP32 wrap: it sees FP32 input, autocast off
                 _make_router_fp32(module)
             continue
         parent_name, _, child = name.rpartition(".")

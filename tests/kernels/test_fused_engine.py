@@ -1,4 +1,4 @@
-"""The embedded engine with the fused kernels on (norms, q/k norm + RoPE, attention, MoE combine): still
+"""The embedded engine with the fused kernels on (norms, q/k norm + RoPE, attention, router, MoE combine): still
 batch-invariant, its scoring pass, its static decode forward (the CUDA graphs' tables) and the trainer's logprob
 recompute (with and without gradients) give the sampled logprobs bitwise, and the kernels are in effect.
 
@@ -17,7 +17,7 @@ import torch
 
 from rl4bit.bench_rollout import _NullTokenizer
 from rl4bit.kernels import (attention, attention_triton, combine_triton, fused, invariant, qk_rope_triton,
-                            rmsnorm_triton)
+                            rmsnorm_triton, router_triton)
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, SamplingParams
 
@@ -56,9 +56,9 @@ def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
         invariant.set_mode(True, "CUDA")
     spies = [mock.patch.object(m, n, wraps=getattr(m, n)) for m, n in
              ((rmsnorm_triton, "rms_norm"), (qk_rope_triton, "qk_norm_rope"), (combine_triton, "combine"),
-              (attention_triton, "attention"))]
+              (attention_triton, "attention"), (router_triton, "route_topk"))]
     try:
-        with spies[0] as norms, spies[1] as ropes, spies[2] as combines, spies[3] as attentions:
+        with spies[0] as norms, spies[1] as ropes, spies[2] as combines, spies[3] as attentions, spies[4] as routers:
             engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=4, autocast=torch.bfloat16,
                                     max_seq_len=32, device=DEVICE, decode_graphs="off")
             alone = [engine.generate([r])[0] for r in reqs]
@@ -73,7 +73,7 @@ def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
                 trained = sequence_logprobs(model, prompts, completions, 1.0, 32)[0]
             with mock.patch.object(attention, "reference", wraps=attention.reference) as backwards:
                 trained[0].sum().backward()  # through the fused attention's backward
-        assert norms.call_count and ropes.call_count and combines.call_count and attentions.call_count
+        assert all(s.call_count for s in (norms, ropes, combines, attentions, routers))
     finally:
         fused.set_enabled(saved is not None, saved or "cuda")
         invariant.set_mode(False)

@@ -1,0 +1,131 @@
+"""An MoE router's gate in one Triton launch: logits, softmax, top-k and the renormalized top-k weights.
+
+    logits, weights, index = route_topk(x, w, top_k, normalize, compute_dtype)
+
+For x [T, H] (any float dtype) and the gate weight w [E, H], per token row (C = `compute_dtype`: what HF's
+`F.linear` would run in, the autocast dtype or the operands' promotion; FP32 for rl4bit's FP32 routers):
+
+    logits = C(sum_k C(x_k) C(w_ek))          FP32 accumulation over H in blocks of BLOCK_K from 0, in order
+    p = exp(logits - max) / sum(exp(...))     FP32 (IEEE division), over the E experts
+    index = the top_k largest p, largest first; equal values: the lower expert first; NaN counts as largest
+    weights = C(p_index / ((p_0 + p_1) + ...)) with `normalize` (left to right, in the order chosen),
+              else C(p_index)
+
+which is Qwen3-MoE's router (`Qwen3MoeTopKRouter`: `F.linear`, `softmax(dtype=float)`, `topk`, the in-place
+renormalization, `.to(logits.dtype)`), to rounding: other sum orders and `tl.exp`, so not torch's bits. What it
+promises instead is rl4bit's rule for every fused kernel: a row's bits depend on that row alone (one program per
+BLOCK_T rows, tile shapes from E and C, never from T), and the trainer (`trainer/fused_router.py`, training
+through an autograd Function) and the samplers run this same kernel, so they agree bitwise. On a decode step it
+replaces about seven launches (the FP32 input cast, cuBLAS's GEMM and split-K reduce, softmax, top-k's two
+kernels, the sum and the division).
+
+Under TRITON_INTERPRET=1 the products are FP32 products of C values summed per output element (numpy's matmul,
+which the interpreter's `tl.dot` calls, gave a row other bits at another place in its tile): the interpreter
+tests check the same properties, not the GPU's bits. On the GPU each output element is one accumulation chain
+(FMA for FP32, the tensor core's for BF16/FP16) whatever the other rows hold.
+
+Leaves out: more than 256 experts, grouped / biased routing (DeepSeek-V3), a softmax after the top-k (Mixtral).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rl4bit.kernels.attention_triton import _to_compute
+from rl4bit.kernels.invariant_triton import _on_device
+from rl4bit.kernels.qgemm_triton import interpret
+from rl4bit.kernels.rmsnorm_triton import round_to
+
+BLOCK_T = 16
+"""Token rows a program takes: a constant (a tensor-core tile's rows), never chosen from T."""
+
+MAX_EXPERTS = 256
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def block_k(experts: int) -> int:
+    """Hidden columns a step of the sum: from the expert count alone (a weight tile of BLOCK_K x E)."""
+    return 64 if experts <= 64 else 32
+
+
+@triton.jit(do_not_specialize=["T"])
+def _router_kernel(x_ptr, w_ptr, logit_ptr, weight_ptr, index_ptr, T, H, E, s_xt, s_we, TOP_K: tl.constexpr,
+                   NORMALIZE: tl.constexpr, C: tl.constexpr, X_IS_C: tl.constexpr, W_IS_C: tl.constexpr,
+                   IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                   BLOCK_K: tl.constexpr, K_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < T
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < H
+        x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + e[None, :] * s_we + k[:, None], mask=k_ok[:, None] & e_ok[None, :], other=0.0)
+        x = _to_compute(x, C, X_IS_C, UPCAST)
+        w = _to_compute(w, C, W_IS_C, UPCAST)
+        if UPCAST:  # numpy's matmul in the interpreter: a row's bits can depend on its place in the tile
+            acc = acc + tl.sum(x[:, :, None] * w[None, :, :], axis=1)
+        elif IEEE:
+            acc = tl.dot(x, w, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, w, acc)
+    logits = round_to(acc, C)
+    tl.store(logit_ptr + t[:, None] * E + e[None, :], logits.to(logit_ptr.dtype.element_ty),
+             mask=t_ok[:, None] & e_ok[None, :])
+
+    z = tl.where(e_ok[None, :], logits, float("-inf"))
+    ex = tl.exp(z - tl.max(z, axis=1)[:, None])
+    p = tl.div_rn(ex, tl.sum(ex, axis=1)[:, None])
+    key = tl.where(e_ok[None, :], tl.where(p != p, float("inf"), p), -1.0)  # NaN largest; padding never chosen
+    c = tl.arange(0, K_PAD)
+    chosen = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
+    index = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int64)
+    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    for i in tl.static_range(TOP_K):
+        best = tl.max(key, axis=1)
+        j = tl.min(tl.where(key == best[:, None], e[None, :], BLOCK_E), axis=1)  # the lowest expert of the best
+        hit = e[None, :] == j[:, None]
+        v = tl.sum(tl.where(hit, p, 0.0), axis=1)  # p at expert j (one term: exact)
+        total = total + v  # 0 + v = v: the first term exactly
+        chosen = tl.where(c[None, :] == i, v[:, None], chosen)
+        index = tl.where(c[None, :] == i, j[:, None].to(tl.int64), index)
+        key = tl.where(hit, -2.0, key)
+    if NORMALIZE:
+        chosen = tl.div_rn(chosen, total[:, None])
+    out = round_to(chosen, C)
+    ok = t_ok[:, None] & (c < TOP_K)[None, :]
+    tl.store(weight_ptr + t[:, None] * TOP_K + c[None, :], out.to(weight_ptr.dtype.element_ty), mask=ok)
+    tl.store(index_ptr + t[:, None] * TOP_K + c[None, :], index, mask=ok)
+
+
+def route_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, normalize: bool,
+               compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logits [T, E] in C, weights [T, top_k] in C, index [T, top_k] int64) of x [T, H] and w [E, H] (see the
+    module docstring). Raises ValueError for shapes or dtypes it does not cover."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"route_topk: x {tuple(x.shape)}, w {tuple(w.shape)}: need x [T, H] and w [E, H]")
+    t, h = x.shape
+    e = w.shape[0]
+    if not 1 <= top_k <= e <= MAX_EXPERTS or compute_dtype not in _TL or x.dtype not in _TL or w.dtype not in _TL:
+        raise ValueError(f"route_topk: top_k {top_k} of {e} experts (1 <= top_k <= E <= {MAX_EXPERTS}), dtypes "
+                         f"x {x.dtype}, w {w.dtype}, compute {compute_dtype} (FP32, BF16 or FP16)")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    logits = torch.empty(t, e, dtype=compute_dtype, device=x.device)
+    weights = torch.empty(t, top_k, dtype=compute_dtype, device=x.device)
+    index = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
+    if t == 0:
+        return logits, weights, index
+    with _on_device(x):
+        _router_kernel[(triton.cdiv(t, BLOCK_T),)](
+            x, w, logits, weights, index, t, h, e, x.stride(0), w.stride(0), TOP_K=top_k, NORMALIZE=bool(normalize),
+            C=_TL[compute_dtype], X_IS_C=x.dtype == compute_dtype, W_IS_C=w.dtype == compute_dtype,
+            IEEE=compute_dtype == torch.float32, UPCAST=interpret(), BLOCK_T=BLOCK_T,
+            BLOCK_E=max(16, triton.next_power_of_2(e)), BLOCK_K=block_k(e), K_PAD=triton.next_power_of_2(top_k),
+            num_warps=4, enable_fp_fusion=False)
+    return logits, weights, index

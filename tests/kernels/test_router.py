@@ -1,0 +1,154 @@
+"""The fused MoE router (`kernels/router_triton.py`, `trainer/fused_router.py`).
+
+Against the torch formula (`fused_router.reference`, which the install probe checks against HF's own
+`Qwen3MoeTopKRouter`) to rounding, with the same experts chosen; bitwise against itself where its docstring
+promises: a row's outputs are the same alone and among other rows; the training forward (autograd) gives the
+same bits, and gradients are the formula's. CPU: the Triton interpreter (triton_setup); CUDA: the compiled kernel.
+"""
+
+from __future__ import annotations
+
+from triton_setup import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
+
+import pytest
+import torch
+
+from rl4bit.kernels import fused
+from rl4bit.kernels.router_triton import route_topk
+from rl4bit.trainer.fused_router import fuse_router, fuse_routers, reference
+
+
+def _inputs(t, h, e, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(t, h, generator=g).to(dtype).to(DEVICE),
+            (torch.randn(e, h, generator=g) / h ** 0.5).to(dtype).to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype,compute,e,k,normalize", [
+    (torch.float32, torch.float32, 32, 4, True),    # rl4bit's FP32 router (Qwen3-MoE shape)
+    (torch.bfloat16, torch.float32, 8, 2, False),   # BF16 hidden states into the FP32 router
+    (torch.bfloat16, torch.bfloat16, 96, 8, True),  # a plain BF16 model's router; E not a power of 2
+])
+def test_matches_the_torch_formula(dtype, compute, e, k, normalize):
+    x, w = _inputs(37, 80, e, dtype)  # 37 rows: three programs, the last one partial; H not a block multiple
+    logits, weights, index = route_topk(x, w, k, normalize, compute)
+    want_l, want_w, want_i = reference(x, w, k, normalize, compute)
+    assert logits.dtype == weights.dtype == compute and index.dtype == torch.int64
+    tol = 1e-5 if compute == torch.float32 else 2e-2
+    torch.testing.assert_close(logits.float(), want_l.float(), atol=tol, rtol=tol)
+    # the top-k of its own logits: descending, ties to the lower expert, nothing left out larger
+    p = torch.softmax(logits.float(), dim=-1)
+    chosen = p.gather(1, index)
+    assert (chosen[:, :-1] >= chosen[:, 1:]).all()
+    assert ((chosen[:, :-1] > chosen[:, 1:]) | (index[:, :-1] < index[:, 1:])).all()
+    rest = p.scatter(1, index, -1.0)
+    last, last_i = chosen[:, -1:], index[:, -1:]
+    assert ((rest < last) | ((rest == last) & (torch.arange(e, device=DEVICE) > last_i))).all()
+    if compute == torch.float32:
+        assert torch.equal(index, want_i)  # FP32 random logits: no ties, torch's choice
+    _, at_index, _ = reference(x, w, k, normalize, compute, index=index)  # BF16: ties are common
+    torch.testing.assert_close(weights.float(), at_index.float(), atol=tol, rtol=tol)
+
+
+def test_a_row_is_the_same_bits_alone_and_among_others():
+    x, w = _inputs(40, 64, 16, torch.float32, seed=1)
+    together = route_topk(x, w, 4, True, torch.float32)
+    for r in (0, 17, 39):
+        alone = route_topk(x[r:r + 1].clone(), w, 4, True, torch.float32)
+        for a, b in zip(alone, together):
+            assert torch.equal(a[0], b[r])
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy on the NaN row
+def test_ties_pick_the_lower_expert_and_nan_is_largest():
+    x = torch.zeros(2, 16, device=DEVICE)
+    w = torch.zeros(8, 16, device=DEVICE)
+    w[5, 0] = 1.0
+    x[0, 0] = 1.0    # expert 5 largest, the other seven tied: 0 then 1
+    x[1, 0] = float("nan")
+    _, weights, index = route_topk(x, w, 3, False, torch.float32)
+    assert index[0].tolist() == [5, 0, 1]
+    assert weights[1].isnan().all()  # a NaN row: NaN weights, never a finite routing
+
+
+def test_bad_shapes_raise():
+    x, w = _inputs(4, 16, 8, torch.float32)
+    with pytest.raises(ValueError, match="need x"):
+        route_topk(x, w[:, :8], 2, True, torch.float32)
+    with pytest.raises(ValueError, match="top_k 9 of 8"):
+        route_topk(x, w, 9, True, torch.float32)
+
+
+def _qwen3_moe(**extra):
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(vocab_size=32, hidden_size=48, intermediate_size=64, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         num_experts=8, num_experts_per_tok=2, max_position_embeddings=32, **extra)
+    torch.manual_seed(0)
+    return Qwen3MoeForCausalLM(cfg).to(DEVICE)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_installed_on_qwen3_moe_routers_with_their_own_setting(norm):
+    """The probe finds the module's renormalization setting; the fused forward chooses HF's experts."""
+    model = _qwen3_moe(norm_topk_prob=norm)
+    gate = model.model.layers[0].mlp.gate
+    x = torch.randn(9, 48, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    with torch.no_grad():
+        want = gate(x)
+    assert fuse_routers(model) == ["model.layers.0.mlp.gate", "model.layers.1.mlp.gate"]
+    assert gate.forward.args[2] is norm
+    saved = fused.state()
+    fused.set_enabled(True, torch.device(DEVICE).type)
+    try:
+        with torch.no_grad():
+            got = gate(x)
+    finally:
+        fused.set_enabled(saved is not None, saved or "cuda")
+    assert torch.equal(got[2], want[2])
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+
+
+def test_another_formula_keeps_its_forward():
+    """A router that takes the softmax over its top-k logits (Mixtral-style) is not this kernel's formula."""
+
+    class TopKThenSoftmax(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(8, 16))
+            self.top_k, self.hidden_dim = 2, 16
+
+        def forward(self, x):
+            logits = torch.nn.functional.linear(x, self.weight)
+            top, index = torch.topk(logits, self.top_k, dim=-1)
+            return logits, torch.softmax(top, dim=-1), index
+
+    assert not fuse_router(TopKThenSoftmax().to(DEVICE))
+
+
+def test_training_forward_is_the_kernel_and_gradients_are_the_formulas():
+    x, w = _inputs(21, 48, 8, torch.float32, seed=4)
+    x.requires_grad_()
+    w.requires_grad_()
+    model = _qwen3_moe(norm_topk_prob=True)
+    gate = model.model.layers[0].mlp.gate
+    with torch.no_grad():
+        gate.weight.copy_(w)
+    fuse_router(gate)
+    saved = fused.state()
+    fused.set_enabled(True, torch.device(DEVICE).type)
+    try:
+        logits, weights, index = gate(x)  # grad on: the autograd Function
+        plain = route_topk(x.detach(), w.detach(), 2, True, torch.float32)
+    finally:
+        fused.set_enabled(saved is not None, saved or "cuda")
+    for a, b in zip((logits, weights, index), plain):
+        assert torch.equal(a.detach(), b)
+    up = torch.randn(21, 2, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    dx, dw = torch.autograd.grad((weights * up).sum() + logits.square().sum(), (x, gate.weight))
+    xr, wr = x.detach().requires_grad_(), w.detach().requires_grad_()
+    rl, rw, _ = reference(xr, wr, 2, True, torch.float32, index=index)
+    want = torch.autograd.grad((rw * up).sum() + rl.square().sum(), (xr, wr))
+    torch.testing.assert_close(dx, want[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dw, want[1], atol=1e-5, rtol=1e-5)
