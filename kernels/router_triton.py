@@ -1,11 +1,13 @@
-"""An MoE router's gate in one Triton launch: logits, softmax, top-k and the renormalized top-k weights.
+"""An MoE router's gate in two Triton launches: logits, softmax, top-k and the renormalized top-k weights.
 
     logits, weights, index = route_topk(x, w, top_k, normalize, compute_dtype)
 
 For x [T, H] (any float dtype) and the gate weight w [E, H], per token row (C = `compute_dtype`: what HF's
 `F.linear` would run in, the autocast dtype or the operands' promotion; FP32 for rl4bit's FP32 routers):
 
-    logits = C(sum_k C(x_k) C(w_ek))          FP32 accumulation over H in blocks of BLOCK_K from 0, in order
+    part_c = sum over the CHUNK hidden columns of chunk c of C(x_k) * C(w_ek)     FP32 products, no FMA;
+             BLOCK_K columns at a time summed by `tl.sum`, those steps added in order   (`_partial_kernel`)
+    logits = C((part_0 + part_1) + ...)       the chunks in order                        (`_topk_kernel`)
     p = exp(logits - max) / sum(exp(...))     FP32 (IEEE division), over the E experts
     index = the top_k largest p, largest first; equal values: the lower expert first; NaN counts as largest
     weights = C(p_index / ((p_0 + p_1) + ...)) with `normalize` (left to right, in the order chosen),
@@ -13,16 +15,13 @@ For x [T, H] (any float dtype) and the gate weight w [E, H], per token row (C = 
 
 which is Qwen3-MoE's router (`Qwen3MoeTopKRouter`: `F.linear`, `softmax(dtype=float)`, `topk`, the in-place
 renormalization, `.to(logits.dtype)`), to rounding: other sum orders and `tl.exp`, so not torch's bits. What it
-promises instead is rl4bit's rule for every fused kernel: a row's bits depend on that row alone (one program per
-BLOCK_T rows, tile shapes from E and C, never from T), and the trainer (`trainer/fused_router.py`, training
-through an autograd Function) and the samplers run this same kernel, so they agree bitwise. On a decode step it
-replaces about seven launches (the FP32 input cast, cuBLAS's GEMM and split-K reduce, softmax, top-k's two
-kernels, the sum and the division).
-
-Under TRITON_INTERPRET=1 the products are FP32 products of C values summed per output element (numpy's matmul,
-which the interpreter's `tl.dot` calls, gave a row other bits at another place in its tile): the interpreter
-tests check the same properties, not the GPU's bits. On the GPU each output element is one accumulation chain
-(FMA for FP32, the tensor core's for BF16/FP16) whatever the other rows hold.
+promises instead is rl4bit's rule for every fused kernel: a row's bits depend on that row alone (every tile
+shape and the chunking come from H, E and C, never from T), and the trainer (`trainer/fused_router.py`,
+training through an autograd Function) and the samplers run these same kernels, so they agree bitwise. On a
+decode step two launches replace about seven (the FP32 input cast, cuBLAS's GEMM and split-K reduce, softmax,
+top-k's two kernels, the sum and the division); the chunks spread a one-token GEMV over H / CHUNK programs.
+No `tl.dot`: an FP32 `tl.dot` (FMA) ran 75 µs for one token on the H200, and under TRITON_INTERPRET=1 it is
+numpy's matmul, whose row bits moved with the row's place in the tile.
 
 Leaves out: more than 256 experts, grouped / biased routing (DeepSeek-V3), a softmax after the top-k (Mixtral).
 """
@@ -33,13 +32,17 @@ import torch
 import triton
 import triton.language as tl
 
-from rl4bit.kernels.attention_triton import _to_compute
 from rl4bit.kernels.invariant_triton import _on_device
-from rl4bit.kernels.qgemm_triton import interpret
 from rl4bit.kernels.rmsnorm_triton import round_to
 
-BLOCK_T = 16
-"""Token rows a program takes: a constant (a tensor-core tile's rows), never chosen from T."""
+BLOCK_T = 4
+"""Token rows a partial-sum program takes: a constant, never chosen from T (the products' tile shape)."""
+
+CHUNK = 256
+"""Hidden columns a partial sum covers: logits add the partials of chunks 0, 1, ... in order."""
+
+ROWS = 16
+"""Token rows a softmax / top-k program takes."""
 
 MAX_EXPERTS = 256
 
@@ -47,45 +50,61 @@ _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl
 
 
 def block_k(experts: int) -> int:
-    """Hidden columns a step of the sum: from the expert count alone (a weight tile of BLOCK_K x E)."""
-    return 64 if experts <= 64 else 32
+    """Hidden columns a step of a partial sum: from the expert count alone (a product tile of BLOCK_T x E x
+    BLOCK_K stays 8K values)."""
+    return max(8, 2048 // max(16, triton.next_power_of_2(experts)))
 
 
 @triton.jit(do_not_specialize=["T"])
-def _router_kernel(x_ptr, w_ptr, logit_ptr, weight_ptr, index_ptr, T, H, E, s_xt, s_we, TOP_K: tl.constexpr,
-                   NORMALIZE: tl.constexpr, C: tl.constexpr, X_IS_C: tl.constexpr, W_IS_C: tl.constexpr,
-                   IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                   BLOCK_K: tl.constexpr, K_PAD: tl.constexpr):
+def _partial_kernel(x_ptr, w_ptr, part_ptr, T, H, E, s_xt, s_we, C: tl.constexpr, X_IS_C: tl.constexpr,
+                    W_IS_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """part[c, t, e] = sum over hidden columns of chunk c of C(x[t, k]) * C(w[e, k]) (FP32 products, each
+    BLOCK_K step summed by `tl.sum`, the steps added in order)."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    chunk = tl.program_id(1)
     t_ok = t < T
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for k0 in range(0, H, BLOCK_K):
+    for k0 in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, H), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < H
         x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptr + e[None, :] * s_we + k[:, None], mask=k_ok[:, None] & e_ok[None, :], other=0.0)
-        x = _to_compute(x, C, X_IS_C, UPCAST)
-        w = _to_compute(w, C, W_IS_C, UPCAST)
-        if UPCAST:  # numpy's matmul in the interpreter: a row's bits can depend on its place in the tile
-            acc = acc + tl.sum(x[:, :, None] * w[None, :, :], axis=1)
-        elif IEEE:
-            acc = tl.dot(x, w, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(x, w, acc)
+        w = tl.load(w_ptr + e[:, None] * s_we + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
+        x = x.to(tl.float32)
+        w = w.to(tl.float32)
+        if not X_IS_C:
+            x = round_to(x, C)
+        if not W_IS_C:
+            w = round_to(w, C)
+        acc = acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+    tl.store(part_ptr + (chunk * T + t[:, None]) * E + e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["T"])
+def _topk_kernel(part_ptr, logit_ptr, weight_ptr, index_ptr, T, E, n_chunks, TOP_K: tl.constexpr,
+                 NORMALIZE: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+                 K_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    t_ok = t < T
+    e = tl.arange(0, BLOCK_E)
+    e_ok = e < E
+    ok = t_ok[:, None] & e_ok[None, :]
+    acc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
+    for c in range(0, n_chunks):
+        acc = acc + tl.load(part_ptr + (c * T + t[:, None]) * E + e[None, :], mask=ok, other=0.0)
     logits = round_to(acc, C)
-    tl.store(logit_ptr + t[:, None] * E + e[None, :], logits.to(logit_ptr.dtype.element_ty),
-             mask=t_ok[:, None] & e_ok[None, :])
+    tl.store(logit_ptr + t[:, None] * E + e[None, :], logits.to(logit_ptr.dtype.element_ty), mask=ok)
 
     z = tl.where(e_ok[None, :], logits, float("-inf"))
     ex = tl.exp(z - tl.max(z, axis=1)[:, None])
     p = tl.div_rn(ex, tl.sum(ex, axis=1)[:, None])
     key = tl.where(e_ok[None, :], tl.where(p != p, float("inf"), p), -1.0)  # NaN largest; padding never chosen
     c = tl.arange(0, K_PAD)
-    chosen = tl.zeros([BLOCK_T, K_PAD], dtype=tl.float32)
-    index = tl.zeros([BLOCK_T, K_PAD], dtype=tl.int64)
-    total = tl.zeros([BLOCK_T], dtype=tl.float32)
+    chosen = tl.zeros([ROWS, K_PAD], dtype=tl.float32)
+    index = tl.zeros([ROWS, K_PAD], dtype=tl.int64)
+    total = tl.zeros([ROWS], dtype=tl.float32)
     for i in tl.static_range(TOP_K):
         best = tl.max(key, axis=1)
         j = tl.min(tl.where(key == best[:, None], e[None, :], BLOCK_E), axis=1)  # the lowest expert of the best
@@ -98,9 +117,9 @@ def _router_kernel(x_ptr, w_ptr, logit_ptr, weight_ptr, index_ptr, T, H, E, s_xt
     if NORMALIZE:
         chosen = tl.div_rn(chosen, total[:, None])
     out = round_to(chosen, C)
-    ok = t_ok[:, None] & (c < TOP_K)[None, :]
-    tl.store(weight_ptr + t[:, None] * TOP_K + c[None, :], out.to(weight_ptr.dtype.element_ty), mask=ok)
-    tl.store(index_ptr + t[:, None] * TOP_K + c[None, :], index, mask=ok)
+    keep = t_ok[:, None] & (c < TOP_K)[None, :]
+    tl.store(weight_ptr + t[:, None] * TOP_K + c[None, :], out.to(weight_ptr.dtype.element_ty), mask=keep)
+    tl.store(index_ptr + t[:, None] * TOP_K + c[None, :], index, mask=keep)
 
 
 def route_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, normalize: bool,
@@ -121,11 +140,16 @@ def route_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, normalize: bool,
     index = torch.empty(t, top_k, dtype=torch.int64, device=x.device)
     if t == 0:
         return logits, weights, index
+    n_chunks = triton.cdiv(h, CHUNK)
+    bd = max(16, triton.next_power_of_2(e))
+    part = torch.empty(n_chunks, t, e, dtype=torch.float32, device=x.device)
     with _on_device(x):
-        _router_kernel[(triton.cdiv(t, BLOCK_T),)](
-            x, w, logits, weights, index, t, h, e, x.stride(0), w.stride(0), TOP_K=top_k, NORMALIZE=bool(normalize),
-            C=_TL[compute_dtype], X_IS_C=x.dtype == compute_dtype, W_IS_C=w.dtype == compute_dtype,
-            IEEE=compute_dtype == torch.float32, UPCAST=interpret(), BLOCK_T=BLOCK_T,
-            BLOCK_E=max(16, triton.next_power_of_2(e)), BLOCK_K=block_k(e), K_PAD=triton.next_power_of_2(top_k),
+        _partial_kernel[(triton.cdiv(t, BLOCK_T), n_chunks)](
+            x, w, part, t, h, e, x.stride(0), w.stride(0), C=_TL[compute_dtype], X_IS_C=x.dtype == compute_dtype,
+            W_IS_C=w.dtype == compute_dtype, BLOCK_T=BLOCK_T, BLOCK_E=bd, BLOCK_K=block_k(e), CHUNK=CHUNK,
             num_warps=4, enable_fp_fusion=False)
+        _topk_kernel[(triton.cdiv(t, ROWS),)](
+            part, logits, weights, index, t, e, n_chunks, TOP_K=top_k, NORMALIZE=bool(normalize),
+            C=_TL[compute_dtype], ROWS=ROWS, BLOCK_E=bd, K_PAD=triton.next_power_of_2(top_k), num_warps=4,
+            enable_fp_fusion=False)
     return logits, weights, index

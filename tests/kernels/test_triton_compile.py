@@ -89,10 +89,20 @@ def _kernels():
     att_sig = dict(q_ptr="*fp32", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*fp32", seq_ptr="*i64", tile_ptr="*i64",
                    n_seqs="i32", n_tiles="i32", **{s: "i32" for s in strides}, D="i32", scaling="fp32")
     yield ("fused attention (bf16 cache, fp32 q)", at._attention_kernel, att_sig,
-           dict(G=4, C=tl.bfloat16, IEEE=False, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128), 4)
+           dict(G=4, C=tl.bfloat16, KV_IS_C=True, IEEE=False, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128), 4)
     yield ("fused attention (fp32)", at._attention_kernel, dict(att_sig, k_ptr="*fp32", v_ptr="*fp32"),
-           dict(G=2, C=tl.float32, IEEE=True, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64), 4,
+           dict(G=2, C=tl.float32, KV_IS_C=True, IEEE=True, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64), 4,
            {r"\bfma\."})  # an FP32 `tl.dot` is FMAs (as an FP32 GEMM is): no reference to match, only itself
+    from rl4bit.kernels import router_triton as rr
+
+    part_sig = dict(x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", T="i32", H="i32", E="i32", s_xt="i32",
+                    s_we="i32")
+    yield ("fused router partial sums (fp32, bf16 input)", rr._partial_kernel, part_sig,
+           dict(C=tl.float32, X_IS_C=False, W_IS_C=True, BLOCK_T=4, BLOCK_E=32, BLOCK_K=64, CHUNK=256), 4)
+    topk_sig = dict(part_ptr="*fp32", logit_ptr="*fp32", weight_ptr="*fp32", index_ptr="*i64", T="i32", E="i32",
+                    n_chunks="i32")
+    yield ("fused router top-k", rr._topk_kernel, topk_sig,
+           dict(TOP_K=4, NORMALIZE=True, C=tl.float32, ROWS=16, BLOCK_E=32, K_PAD=4), 4)
     dec_sig = dict(data_ptr="*i8", scale_ptr="*u8", out_ptr="*fp32", R="i32", K="i32", **seeds)
     yield "s2f6 decode + inverse rht", s2._s2f6_dequant_kernel, dec_sig, dict(BLOCK_R=4, BLOCK_K=1024, HAS_RHT=True), 4
 
@@ -127,9 +137,10 @@ def compile_all(count: bool = False) -> list[str]:
     problems = []
     for name, fn, sig, consts, warps, *allowed in _kernels():  # allowed: PTX patterns a kernel may hold
         full = dict(sig, **{k: "constexpr" for k in consts})
-        # real launches specialize pointers and K/M (multiples of 16) as 16-divisible
+        # real launches specialize pointers, K/M and strides (multiples of 16) as 16-divisible
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                 if (a.endswith("_ptr") or a in ("K", "M")) and a not in consts}
+                 if (a.endswith("_ptr") or a in ("K", "M") or a.startswith("s_")) and a not in consts
+                 and a not in (fn.do_not_specialize or ())}
         src = ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": False})
         ptx = k.asm["ptx"]
