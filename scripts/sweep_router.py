@@ -2,7 +2,7 @@
 
     python -P scripts/sweep_router.py [--hidden 2048 --experts 32 --top-k 4]
 
-Prints µs a call (CUDA events, median of 200 after warm-up) of `router_triton._partial_kernel` for each
+Prints µs a call (50 calls in one CUDA graph, median of 20 replays) of `router_triton._partial_kernel` for each
 (BLOCK_T, BLOCK_K, CHUNK, warps) at 1, 16 and 128 tokens, FP32 (rl4bit's router) and BF16, then
 `route_topk` as shipped and torch's ops (`fused_router.reference`: `F.linear`, softmax, top-k, renormalize)
 as the baseline. Tile shapes change the bits (the sum order), not the results' meaning: pick one, then every
@@ -22,18 +22,23 @@ from rl4bit.kernels import router_triton as rr
 from rl4bit.trainer.fused_router import reference
 
 
-def _time(fn, reps=200):
-    for _ in range(10):
+def _time(fn, reps=20, calls=50):
+    """µs a call of device time: `calls` calls captured in one CUDA graph (no host launch cost), median replay."""
+    for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
     times = []
     for _ in range(reps):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        graph.replay()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
+        times.append(s.elapsed_time(e) * 1e3 / calls)
     return statistics.median(times)
 
 
