@@ -98,7 +98,7 @@ def _kernels():
     part_sig = dict(x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", T="i32", H="i32", E="i32", s_xt="i32",
                     s_we="i32")
     yield ("fused router partial sums (fp32, bf16 input)", rr._partial_kernel, part_sig,
-           dict(C=tl.float32, X_IS_C=False, W_IS_C=True, BLOCK_T=4, BLOCK_E=32, BLOCK_K=64, CHUNK=256), 4)
+           dict(C=tl.float32, X_IS_C=False, W_IS_C=True, BLOCK_T=1, BLOCK_E=32, BLOCK_K=128, CHUNK=128), 1)
     topk_sig = dict(part_ptr="*fp32", logit_ptr="*fp32", weight_ptr="*fp32", index_ptr="*i64", T="i32", E="i32",
                     n_chunks="i32")
     yield ("fused router top-k", rr._topk_kernel, topk_sig,
