@@ -37,10 +37,12 @@ from rl4bit.trainer.qgemm import GemmSpec, quantize_activation
 SHAPES = [("dense", 1, 4096, 14336, 1), ("dense", 1, 4096, 14336, 4), ("dense", 1, 4096, 14336, 16),
           ("a3b gate_up", 128, 2048, 1536, 1), ("a3b gate_up", 128, 2048, 1536, 16),
           ("a3b down", 128, 768, 2048, 16), ("bench gate_up", 16, 2048, 1536, 16)]
-TOP_K = {128: 8, 16: 4}
+TOP_K = {128: 8, 16: 4, 32: 4}
 TRAIN_SHAPES = [("a3b gate_up", 128, 2048, 1536, 4096), ("a3b down", 128, 768, 2048, 4096),
                 ("bench gate_up", 16, 2048, 1536, 16384), ("bench down", 16, 768, 2048, 16384)]
 """(name, E, K, N, tokens): training micro-batch shapes (tokens x top-k routed rows)."""
+ONE_TOKEN_SHAPES = [("1b gate_up", 32, 2048, 1536, 1), ("1b down", 32, 768, 2048, 1)]
+"""(name, E, K, N, tokens): `bench rollout`'s 1B model at batch 1 (32 experts, top-4: four rows, one an expert)."""
 MID_SHAPES = [("bench gate_up", 16, 2048, 1536, 256), ("bench down", 16, 768, 2048, 256)]
 """(name, E, K, N, tokens): the GPU job's batch-256 decode step (configs/gpu-h200.yaml: 16 experts, top-4)."""
 
@@ -76,6 +78,7 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--train", action="store_true", help="sweep the TRAIN tiles on training shapes")
     p.add_argument("--mid", action="store_true", help="sweep mid-size tiles on batch-256 decode shapes")
+    p.add_argument("--one-token", action="store_true", help="the decode tiles on bench rollout's batch-1 experts")
     args = p.parse_args()
     dev = "cuda"
     gbps = copy_gbps(dev, args.reps)
@@ -85,6 +88,8 @@ def main() -> int:
         shapes, configs = TRAIN_SHAPES, train_candidates()
     elif args.mid:
         shapes, configs = MID_SHAPES, mid_candidates()
+    elif args.one_token:
+        shapes, configs = ONE_TOKEN_SHAPES, candidates() + [qg.DECODE_SHORT_K, qg.TRAIN]
     else:
         shapes, configs = SHAPES, candidates() + [qg.TRAIN]
     for name, e, k, n, m in shapes:
