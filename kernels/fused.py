@@ -1,4 +1,4 @@
-"""The process-global switch for rl4bit's fused decode-path kernels (RMSNorm, MoE grouping, RoPE, combine,
+"""The process-global switch for rl4bit's fused decode-path kernels (RMSNorm, MoE grouping, RoPE, combine, router,
 attention).
 
 Each fused kernel replaces a run of small torch ops with one launch and keeps
