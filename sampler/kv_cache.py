@@ -121,7 +121,8 @@ class StepLayout:
 
     def attention_tables(self, g: int, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """`attention_triton`'s sequence and tile tables for this step (keys in the cache: kv_row = the slot's
-        first row, in position strides), and whether the sequences cover every packed row (then the output needs no clearing)."""
+        first row, in position strides), and whether the sequences cover every packed row (then the output
+        needs no clearing)."""
         from rl4bit.kernels.attention_triton import seq_table, tile_table
 
         if self._tables is None:

@@ -170,3 +170,19 @@ def test_cache_write_is_torchs_index_write():
         nan = want_k.isnan()
         assert nan.sum() == 1 and torch.equal(kc.isnan(), nan)
         assert torch.equal(kc.view(bits)[~nan], want_k.view(bits)[~nan]) and torch.equal(vc.view(bits), want_v.view(bits))
+
+
+@pytest.mark.parametrize("g", [4, 16, 20, 33])  # above BLOCK_M query heads a kv head: several tiles a token
+def test_decode_graph_tables_are_the_host_tables(g):
+    """`DecodeLayout.attention_tables` (device ops, CUDA-graph safe) = `StepLayout.attention_tables` (host lists)
+    for a decode step: the same sequences, key rows and tiles."""
+    from rl4bit.sampler.decode_graph import DecodeLayout
+    from rl4bit.sampler.kv_cache import KVCache, StepLayout
+
+    cache = KVCache(1, 5, 2, 24, 16, torch.float32, DEVICE)
+    slots, pos = [3, 0, 4], [7, 0, 23]
+    fields = dict(cache=cache, slots=slots, spans=[(0, 1), (1, 2), (2, 3)], starts=pos,
+                  token_slot=torch.tensor(slots, device=DEVICE), token_pos=torch.tensor(pos, device=DEVICE))
+    host, dev = StepLayout(**fields).attention_tables(g, DEVICE), DecodeLayout(**fields).attention_tables(g, DEVICE)
+    assert torch.equal(host[0].cpu(), dev[0].cpu()) and torch.equal(host[1].cpu(), dev[1].cpu())
+    assert host[0][3].tolist() == [s * 2 * 24 for s in slots]  # a slot's first row: slot x kv heads x max_len
