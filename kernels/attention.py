@@ -1,6 +1,6 @@
 """Fused causal attention for the engine and the trainer: when to take `attention_triton`, and its training form.
 
-    if fused_attention_ok(query, key, C):                        # the fused kernels on for the device, sizes fit
+    if fused_attention_ok(query, key, value, C):                 # the fused kernels on for the device, sizes fit
         out = attend(q, k, v, seqs, tiles, scaling, C)                        # engine: keys in its cache
         out = attend(q, k, v, seqs, tiles, scaling, C, groups=layout.groups)  # trainer: differentiable
 
@@ -32,18 +32,19 @@ def compute_dtype(q: torch.Tensor, k: torch.Tensor) -> torch.dtype:
     return torch.promote_types(q.dtype, k.dtype)
 
 
-def fused_attention_ok(query: torch.Tensor, key: torch.Tensor, dtype: torch.dtype) -> bool:
+def fused_attention_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether the kernel takes this call, else the caller's torch path (which raises nothing new).
 
-    query [1, Hq, T, D], key [1, Hkv, T, D] (HF's layout), `dtype` the matmuls' dtype: fused kernels on for the
-    device, Hq a multiple of Hkv, a head dim <= 256, and q, k and the compute dtype each FP32, BF16 or FP16.
+    query [1, Hq, T, D], key / value [1, Hkv, T, D] (HF's layout), `dtype` the matmuls' dtype: fused kernels on
+    for the device, Hq a multiple of Hkv, one head dim <= 256, and q, k, v and the compute dtype each FP32,
+    BF16 or FP16.
     """
     from rl4bit.kernels.attention_triton import MAX_HEAD_DIM
 
     floats = (torch.float32, torch.bfloat16, torch.float16)
     return (fused.enabled(query.device.type) and query.shape[1] % key.shape[1] == 0
-            and query.shape[-1] == key.shape[-1] <= MAX_HEAD_DIM
-            and query.dtype in floats and key.dtype in floats and dtype in floats)
+            and key.shape[1] == value.shape[1] and query.shape[-1] == key.shape[-1] == value.shape[-1] <= MAX_HEAD_DIM
+            and all(t.dtype in floats for t in (query, key, value)) and dtype in floats)
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[tuple[int, torch.Tensor]],

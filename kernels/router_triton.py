@@ -53,8 +53,8 @@ _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl
 
 def block_k(experts: int) -> int:
     """Hidden columns a step of a partial sum: from the expert count alone (a product tile of E x BLOCK_K
-    stays 4K values; 128 for 32 experts)."""
-    return max(8, 4096 // max(16, triton.next_power_of_2(experts)))
+    stays 4K values; 128 for 32 experts), at most CHUNK (a step never crosses into the next chunk)."""
+    return min(CHUNK, max(8, 4096 // max(16, triton.next_power_of_2(experts))))
 
 
 @triton.jit(do_not_specialize=["T"])
@@ -64,14 +64,15 @@ def _partial_kernel(x_ptr, w_ptr, part_ptr, T, H, E, s_xt, s_we, C: tl.constexpr
     """part[c, t, e] = sum over hidden columns of chunk c of C(x[t, k]) * C(w[e, k]) (FP32 products, each
     BLOCK_K step summed by `tl.sum`, the steps added in order)."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    chunk = tl.program_id(1)
+    chunk = tl.program_id(1).to(tl.int64)
     t_ok = t < T
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
     acc = tl.zeros([BLOCK_T, BLOCK_E], dtype=tl.float32)
-    for k0 in range(chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, H), BLOCK_K):
+    end = tl.minimum(chunk * CHUNK + CHUNK, H)
+    for k0 in range(chunk * CHUNK, end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < H
+        k_ok = k < end
         x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + e[:, None] * s_we + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
         x = x.to(tl.float32)
@@ -94,8 +95,10 @@ def _topk_kernel(part_ptr, logit_ptr, weight_ptr, index_ptr, T, E, n_chunks, TOP
     e_ok = e < E
     ok = t_ok[:, None] & e_ok[None, :]
     acc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
+    rows = part_ptr + t[:, None] * E + e[None, :]  # chunk 0's partials; chunk c's lie c * T * E further
     for c in range(0, n_chunks):
-        acc = acc + tl.load(part_ptr + (c * T + t[:, None]) * E + e[None, :], mask=ok, other=0.0)
+        acc = acc + tl.load(rows, mask=ok, other=0.0)
+        rows += T * E
     logits = round_to(acc, C)
     tl.store(logit_ptr + t[:, None] * E + e[None, :], logits.to(logit_ptr.dtype.element_ty), mask=ok)
 

@@ -186,7 +186,7 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
     hkv = kc.shape[1]
     g = hq // hkv
     dev = query.device
-    if fused_attention_ok(query, key, kc.dtype):  # the trainer's kernel too (trainer.actor.train_attention)
+    if fused_attention_ok(query, key, value, kc.dtype):  # the trainer's kernel too (trainer.actor.train_attention)
         from rl4bit.kernels.attention_triton import cache_write
 
         cache_write(key[0, :, :n_real].transpose(0, 1), value[0, :, :n_real].transpose(0, 1), kc, vc,

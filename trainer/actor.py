@@ -165,7 +165,7 @@ def train_attention(module, query, key, value, attention_mask, scaling, dropout=
     hkv = key.shape[1]
     g = hq // hkv
     dtype = compute_dtype(query, key)
-    if fused_attention_ok(query, key, dtype):  # the engine's kernel (kv_cache.engine_attention), keys in the row
+    if fused_attention_ok(query, key, value, dtype):  # the engine's kernel (kv_cache.engine_attention), keys in the row
         k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
         if k.stride() != v.stride() or k.stride(-1) != 1:
             k, v = k.contiguous(), v.contiguous()

@@ -4,15 +4,18 @@
 
 Qwen3-MoE's router (`Qwen3MoeTopKRouter`) is about seven small launches a layer on a decode step: rl4bit's FP32
 input cast, the GEMM and its split-K reduce, softmax, top-k (two kernels), the sum and the division. The
-replacement forward runs them as one launch when the fused kernels are on for the tensors' device
+replacement forward runs them as two launches when the fused kernels are on for the tensors' device
 (`rl4bit.kernels.fused`) and the shapes suit the kernel; else the module's own forward, decided from shapes and
 dtypes alone, the same way in every pass. A forward that needs gradients (training) runs the kernel too
 (`_Router`, whose backward differentiates the torch formula at the kernel's chosen experts), so the training
 forward, the trainer's logprob recompute and the samplers run the same forward bits.
 
 `fuse_router` installs it only where the replacement's torch-op path (`reference`: `F.linear`, softmax in FP32,
-`topk`, with or without the renormalization) reproduces the module's forward bitwise on a probe; a router of
-another formula (Mixtral's softmax over the top-k logits, DeepSeek's grouped routing) keeps its forward.
+`topk`, with or without the renormalization) reproduces the module's forward bitwise on a probe (a copy with
+random weights: a zero weight would hide the formula), and `weight` is the module's only tensor (a bias, a
+correction buffer: another formula); a router of another formula (Mixtral's softmax over the top-k logits,
+DeepSeek's grouped routing, GPT-OSS's bias) keeps its forward. It is installed under rl4bit's FP32 wrap
+(`surgery._make_router_fp32`), never over it: the wrap's cast and autocast switch must stay outside.
 
 Leaves out: the kernel under other routers' formulas; a backward kernel.
 """
@@ -104,10 +107,14 @@ def reproduces(module: nn.Module) -> bool | None:
     module, kernels off, random input), or None when neither does (another formula or signature)."""
     w = getattr(module, "weight", None)
     if not (isinstance(w, torch.Tensor) and w.dim() == 2 and w.device.type != "meta"
-            and isinstance(getattr(module, "top_k", None), int) and getattr(module, "hidden_dim", None) == w.shape[1]):
+            and isinstance(getattr(module, "top_k", None), int) and getattr(module, "hidden_dim", None) == w.shape[1]
+            and [n for n, _ in module.named_parameters()] == ["weight"] and not list(module.buffers())):
         return None
     probe = copy.deepcopy(module)
-    x = torch.randn(7, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.dtype).to(w.device)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        probe.weight.copy_(torch.randn(w.shape, generator=g).to(w.dtype))
+    x = torch.randn(7, w.shape[1], generator=g).to(w.dtype).to(w.device)
     for normalize in (True, False):
         try:
             with torch.no_grad(), fused.disabled():
@@ -126,6 +133,8 @@ def fuse_router(module: nn.Module) -> bool:
     """Route `module`'s forward through `_forward` if it reproduces it (see `reproduces`); idempotent."""
     if getattr(module, "_rl4bit_fused_router", False):
         return True
+    if getattr(module, "_rl4bit_fp32_router", False):
+        return False  # over the FP32 wrap the kernel would run in the autocast dtype: fuse before wrapping
     normalize = reproduces(module)
     if normalize is None:
         return False

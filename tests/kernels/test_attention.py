@@ -135,15 +135,18 @@ def test_unsupported_calls_fall_back_instead_of_raising():
     saved = fused.state()
     fused.set_enabled(True, q.device.type)
     try:
-        assert fused_attention_ok(q, k, torch.bfloat16) and fused_attention_ok(q.half(), k, torch.float32)
-        assert not fused_attention_ok(q, k[:, :1].expand(1, 4, 3, 16), torch.float32)  # 6 heads over 4
-        assert not fused_attention_ok(q, k, torch.float64)
-        assert not fused_attention_ok(q.double(), k.double(), torch.float32)
-        assert not fused_attention_ok(q, k[..., :8], torch.float32)  # head dims disagree
+        assert fused_attention_ok(q, k, k, torch.bfloat16) and fused_attention_ok(q.half(), k, k, torch.float32)
+        six_over_four = k[:, :1].expand(1, 4, 3, 16)
+        assert not fused_attention_ok(q, six_over_four, six_over_four, torch.float32)
+        assert not fused_attention_ok(q, k, k, torch.float64)
+        assert not fused_attention_ok(q.double(), k.double(), k.double(), torch.float32)
+        assert not fused_attention_ok(q, k[..., :8], k[..., :8], torch.float32)  # head dims disagree
+        assert not fused_attention_ok(q, k, k[..., :8], torch.float32)  # values' head dim
+        assert not fused_attention_ok(q, k, k[:, :1], torch.float32)  # values' head count
         wide = torch.zeros(1, 2, 3, 512, device=DEVICE)
-        assert not fused_attention_ok(wide, wide, torch.float32)
+        assert not fused_attention_ok(wide, wide, wide, torch.float32)
         fused.set_enabled(False)
-        assert not fused_attention_ok(q, k, torch.bfloat16)
+        assert not fused_attention_ok(q, k, k, torch.bfloat16)
     finally:
         fused.set_enabled(saved is not None, saved or "cuda")
 

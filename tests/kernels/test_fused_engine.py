@@ -50,7 +50,7 @@ def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
     reqs = [Request(str(i), torch.randint(1, 48, (3 + 2 * i,), generator=g).tolist(),
                     SamplingParams(temperature=1.0, seed=i, max_new_tokens=4)) for i in range(4)]
     dev = torch.device(DEVICE).type
-    saved = fused.state()
+    saved, mode_was = fused.state(), invariant.enabled()
     fused.set_enabled(True, dev)
     if dev == "cuda":  # cuBLAS picks GEMM kernels by row count: batch invariance on the GPU needs the mode
         invariant.set_mode(True, "CUDA")
@@ -76,7 +76,8 @@ def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
         assert all(s.call_count for s in (norms, ropes, combines, attentions, routers))
     finally:
         fused.set_enabled(saved is not None, saved or "cuda")
-        invariant.set_mode(False)
+        if dev == "cuda" and not mode_was:
+            invariant.set_mode(False)
     for a, b in zip(alone, together):
         assert (a.completion_ids, a.logprobs) == (b.completion_ids, b.logprobs), a.request_id
     for a, b in zip(static, together):

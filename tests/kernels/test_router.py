@@ -27,10 +27,11 @@ def _inputs(t, h, e, dtype, seed=0):
 @pytest.mark.parametrize("dtype,compute,e,k,normalize", [
     (torch.float32, torch.float32, 32, 4, True),    # rl4bit's FP32 router (Qwen3-MoE shape)
     (torch.bfloat16, torch.float32, 8, 2, False),   # BF16 hidden states into the FP32 router
+    (torch.float32, torch.float32, 16, 3, True),    # 16 experts: the widest column step
     (torch.bfloat16, torch.bfloat16, 96, 8, True),  # a plain BF16 model's router; E not a power of 2
 ])
 def test_matches_the_torch_formula(dtype, compute, e, k, normalize):
-    x, w = _inputs(37, 80, e, dtype)  # 37 rows: three programs, the last one partial; H not a block multiple
+    x, w = _inputs(37, 300, e, dtype)  # 37 rows; three column chunks, the last one partial
     logits, weights, index = route_topk(x, w, k, normalize, compute)
     want_l, want_w, want_i = reference(x, w, k, normalize, compute)
     assert logits.dtype == weights.dtype == compute and index.dtype == torch.int64
@@ -51,7 +52,7 @@ def test_matches_the_torch_formula(dtype, compute, e, k, normalize):
 
 
 def test_a_row_is_the_same_bits_alone_and_among_others():
-    x, w = _inputs(40, 64, 16, torch.float32, seed=1)
+    x, w = _inputs(40, 300, 16, torch.float32, seed=1)  # three column chunks: partials of 40 rows vs of 1
     together = route_topk(x, w, 4, True, torch.float32)
     for r in (0, 17, 39):
         alone = route_topk(x[r:r + 1].clone(), w, 4, True, torch.float32)
@@ -68,7 +69,7 @@ def test_ties_pick_the_lower_expert_and_nan_is_largest():
     x[1, 0] = float("nan")
     _, weights, index = route_topk(x, w, 3, False, torch.float32)
     assert index[0].tolist() == [5, 0, 1]
-    assert weights[1].isnan().all()  # a NaN row: NaN weights, never a finite routing
+    assert weights[1].isnan().all() and index[1].tolist() == [0, 1, 2]  # a NaN row: NaN weights, the first experts
 
 
 def test_bad_shapes_raise():
@@ -125,6 +126,32 @@ def test_another_formula_keeps_its_forward():
             return logits, torch.softmax(top, dim=-1), index
 
     assert not fuse_router(TopKThenSoftmax().to(DEVICE))
+
+
+def test_the_probe_sees_past_zero_weights_and_extra_tensors():
+    """A freshly initialized (zero) router of another formula still fails the probe, a bias makes it another
+    formula, and a router already under rl4bit's FP32 wrap is left to be fused before wrapping."""
+    from rl4bit.trainer.surgery import _make_router_fp32
+
+    model = _qwen3_moe(norm_topk_prob=True)
+    gates = [model.model.layers[i].mlp.gate for i in (0, 1)]
+
+    class SoftmaxOverTopK(torch.nn.Module):  # zero weights: every formula gives the same uniform routing
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.zeros(8, 16))
+            self.top_k, self.hidden_dim = 2, 16
+
+        def forward(self, x):
+            logits = torch.nn.functional.linear(x, self.weight)
+            top, index = torch.topk(logits, self.top_k, dim=-1)
+            return logits, torch.softmax(top, dim=-1), index
+
+    assert not fuse_router(SoftmaxOverTopK().to(DEVICE))
+    gates[0].register_buffer("bias", torch.zeros(8, device=DEVICE))
+    assert not fuse_router(gates[0])
+    _make_router_fp32(gates[1])
+    assert not fuse_router(gates[1])
 
 
 def test_training_forward_is_the_kernel_and_gradients_are_the_formulas():
