@@ -27,8 +27,9 @@ visited in the same order from 0, and a block past a row's last key leaves its m
 select, not a multiply by exp(0)). So a token's output is the same in a decode step of any batch, in a
 prefill next to other tokens, and in the trainer's pass over the whole sequence, as long as its q, keys and
 values are. (Masked keys add p = 0 products: exact zeros, which can change only the sign of an output that is
-exactly zero.) Under TRITON_INTERPRET=1 tiles are FP32 before `tl.dot` (exact products of C values, as on the
-GPU's tensor cores), so the interpreter tests check the same properties, not the GPU's bits.
+exactly zero.) Under TRITON_INTERPRET=1 tiles are FP32 C values multiplied by `interpreter_dot` (not numpy's
+matmul, whose row bits can move with the row's place in its tile), so the interpreter tests check the same
+properties, not the GPU's bits.
 
 `cache_write` puts a step's new keys and values into their cache slots (one launch for what were two index
 writes and two casts).
@@ -43,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rl4bit.kernels.invariant_triton import _on_device
+from rl4bit.kernels.invariant_triton import _on_device, interpreter_dot
 from rl4bit.kernels.qgemm_triton import interpret
 from rl4bit.kernels.rmsnorm_triton import round_to
 
@@ -109,7 +110,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_t
         kt = tl.load(k_rows + (kv_row + j)[None, :] * s_kp + d[:, None], mask=d_ok[:, None] & j_ok[None, :],
                      other=0.0)
         kt = _to_compute(kt, C, KV_IS_C, UPCAST)
-        if IEEE:
+        if UPCAST:
+            dots = interpreter_dot(q, kt)
+        elif IEEE:
             dots = tl.dot(q, kt, input_precision="ieee")
         else:
             dots = tl.dot(q, kt)
@@ -123,7 +126,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_t
                      other=0.0)
         vb = _to_compute(vb, C, KV_IS_C, UPCAST)
         pc = _to_compute(p, C, False, UPCAST)
-        if IEEE:
+        if UPCAST:
+            pv = interpreter_dot(pc, vb)
+        elif IEEE:
             pv = tl.dot(pc, vb, input_precision="ieee")
         else:
             pv = tl.dot(pc, vb)

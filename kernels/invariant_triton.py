@@ -18,8 +18,10 @@ full FP32 (`input_precision="ieee"`, like torch with TF32 off). These are not
 bitwise equal to cuBLAS or ATen (different reduction orders): the point is that
 trainer and sampler run the same kernels (`rl4bit.kernels.invariant`).
 
-Under TRITON_INTERPRET=1 (CPU tests) tiles are up-cast to FP32 before `tl.dot`
-(the interpreter's BF16 dot is wrong) and the output is rounded once, as on the GPU.
+Under TRITON_INTERPRET=1 (CPU tests) tiles are up-cast to FP32 (the interpreter's
+BF16 dot is wrong) and multiplied by `interpreter_dot`, not `tl.dot` (numpy's
+matmul, whose bits for a row moved with the row's place in the tile on an AMD
+EPYC's OpenBLAS kernel); the output is rounded once, as on the GPU.
 
 Leaves out: FP8 operands, complex and integer dtypes (callers fall back), and
 any attempt to be fast at tiny K (one tile config per (K, N, dtype)).
@@ -50,6 +52,14 @@ def _interpret() -> bool:
 
 
 @triton.jit
+def interpreter_dot(a, b):
+    """a [M, K] @ b [K, N] as FP32 products summed per output element (`tl.sum` over K): under the interpreter,
+    where `tl.dot` is numpy's matmul and a row's bits can depend on the other rows of its tile (OpenBLAS's
+    kernels are chosen by CPU). A row's bits here depend on that row alone, on any CPU."""
+    return tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+
+
+@triton.jit
 def _k_sum(a_base, s_ak, b_base, s_bk, m_ok, n_ok, K, IEEE: tl.constexpr, UPCAST: tl.constexpr,
            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The one reduction order of this file: FP32 [BLOCK_M, BLOCK_N] = sum over K in BLOCK_K steps from 0 of
@@ -62,9 +72,8 @@ def _k_sum(a_base, s_ak, b_base, s_bk, m_ok, n_ok, K, IEEE: tl.constexpr, UPCAST
         a = tl.load(a_base + kk[None, :].to(tl.int64) * s_ak, mask=m_ok[:, None] & (kk < K)[None, :], other=0.0)
         b = tl.load(b_base + kk[:, None].to(tl.int64) * s_bk, mask=(kk < K)[:, None] & n_ok[None, :], other=0.0)
         if UPCAST:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        if IEEE:
+            acc = acc + interpreter_dot(a, b)
+        elif IEEE:
             acc = tl.dot(a, b, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc)

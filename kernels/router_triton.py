@@ -21,7 +21,7 @@ training through an autograd Function) and the samplers run these same kernels, 
 decode step two launches replace about seven (the FP32 input cast, cuBLAS's GEMM and split-K reduce, softmax,
 top-k's two kernels, the sum and the division); the chunks spread a one-token GEMV over H / CHUNK programs.
 No `tl.dot`: an FP32 `tl.dot` (FMA) ran 75 µs for one token on the H200, and under TRITON_INTERPRET=1 it is
-numpy's matmul, whose row bits moved with the row's place in the tile.
+numpy's matmul, whose row bits moved with the row's place in the tile (`invariant_triton.interpreter_dot`).
 
 Leaves out: more than 256 experts, grouped / biased routing (DeepSeek-V3), a softmax after the top-k (Mixtral).
 """
