@@ -111,43 +111,33 @@ def test_installed_on_qwen3_moe_routers_with_their_own_setting(norm):
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
 
 
+class _TopKThenSoftmax(torch.nn.Module):
+    """A router that takes the softmax over its top-k logits (Mixtral-style): not this kernel's formula."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight)
+        self.top_k, self.hidden_dim = 2, weight.shape[1]
+
+    def forward(self, x):
+        logits = torch.nn.functional.linear(x, self.weight)
+        top, index = torch.topk(logits, self.top_k, dim=-1)
+        return logits, torch.softmax(top, dim=-1), index
+
+
 def test_another_formula_keeps_its_forward():
-    """A router that takes the softmax over its top-k logits (Mixtral-style) is not this kernel's formula."""
-
-    class TopKThenSoftmax(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.randn(8, 16))
-            self.top_k, self.hidden_dim = 2, 16
-
-        def forward(self, x):
-            logits = torch.nn.functional.linear(x, self.weight)
-            top, index = torch.topk(logits, self.top_k, dim=-1)
-            return logits, torch.softmax(top, dim=-1), index
-
-    assert not fuse_router(TopKThenSoftmax().to(DEVICE))
+    assert not fuse_router(_TopKThenSoftmax(torch.randn(8, 16)).to(DEVICE))
 
 
 def test_the_probe_sees_past_zero_weights_and_extra_tensors():
-    """A freshly initialized (zero) router of another formula still fails the probe, a bias makes it another
-    formula, and a router already under rl4bit's FP32 wrap is left to be fused before wrapping."""
+    """A freshly initialized (zero) router of another formula still fails the probe (zero weights: every
+    formula gives the same uniform routing), a bias makes it another formula, and a router already under
+    rl4bit's FP32 wrap is left to be fused before wrapping."""
     from rl4bit.trainer.surgery import _make_router_fp32
 
     model = _qwen3_moe(norm_topk_prob=True)
     gates = [model.model.layers[i].mlp.gate for i in (0, 1)]
-
-    class SoftmaxOverTopK(torch.nn.Module):  # zero weights: every formula gives the same uniform routing
-        def __init__(self):
-            super().__init__()
-            self.weight = torch.nn.Parameter(torch.zeros(8, 16))
-            self.top_k, self.hidden_dim = 2, 16
-
-        def forward(self, x):
-            logits = torch.nn.functional.linear(x, self.weight)
-            top, index = torch.topk(logits, self.top_k, dim=-1)
-            return logits, torch.softmax(top, dim=-1), index
-
-    assert not fuse_router(SoftmaxOverTopK().to(DEVICE))
+    assert not fuse_router(_TopKThenSoftmax(torch.zeros(8, 16)).to(DEVICE))
     gates[0].register_buffer("bias", torch.zeros(8, device=DEVICE))
     assert not fuse_router(gates[0])
     _make_router_fp32(gates[1])
