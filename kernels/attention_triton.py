@@ -46,31 +46,17 @@ import triton.language as tl
 
 from rl4bit.kernels.invariant_triton import _on_device, interpreter_dot
 from rl4bit.kernels.qgemm_triton import interpret
-from rl4bit.kernels.rmsnorm_triton import round_to
+from rl4bit.kernels.rmsnorm_triton import FLOAT_TL, round_to, to_compute
 
 BLOCK_M = 16
 """Query rows a program takes: a constant (tensor-core tiles need 16), so no launch's tile depends on a count."""
 
 MAX_HEAD_DIM = 256
 
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
 
 def block_n(head_dim: int) -> int:
     """Key positions per block: from the head dim alone (bits depend on it: never from a count)."""
     return 64 if head_dim <= 128 else 32
-
-
-@triton.jit
-def _to_compute(x, C: tl.constexpr, IS_C: tl.constexpr, UPCAST: tl.constexpr):
-    """A loaded tile rounded to C (`round_to`; nothing to do when it is stored in C already): C, or FP32 holding
-    C values under the interpreter."""
-    if not IS_C:
-        x = round_to(x.to(tl.float32), C)
-    if UPCAST:
-        return x.to(tl.float32)
-    else:
-        return x.to(C)
 
 
 @triton.jit(do_not_specialize=["n_seqs", "n_tiles"])  # strides specialize (multiples of 16: vector loads)
@@ -95,7 +81,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_t
     d_ok = d < D
     q = tl.load(q_ptr + (q_start + t)[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
                 mask=live[:, None] & d_ok[None, :], other=0.0)
-    q = _to_compute(q, C, False, UPCAST)
+    q = to_compute(q, C, False, UPCAST)
     limit = tl.where(live, pos0 + t, -1)  # a row's last key position (-1: a row past the sequence)
     last = pos0 + tl.minimum(n - 1, (row0 + BLOCK_M - 1) // G)  # the tile's last key position
 
@@ -109,7 +95,7 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_t
         j_ok = j <= last
         kt = tl.load(k_rows + (kv_row + j)[None, :] * s_kp + d[:, None], mask=d_ok[:, None] & j_ok[None, :],
                      other=0.0)
-        kt = _to_compute(kt, C, KV_IS_C, UPCAST)
+        kt = to_compute(kt, C, KV_IS_C, UPCAST)
         if UPCAST:
             dots = interpreter_dot(q, kt)
         elif IEEE:
@@ -124,8 +110,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_t
         p = tl.where(active[:, None], tl.exp(score - m_new[:, None]), 0.0)
         vb = tl.load(v_rows + (kv_row + j)[:, None] * s_vp + d[None, :], mask=j_ok[:, None] & d_ok[None, :],
                      other=0.0)
-        vb = _to_compute(vb, C, KV_IS_C, UPCAST)
-        pc = _to_compute(p, C, False, UPCAST)
+        vb = to_compute(vb, C, KV_IS_C, UPCAST)
+        pc = to_compute(p, C, False, UPCAST)
         if UPCAST:
             pv = interpreter_dot(pc, vb)
         elif IEEE:
@@ -209,7 +195,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
     if hq % hkv or d != k.shape[-1] or d != v.shape[-1] or v.shape[-3] != hkv:
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: need q [T, Hq, D] "
                          f"and k, v [..., Hkv, positions, D] with Hq a multiple of Hkv")
-    if d > MAX_HEAD_DIM or compute_dtype not in _TL:
+    if d > MAX_HEAD_DIM or compute_dtype not in FLOAT_TL:
         raise ValueError(f"attention: head dim {d} (at most {MAX_HEAD_DIM}) / compute dtype {compute_dtype}")
     if any(x.stride(-1) != 1 for x in (q, k, v, out)) or out.shape != q.shape or out.dtype != q.dtype:
         raise ValueError("attention: q, k, v and out need a contiguous last dim; out q's shape and dtype")
@@ -223,7 +209,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
         _attention_kernel[(tiles.shape[1], hkv)](
             q, k, v, out, seqs, tiles, seqs.shape[1], tiles.shape[1], q.stride(0), q.stride(1), k.stride(-3),
             k.stride(-2), v.stride(-3), v.stride(-2), out.stride(0), out.stride(1), d, float(scaling),
-            G=hq // hkv, C=_TL[compute_dtype], KV_IS_C=k.dtype == v.dtype == compute_dtype,
+            G=hq // hkv, C=FLOAT_TL[compute_dtype], KV_IS_C=k.dtype == v.dtype == compute_dtype,
             IEEE=compute_dtype == torch.float32, UPCAST=interpret(),
             BLOCK_M=BLOCK_M, BLOCK_N=block_n(d), BLOCK_D=bd, num_warps=4, enable_fp_fusion=False)
     return out

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from rl4bit.kernels.invariant_triton import _on_device
 from rl4bit.kernels.qgemm_triton import interpret
-from rl4bit.kernels.rmsnorm_triton import round_to, rsqrt_f32, square_rn
+from rl4bit.kernels.rmsnorm_triton import FLOAT_TL, round_to, rsqrt_f32, square_rn
 
 
 @triton.jit
@@ -67,9 +67,6 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, cos_ptr, 
         _norm_rope_row(k_ptr, wk_ptr, ko_ptr, cos_ptr, sin_ptr, r - rows_q, hk, D, eps_k, HK_DTYPE, ASM, BLOCK)
 
 
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
-
-
 def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
     """q [B, T, Hq, D], k [B, T, Hkv, D], weights [D], cos/sin [B, T, D] (or broadcastable) ->
     (q_out [B, T, Hq, D], k_out [B, T, Hkv, D]) in HF's dtypes (see module doc). ValueError on other shapes."""
@@ -92,6 +89,6 @@ def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
         with _on_device(q):
             _qk_norm_rope_kernel[(rows_q + rows_k,)](
                 q, k, wq.contiguous(), wk.contiguous(), qo, ko, cos, sin, rows_q, rows_k, hq, hk, d,
-                float(eps_q), float(eps_k), HQ_DTYPE=_TL[hq_dt], HK_DTYPE=_TL[hk_dt], ASM=not interpret(),
+                float(eps_q), float(eps_k), HQ_DTYPE=FLOAT_TL[hq_dt], HK_DTYPE=FLOAT_TL[hk_dt], ASM=not interpret(),
                 BLOCK=triton.next_power_of_2(d), num_warps=4, enable_fp_fusion=False)
     return qo, ko

@@ -49,6 +49,22 @@ def round_to(v, dtype: tl.constexpr):
         return v.to(dtype).to(tl.float32)
 
 
+FLOAT_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+"""The float dtypes the fused kernels take, as Triton dtypes."""
+
+
+@triton.jit
+def to_compute(x, C: tl.constexpr, IS_C: tl.constexpr, UPCAST: tl.constexpr):
+    """A loaded tile rounded to C (`round_to`; nothing to do when it is stored in C already): C, or (UPCAST)
+    FP32 holding the C values."""
+    if not IS_C:
+        x = round_to(x.to(tl.float32), C)
+    if UPCAST:
+        return x.to(tl.float32)
+    else:
+        return x.to(C)
+
+
 @triton.jit
 def square_rn(v, ASM: tl.constexpr):
     """v * v rounded to FP32 by itself (an opaque `mul.rn`, never contracted into an FMA with the sum it feeds,

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from rl4bit.kernels.invariant_triton import _on_device
-from rl4bit.kernels.rmsnorm_triton import round_to
+from rl4bit.kernels.rmsnorm_triton import FLOAT_TL, round_to, to_compute
 
 BLOCK_T = 1
 """Token rows a partial-sum program takes: a constant, never chosen from T (the products' tile shape). With
@@ -47,8 +47,6 @@ ROWS = 16
 """Token rows a softmax / top-k program takes."""
 
 MAX_EXPERTS = 256
-
-_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
 def block_k(experts: int) -> int:
@@ -75,12 +73,8 @@ def _partial_kernel(x_ptr, w_ptr, part_ptr, T, H, E, s_xt, s_we, C: tl.constexpr
         k_ok = k < end
         x = tl.load(x_ptr + t[:, None] * s_xt + k[None, :], mask=t_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptr + e[:, None] * s_we + k[None, :], mask=e_ok[:, None] & k_ok[None, :], other=0.0)
-        x = x.to(tl.float32)
-        w = w.to(tl.float32)
-        if not X_IS_C:
-            x = round_to(x, C)
-        if not W_IS_C:
-            w = round_to(w, C)
+        x = to_compute(x, C, X_IS_C, True)  # FP32 holding C values: the products are FP32
+        w = to_compute(w, C, W_IS_C, True)
         acc = acc + tl.sum(x[:, None, :] * w[None, :, :], axis=2)
     tl.store(part_ptr + (chunk * T + t[:, None]) * E + e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
 
@@ -135,7 +129,7 @@ def route_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, normalize: bool,
         raise ValueError(f"route_topk: x {tuple(x.shape)}, w {tuple(w.shape)}: need x [T, H] and w [E, H]")
     t, h = x.shape
     e = w.shape[0]
-    if not 1 <= top_k <= e <= MAX_EXPERTS or compute_dtype not in _TL or x.dtype not in _TL or w.dtype not in _TL:
+    if not 1 <= top_k <= e <= MAX_EXPERTS or not all(d in FLOAT_TL for d in (compute_dtype, x.dtype, w.dtype)):
         raise ValueError(f"route_topk: top_k {top_k} of {e} experts (1 <= top_k <= E <= {MAX_EXPERTS}), dtypes "
                          f"x {x.dtype}, w {w.dtype}, compute {compute_dtype} (FP32, BF16 or FP16)")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -150,11 +144,11 @@ def route_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, normalize: bool,
     part = torch.empty(n_chunks, t, e, dtype=torch.float32, device=x.device)
     with _on_device(x):
         _partial_kernel[(triton.cdiv(t, BLOCK_T), n_chunks)](
-            x, w, part, t, h, e, x.stride(0), w.stride(0), C=_TL[compute_dtype], X_IS_C=x.dtype == compute_dtype,
-            W_IS_C=w.dtype == compute_dtype, BLOCK_T=BLOCK_T, BLOCK_E=bd, BLOCK_K=block_k(e), CHUNK=CHUNK,
-            num_warps=1, enable_fp_fusion=False)
+            x, w, part, t, h, e, x.stride(0), w.stride(0), C=FLOAT_TL[compute_dtype],
+            X_IS_C=x.dtype == compute_dtype, W_IS_C=w.dtype == compute_dtype, BLOCK_T=BLOCK_T, BLOCK_E=bd,
+            BLOCK_K=block_k(e), CHUNK=CHUNK, num_warps=1, enable_fp_fusion=False)
         _topk_kernel[(triton.cdiv(t, ROWS),)](
             part, logits, weights, index, t, e, n_chunks, TOP_K=top_k, NORMALIZE=bool(normalize),
-            C=_TL[compute_dtype], ROWS=ROWS, BLOCK_E=bd, K_PAD=triton.next_power_of_2(top_k), num_warps=4,
+            C=FLOAT_TL[compute_dtype], ROWS=ROWS, BLOCK_E=bd, K_PAD=triton.next_power_of_2(top_k), num_warps=4,
             enable_fp_fusion=False)
     return logits, weights, index
