@@ -37,8 +37,8 @@ they give the same bits. If it fails on some GPU, set ``TWO_CONFIGS = False``
 
 CUDA graphs: with ``counts`` a device int tensor (sum(counts) == R, not
 checked: that would sync) the tile map is built by one small kernel, the grid
-is fixed at cdiv(R, BLOCK_M) + E row tiles (the tiles past the last expert
-exit at once) and nothing reads the device, so a decode step can be captured.
+is fixed at cdiv(R, BLOCK_M) + min(E, R) row tiles (``n_row_tiles``; the tiles
+past the last expert exit at once) and nothing reads the device, so a decode step can be captured.
 
 Leaves out: split-K, autotuning (tiles are fixed so the bits are), swizzled
 scale layouts, the activation quantize (fused quantize+GEMM).
@@ -184,8 +184,19 @@ _MAP_CACHE: dict = {}
 _MAP_CACHE_SIZE = 512
 
 
+def n_row_tiles(rows: int, groups: int, block_m: int) -> int:
+    """Row tiles a grouped call can need: cdiv(rows, block_m) + min(groups, rows).
+
+    Expert e takes cdiv(c_e, block_m) <= c_e / block_m + 1 tiles, and only the experts with rows take any, at
+    most min(groups, rows) of them. The bound depends on the shape only (a CUDA graph's grid is fixed); with
+    min(groups, rows) rather than groups, a decode step's 4 rows over 32 experts launch 5 row tiles, not 33
+    of which 28 would exit at once.
+    """
+    return triton.cdiv(rows, block_m) + min(groups, rows)
+
+
 def tile_map(counts, rows: int, block_m: int, device=None) -> torch.Tensor:
-    """int32 [3, T] (expert or -1, first row, end row of the expert) for T = cdiv(rows, block_m) + E row tiles.
+    """int32 [3, T] (expert or -1, first row, end row of the expert) for T = n_row_tiles(rows, E, block_m).
 
     Expert e gets cdiv(counts[e], block_m) consecutive tiles over its own rows;
     the tiles past the last one get -1. counts as a device tensor: one small
@@ -195,7 +206,7 @@ def tile_map(counts, rows: int, block_m: int, device=None) -> torch.Tensor:
     """
     if isinstance(counts, torch.Tensor):
         groups = counts.numel()
-        n_tiles = triton.cdiv(rows, block_m) + groups
+        n_tiles = n_row_tiles(rows, groups, block_m)
         cmap = torch.empty((3, n_tiles), dtype=torch.int32, device=counts.device)
         t_block = 64
         _tile_map_kernel[(triton.cdiv(n_tiles, t_block),)](counts.contiguous(), cmap, groups, n_tiles, BLOCK_M=block_m,
@@ -205,7 +216,7 @@ def tile_map(counts, rows: int, block_m: int, device=None) -> torch.Tensor:
     cmap = _MAP_CACHE.get(key)
     if cmap is None:
         groups = len(counts)
-        n_tiles = triton.cdiv(rows, block_m) + groups
+        n_tiles = n_row_tiles(rows, groups, block_m)
         host = [[-1] * n_tiles, [0] * n_tiles, [0] * n_tiles]
         t = start = 0
         for e, m in enumerate(key[0]):
@@ -292,8 +303,12 @@ def _predecode_kernel(xd_ptr, xs_ptr, xh_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK
 
 @triton.jit(do_not_specialize=['n_tiles'])  # see formats_triton.NO_SPECIALIZE
 def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr, y_ptr, map_ptr, n_tiles, N, K,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                          KW, KS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           DECODE: tl.constexpr, X_F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """One (row tile, BLOCK_N columns) program. KW, KS = K // 8 words and K // 16 scales a row, passed in so that
+    Triton sees them as multiples of 16 when they are: the scale loads then vectorize and the software pipeline
+    makes them asynchronous like the words (computed here from K, the scale loads stayed synchronous: one memory
+    latency every K step)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
     e, row0, row1 = map_entry(map_ptr, n_tiles, pid_t)
@@ -311,17 +326,15 @@ def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr
             kwm = ((k0 // 8 + kw) < K // 8) | EVEN_K  # EVEN_N / EVEN_K: N, K are multiples of the tile (no masks)
             ksm = ((k0 // 16 + ks) < K // 16) | EVEN_K
             wm = nmask[:, None] | EVEN_N
-            wp = tl.load(wd_ptr + w_rows * (K // 8) + (k0 // 8 + kw)[None, :], mask=wm & kwm[None, :], other=0)
-            ws = tl.load(ws_ptr + w_rows * (K // 16) + (k0 // 16 + ks)[None, :], mask=wm & ksm[None, :], other=0)
+            wp = tl.load(wd_ptr + w_rows * KW + (k0 // 8 + kw)[None, :], mask=wm & kwm[None, :], other=0)
+            ws = tl.load(ws_ptr + w_rows * KS + (k0 // 16 + ks)[None, :], mask=wm & ksm[None, :], other=0)
             if X_F16:  # x decoded once by _predecode_kernel (the small-M config: no per-warp re-decode of x)
                 kk = k0 + tl.arange(0, BLOCK_K)
                 xv = tl.load(xh_ptr + x_rows * K + kk[None, :], mask=rmask[:, None] & ((kk < K) | EVEN_K)[None, :],
                              other=0.0)
             else:
-                xp = tl.load(xd_ptr + x_rows * (K // 8) + (k0 // 8 + kw)[None, :], mask=rmask[:, None] & kwm[None, :],
-                             other=0)
-                xs = tl.load(xs_ptr + x_rows * (K // 16) + (k0 // 16 + ks)[None, :], mask=rmask[:, None] & ksm[None, :],
-                             other=0)
+                xp = tl.load(xd_ptr + x_rows * KW + (k0 // 8 + kw)[None, :], mask=rmask[:, None] & kwm[None, :], other=0)
+                xs = tl.load(xs_ptr + x_rows * KS + (k0 // 16 + ks)[None, :], mask=rmask[:, None] & ksm[None, :], other=0)
                 xv = _decode_tile(xp, xs, BLOCK_M, BLOCK_K, DECODE)
             wv = _decode_tile(wp, ws, BLOCK_N, BLOCK_K, DECODE)
             acc = tl.dot(xv, tl.trans(wv), acc)
@@ -396,7 +409,7 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
     _nvfp4_grouped_kernel[(n_tiles, triton.cdiv(n, cfg.block_n))](
         xd, xs, xh, row_outer(qx.outer, rows),
         _words(qw.data), qw.scale.contiguous().view(torch.uint8), group_outer(qw.outer, groups),
-        y, cmap, n_tiles, n, k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        y, cmap, n_tiles, n, k, k // 8, k // 16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DECODE=DECODES[decode], X_F16=cfg.predecode_x, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.to(out_dtype)

@@ -6,7 +6,10 @@ each batch size it reports, engine figure beside the HF baseline:
 
 - prompt tokens/s (the prefill step: batch x prompt_len / its seconds),
 - generated tokens/s (batch x new tokens / whole generate seconds),
-- ms per decode step (decode seconds / decode steps),
+- ms per decode step (decode seconds / decode steps), beside its read floor: the bytes a step must read
+  (`read_floor`) at the copy bandwidth measured in the same run, for BF16 and NVFP4 experts; their ratio is
+  the ceiling of the NVFP4 / BF16 throughput ratio for this model (attention, LM head and KV cache stay BF16
+  in both),
 - the phase split (prefill seconds, decode seconds).
 
 HF's prefill is timed as `generate(max_new_tokens=1)`; its decode as the rest.
@@ -142,6 +145,35 @@ def bench_hf(model, prompts: torch.Tensor, new: int, device) -> dict:
                 decode_steps=out.shape[1] - ids.shape[1] - 1)
 
 
+EXPERT_BYTES = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 16}
+"""Bytes an expert weight element takes in each serving format: NVFP4 is a 4-bit code plus one E4M3 scale per
+16 elements (the per-expert FP32 outer scales are left out, 4 bytes an expert matrix)."""
+
+
+def read_floor(name: str, batch: int, prompt: int, new: int, experts: str) -> dict:
+    """What one decode step must read from memory at `batch`, and all the weights once, in bytes.
+
+    A step reads every non-expert weight (attention projections, norms, LM head; BF16), the router (FP32 in
+    the NVFP4 model, as the recipe keeps it), the experts the batch's tokens pick (`experts` format; expected
+    count E (1 - (1 - k/E)^batch) under uniform routing, which random routers approximate), one embedding row
+    a token, and each sequence's K/V cache (BF16) at the mean context length of the decode, prompt + new / 2.
+    "weights" is the whole model once (all experts, the embedding table): the issue's "time to read the
+    weights once". Activations and the KV write are left out: both are small beside these.
+    """
+    c = MODELS[name]
+    h, layers, e, k, d = (c["hidden_size"], c["num_hidden_layers"], c["num_experts"], c["num_experts_per_tok"],
+                          c["head_dim"])
+    attn_params = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) + 2 * d + 2 * h  # q k v o, norms
+    expert = 3 * h * c["moe_intermediate_size"] * EXPERT_BYTES[experts]
+    router = e * h * (4 if experts == "nvfp4" else 2)
+    table = c["vocab_size"] * h * 2  # the LM head, and the embedding table (same shape, untied)
+    touched = e * (1 - (1 - k / e) ** batch)
+    kv = layers * 2 * c["num_key_value_heads"] * d * 2 * (prompt + new / 2) * batch
+    step = layers * (2 * attn_params + router + touched * expert) + table + h * 2 + batch * h * 2 + kv
+    weights = layers * (2 * attn_params + router + e * expert) + 2 * table + h * 2  # h * 2: the final norm
+    return dict(step_bytes=step, weight_bytes=weights, kv_bytes=kv, experts_touched=touched)
+
+
 def _figures(r: dict, b: int, p: int) -> dict:
     return dict(prompt_tok_s=b * p / r["prefill_s"] if r["prefill_s"] else 0.0,
                 gen_tok_s=r["generated"] / r["total_s"],
@@ -206,6 +238,9 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     fuse_attentions(model)  # as convert_model does for the trainer's and the samplers' models (nvfp4_model's copy too)
     fuse_routers(model)
     n_params = sum(t.numel() for t in model.parameters())
+    from rl4bit.bench_gemm import copy_gbps
+
+    gbps = copy_gbps(device, reps=20)
     gen = torch.Generator().manual_seed(0)
     qmodel = nvfp4_model(model)
     rows = []
@@ -214,7 +249,10 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
         e = _figures(bench_engine(model, prompts, new, device), b, p)
         h = _figures(unfused(bench_hf, model, prompts, new, device), b, p)
         q = _figures(bench_engine(qmodel, prompts, new, device), b, p) if qmodel is not None else None
-        rows.append(dict(batch=b, engine=e, hf=h, engine_nvfp4=q))
+        floor = {f: read_floor(name, b, p, new, f) for f in EXPERT_BYTES}
+        for f in floor.values():
+            f["step_ms"] = 1e3 * f["step_bytes"] / (gbps * 1e9)
+        rows.append(dict(batch=b, engine=e, hf=h, engine_nvfp4=q, floor=floor))
         if compare_unfused and qmodel is not None:
             rows[-1]["engine_nvfp4_unfused"] = _figures(unfused(bench_engine, qmodel, prompts, new, device), b, p)
         print(f"batch {b}: engine {e['gen_tok_s']:.0f} tok/s, HF generate {h['gen_tok_s']:.0f} tok/s"
@@ -228,7 +266,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
                   f"whole generate {sp['shared']['total_s']:.3f} / {sp['own']['total_s']:.3f} s "
                   f"({sp['own']['total_s'] / sp['shared']['total_s']:.2f}x)", flush=True)
     results = dict(device=device, model=name, params=n_params, dtype=str(dtype), prompt_len=p, new_tokens=new,
-                   threads=torch.get_num_threads(), rows=rows,
+                   threads=torch.get_num_threads(), copy_gbps=gbps, rows=rows,
                    nvfp4_weights=("trainer serving mode (surgery.load_quantized), experts NVFP4: the Triton grouped "
                                   "GEMM decoding tiles in registers on CUDA, the reference on CPU") if qmodel is not None
                    else "missing: no trainer serving mode (load_quantized) to run NVFP4 weights")
@@ -248,7 +286,8 @@ def _print_table(res: dict) -> None:
                     f"{res['threads']} threads; engine / HF generate (x = engine over HF)")
     has_unfused = any("engine_nvfp4_unfused" in r for r in res["rows"])
     for col in ("batch", "prompt tok/s", "generated tok/s", "ms / decode step", "prefill s", "decode s",
-                "NVFP4 weights: gen tok/s, ms/step (x vs BF16 engine)") + (
+                "NVFP4 weights: gen tok/s, ms/step (x vs BF16 engine)",
+                "read floor ms/step BF16 / NVFP4 (step over floor)", "NVFP4/BF16 ceiling") + (
                 ("NVFP4, unfused: ms/step (fused x)",) if has_unfused else ()):
         t.add_column(col, justify="right")
 
@@ -264,10 +303,24 @@ def _print_table(res: dict) -> None:
                   f"{e['prefill_s']:.3f} / {h['prefill_s']:.3f}", f"{e['decode_s']:.3f} / {h['decode_s']:.3f}",
                   (f"{q['gen_tok_s']:.0f}, {q['ms_per_step']:.2f} ({q['gen_tok_s'] / e['gen_tok_s']:.2f}x)"
                    if (q := r["engine_nvfp4"]) else "missing"),
+                  _floor_cell(r), f"{r['floor']['bf16']['step_ms'] / r['floor']['nvfp4']['step_ms']:.2f}x",
                   *((f"{u['ms_per_step']:.2f} ({u['ms_per_step'] / q['ms_per_step']:.2f}x)"
                      if (u := r.get("engine_nvfp4_unfused")) and q else "-",) if has_unfused else ()))
     Console(width=max(Console().width, 150)).print(t)
     print(f"NVFP4 weights in the engine: {res['nvfp4_weights']}")
+    gb = res["copy_gbps"] * 1e9
+    w = {f: res["rows"][0]["floor"][f]["weight_bytes"] for f in ("bf16", "nvfp4")}
+    print(f"Read floor: the bytes a decode step must read (`read_floor`: non-expert weights, the experts its tokens "
+          f"pick, the KV cache) at the copy bandwidth measured in this run, {res['copy_gbps']:.0f} GB/s (read + "
+          f"write); the ceiling is the BF16 floor over the NVFP4 floor. All weights once: BF16 "
+          f"{w['bf16'] / 1e9:.2f} GB ({1e3 * w['bf16'] / gb:.3f} ms), NVFP4 experts {w['nvfp4'] / 1e9:.2f} GB "
+          f"({1e3 * w['nvfp4'] / gb:.3f} ms).")
+
+
+def _floor_cell(r: dict) -> str:
+    fb, fq = r["floor"]["bf16"]["step_ms"], r["floor"]["nvfp4"]["step_ms"]
+    e, q = r["engine"]["ms_per_step"], (r["engine_nvfp4"] or {}).get("ms_per_step")
+    return f"{fb:.3f} / {fq:.3f} ({e / fb:.1f}x / " + (f"{q / fq:.1f}x)" if q else "-)")
 
 
 def main(argv: list[str] | None = None) -> None:

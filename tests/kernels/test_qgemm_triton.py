@@ -127,11 +127,14 @@ def test_pick_config_routes_by_rows_per_expert_and_k():
 
 
 @pytest.mark.parametrize("block_m", [16, 128])
-def test_tile_map_covers_each_row_once(block_m):
-    counts = [0, 5, 16, 0, 33, 1, 0, 200]
+@pytest.mark.parametrize("counts", [[0, 5, 16, 0, 33, 1, 0, 200],
+                                    [1] * 8 + [0] * 24,  # few rows over many experts: min(E, R) row tiles, not E
+                                    [17] * 8,  # every expert one row past a whole tile: the bound is tight
+                                    [0, 0, 1, 0]])
+def test_tile_map_covers_each_row_once(block_m, counts):
     rows = sum(counts)
     cmap = qg.tile_map(counts, rows, block_m, DEVICE)
-    assert cmap.shape == (3, -(-rows // block_m) + len(counts))
+    assert cmap.shape == (3, -(-rows // block_m) + min(len(counts), rows))
     on_device = qg.tile_map(torch.tensor(counts, dtype=torch.int32, device=DEVICE), rows, block_m)
     assert_bitwise_equal(on_device, cmap, "tile map: device kernel vs host")
     seen = torch.zeros(rows, dtype=torch.int64)

@@ -1,0 +1,52 @@
+"""`bench rollout`'s read floor counts the bytes the benchmarked models actually hold.
+
+`read_floor` derives a decode step's bytes from the model's shape; these tests
+check its all-weights total against the tensors of the models the benchmark
+builds (the BF16 model's parameters; the NVFP4 model's non-expert parameters
+plus its served expert codes and scales), and the per-step terms at the edges
+(one token picks exactly top-k experts; a large batch touches all of them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl4bit.bench_rollout import MODELS, build_model, nvfp4_model, read_floor
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@pytest.fixture(scope="module")
+def models():
+    m = build_model("small", 80, torch.bfloat16, "cpu")
+    return m, nvfp4_model(m)
+
+
+def test_weight_bytes_match_the_bf16_models_parameters(models):
+    m, _ = models
+    assert read_floor("small", 1, 32, 32, "bf16")["weight_bytes"] == sum(_nbytes(p) for p in m.parameters())
+
+
+def test_weight_bytes_match_the_nvfp4_models_tensors(models):
+    _, q = models
+    assert q is not None, "the trainer's serving mode is missing"
+    dense = sum(_nbytes(p) for n, p in q.named_parameters() if ".experts." not in n)
+    served = [t for mod in q.modules() if hasattr(mod, "served") for t in mod.served.values()]
+    assert served, "no served NVFP4 experts found"
+    codes_and_scales = sum(_nbytes(t.data) + _nbytes(t.scale) for t in served)  # outer scales: left out
+    assert read_floor("small", 1, 32, 32, "nvfp4")["weight_bytes"] == dense + codes_and_scales
+
+
+def test_step_terms():
+    c = MODELS["small"]
+    one = read_floor("small", 1, 32, 32, "bf16")
+    assert one["experts_touched"] == pytest.approx(c["num_experts_per_tok"])
+    assert read_floor("small", 4096, 32, 32, "bf16")["experts_touched"] == pytest.approx(c["num_experts"])
+    kv_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 2
+    assert one["kv_bytes"] == kv_token * (32 + 16)
+    # one token reads less than the whole model; NVFP4 experts read fewer bytes than BF16 ones
+    assert one["step_bytes"] < one["weight_bytes"]
+    assert read_floor("small", 1, 32, 32, "nvfp4")["step_bytes"] < one["step_bytes"]
