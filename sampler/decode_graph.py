@@ -161,11 +161,12 @@ class DecodeGraphs:
             raise ValueError(f"a decode step of {batch} rows exceeds the engine's batch capacity {self.sizes[-1]}")
         return next(p for p in self.sizes if p >= batch)
 
-    def logits(self, tokens: list[int], positions: list[int], slots: list[int]) -> torch.Tensor | None:
+    def logits(self, tokens, positions: list[int], slots: list[int]) -> torch.Tensor | None:
         """float32 [B, V] next-token logits of B one-token rows (token, cache position, cache slot per row).
 
-        The result is a view of the bucket's static output, valid until the next
-        call. None when this model's forward cannot be captured (`error` says
+        tokens: a list of ints, or an int64 device tensor [B] (the previous step's sampled tokens, not yet
+        read by the host: copied on the device, no host wait). The result is a view of the bucket's static
+        output, valid until the next call. None when this model's forward cannot be captured (`error` says
         why): the caller runs the step op by op.
         """
         if self.error is not None:
@@ -182,9 +183,12 @@ class DecodeGraphs:
                                            device=self.engine.device)
             bucket = self._buckets[rows] = _Bucket(rows, self._logits)
         pad = rows - b
-        host = torch.tensor([tokens + [0] * pad, positions + [0] * pad, slots + [self.scratch_slot] * pad],
-                            dtype=torch.long)
+        on_device = isinstance(tokens, torch.Tensor)
+        host = torch.tensor([([0] * b if on_device else tokens) + [0] * pad, positions + [0] * pad,
+                             slots + [self.scratch_slot] * pad], dtype=torch.long)
         bucket.inputs.copy_(host)
+        if on_device:
+            bucket.inputs[0, :b].copy_(tokens)
         if self.mode == "static":
             bucket.logits.copy_(self._forward(bucket))
         elif bucket.graph is None:

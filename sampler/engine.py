@@ -37,7 +37,14 @@ swaps their QTensors in the same all-or-nothing step as the dense tensors
 
 Pure decode steps (one new token per sequence) run as CUDA graphs on a CUDA
 device, one per bucket of batch sizes, from static buffers (decode_graph.py);
-prefill and mixed steps run op by op.
+prefill and mixed steps run op by op. Graphed decode steps run one ahead
+(`_decode_ahead`): step i + 1 is launched from step i's sampled tokens still on
+the device, before the host reads them, so the graph launch and the host's
+bookkeeping overlap the GPU's work instead of following it. A sequence that
+stops at step i (a stop token or string) has its row of step i + 1 dropped;
+the other rows of step i + 1 are kept. Same ops on the same values: the
+tokens and logprobs are the step-by-step loop's (tested bitwise on the CPU in
+"static" mode, and on CUDA).
 
 The n samples of a request prefill the prompt once (`share_prefix`): the
 others copy the first one's prompt KV into their slots and draw their first
@@ -62,7 +69,7 @@ from rl4bit.kernels import deferred_checks
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.sampler.decode_graph import DecodeGraphs
 from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_implementations, pad_rows
-from rl4bit.sampler.sampling import policy_logprobs, sample_rows
+from rl4bit.sampler.sampling import policy_logprobs, rows_to_lists, sample_rows, sample_rows_tensors
 from rl4bit.sampler.serving_dtype import precast
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, request_error
 
@@ -145,6 +152,8 @@ class EmbeddedEngine:
         """Seconds in steps that held any prompt tokens (prefill, possibly with decode rows)."""
         self.decode_s = 0.0
         """Seconds in pure decode steps (one new token per sequence)."""
+        self.steps_ahead = 0
+        """Graphed decode steps launched before the host had read the step before (`_decode_ahead`)."""
 
     @property
     def version(self) -> int:
@@ -200,7 +209,9 @@ class EmbeddedEngine:
                     budget -= need
                     room -= 1 + len(s.followers)  # keep room for the samples that will fork from its prefill
                     active.append(s)
-                waiting[:0] = self._step(active)  # followers that found no room: they prefill later
+                room = min(self.max_batch_size - len(active), len(self.cache.free))
+                if (waiting and room > 0) or not self._decode_ahead(active):  # runs until a sequence finishes
+                    waiting[:0] = self._step(active)  # followers that found no room: they prefill later
                 for s in [s for s in active if s.finish is not None]:
                     self.cache.release(s.slot)
                     active.remove(s)
@@ -266,22 +277,86 @@ class EmbeddedEngine:
         tokens, lps, plps = sample_rows(logits, [s.params for s in rows_seqs], [s.noise_key for s in rows_seqs],
                                         [len(s.completion) for s in rows_seqs])
         for s, token, lp, plp in zip(rows_seqs, tokens, lps, plps):
-            if s.n_cached == 0:
-                self.prompt_tokens += len(s.pending)
-            s.n_cached += len(s.pending)
-            s.completion.append(token)
-            s.logprobs.append(lp)
-            if plp is not None:
-                s.proc_logprobs.append(plp)
-            s.pending = [token]
-            self.tokens_generated += 1
-            self._check_finished(s, token)
+            self._append(s, token, lp, plp)
         dt = time.perf_counter() - t0
         if prefill:
             self.prefill_s += dt
         else:
             self.decode_s += dt
         return unplaced
+
+    def _decode_ahead(self, active: list[_Seq]) -> bool:
+        """Graphed decode steps, each launched before the previous one's tokens reach the host, until a
+        sequence finishes; False (nothing run) when this is not a pure graphed decode step.
+
+        Step i + 1 runs from step i's sampled tokens on the device, at positions and noise indices one past
+        the host's (step i is not read yet). It is launched only when no row of step i can end by length;
+        a row whose step i ends on a stop token or string is dropped from step i + 1, whose other rows are
+        kept, and the loop returns so that the caller retires it and admits waiting requests.
+        """
+        seqs = [s for s in active if s.finish is None]
+        if (self.graphs is None or self.graphs.error is not None or not seqs
+                or any(s.n_cached == 0 or len(s.pending) != 1 or s.followers for s in seqs)):
+            return False
+        t0 = time.perf_counter()
+        step = self._launch(seqs, None)
+        if step is None:  # the first capture failed: this step runs op by op
+            return False
+        while True:
+            ahead = all(len(s.completion) + 2 <= s.max_new for s in seqs)  # no row ends by length at step i
+            nxt = self._launch(seqs, step) if ahead else None
+            self.steps_ahead += nxt is not None
+            self._read(step, seqs)
+            if nxt is None or any(s.finish is not None for s in seqs):
+                if nxt is not None:
+                    self._read(nxt, [s for s in seqs if s.finish is None])
+                break
+            step = nxt
+        self.decode_s += time.perf_counter() - t0
+        return True
+
+    def _launch(self, seqs: list[_Seq], prev: dict | None) -> dict | None:
+        """Launch one graphed decode step of `seqs` and its sampling; the results stay on the device (copied
+        to pinned host memory behind an event). prev: the step before, not yet read by the host: its device
+        tokens are this step's input, one position and one noise index past the host's view."""
+        ahead = 0 if prev is None else 1
+        tokens = [s.pending[0] for s in seqs] if prev is None else prev["tokens"]
+        logits = self.graphs.logits(tokens, [s.n_cached + ahead for s in seqs], [s.slot for s in seqs])
+        if logits is None:
+            return None
+        params = [s.params for s in seqs]
+        out = sample_rows_tensors(logits, params, [s.noise_key for s in seqs], [len(s.completion) + ahead for s in seqs])
+        step = dict(seqs=list(seqs), tokens=out[0], params=params, event=None,
+                    host=[t.to("cpu", non_blocking=True) for t in out])
+        if self.device.type == "cuda":
+            step["event"] = torch.cuda.Event()
+            step["event"].record()
+        return step
+
+    def _read(self, step: dict, seqs: list[_Seq]) -> None:
+        """Wait for a launched step's results on the host and append them to those of its rows' sequences
+        that are in `seqs` (the caller leaves out the ones that finished after the step was launched)."""
+        if step["event"] is not None:
+            step["event"].synchronize()
+        tokens, lps, plps = rows_to_lists(step["params"], *(t.tolist() for t in step["host"]))
+        self.decode_steps += 1
+        keep = {id(s) for s in seqs}
+        for s, token, lp, plp in zip(step["seqs"], tokens, lps, plps):
+            if id(s) in keep:
+                self._append(s, token, lp, plp)
+
+    def _append(self, s: _Seq, token: int, lp: float, plp: float | None) -> None:
+        """Record one sampled token of `s` (its pending tokens are now cached) and check whether it finished."""
+        if s.n_cached == 0:
+            self.prompt_tokens += len(s.pending)
+        s.n_cached += len(s.pending)
+        s.completion.append(token)
+        s.logprobs.append(lp)
+        if plp is not None:
+            s.proc_logprobs.append(plp)
+        s.pending = [token]
+        self.tokens_generated += 1
+        self._check_finished(s, token)
 
     def _fork(self, seqs: list[_Seq], active: list[_Seq]) -> tuple[list[tuple[int, _Seq]], list[_Seq]]:
         """Give the followers of every sequence prefilled in this step a slot holding a copy of its prompt's KV.

@@ -88,6 +88,20 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], keys: list, 
     noise of all sampled rows is one draw, `noise.gumbel_noise`) and one host
     sync. Returns (tokens, policy logprobs, processed logprobs or None) lists.
     """
+    tokens, lps, plps = sample_rows_tensors(logits, params, keys, steps)
+    return rows_to_lists(params, tokens.tolist(), lps.tolist(), plps.tolist())
+
+
+def rows_to_lists(params: list[SamplingParams], tokens: list[int], lps: list[float], plps: list[float]):
+    """`sample_rows`' lists from `sample_rows_tensors`' values read on the host: a processed logprob only for
+    the rows that asked for one (`params[i].processed_logprobs`), None for the others."""
+    return tokens, lps, [float(v) if p.processed_logprobs else None for p, v in zip(params, plps)]
+
+
+def sample_rows_tensors(logits: torch.Tensor, params: list[SamplingParams], keys: list, steps: list[int]):
+    """`sample_rows` left on the device, no host sync: (tokens int64 [B], policy logprobs fp32 [B], processed
+    logprobs fp32 [B], NaN in the rows whose params do not ask for them). The engine's decode steps read these
+    on the host one step later, while the next step already runs."""
     logits = logits.float()
     temps = torch.tensor([effective_temperature(p.temperature) for p in params], device=logits.device)
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
@@ -113,7 +127,8 @@ def sample_rows(logits: torch.Tensor, params: list[SamplingParams], keys: list, 
             scores[idx] += noise
     tokens = torch.argmax(scores, dim=-1)
     lps = logp.gather(1, tokens[:, None])[:, 0]
-    plps = {i: row[tokens[i]] for i, row in proc_rows.items() if params[i].processed_logprobs}
-    tokens_l, lps_l = tokens.tolist(), lps.tolist()
-    plps_l = [float(plps[i]) if i in plps else None for i in range(len(params))]
-    return tokens_l, lps_l, plps_l
+    plps = torch.full_like(lps, float("nan"))
+    for i, row in proc_rows.items():
+        if params[i].processed_logprobs:
+            plps[i] = row.gather(0, tokens[i:i + 1])[0]
+    return tokens, lps, plps

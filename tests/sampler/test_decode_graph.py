@@ -13,6 +13,8 @@ CUDA) make the capture fail, and decode falls back to op by op with a warning.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -61,6 +63,30 @@ def test_static_decode_equals_op_by_op(tokenizer, recipe):
     assert engine.graphs.scratch_slot == 24 and engine.graphs.scratch_slot not in engine.cache.free
     small = EmbeddedEngine(model, tokenizer, max_batch_size=3, decode_graphs="static").generate(reqs)
     assert _same(off, small) is None, f"{recipe} max_batch_size=3: {_same(off, small)}"
+
+
+def test_steps_launched_ahead_drop_the_rows_of_stopped_sequences(tokenizer):
+    """Decode steps run one ahead of the host (`_decode_ahead`); a sequence stopping on a stop token or a stop
+    string mid-decode loses its row of the step already launched, and nothing else changes: the same
+    rollouts as op by op."""
+    model = _serving("nvfp4")
+    base = [Request(str(i), p, SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=70 + i, max_new_tokens=12,
+                                              ignore_eos=True))
+            for i, p in enumerate(prompts(6, seed=31))]
+    free = EmbeddedEngine(model, tokenizer, max_batch_size=8, decode_graphs="off").generate(base)
+    reqs = []  # stop where each free run put its 4th token: by id on even requests, by text on odd ones
+    for r, out in zip(base, free):
+        stop = dict(stop_token_ids=[out.completion_ids[3]]) if int(r.id) % 2 == 0 else \
+            dict(stop=[tokenizer.decode([out.completion_ids[3]])])
+        reqs.append(Request(r.id, r.prompt_ids, dataclasses.replace(r.params, **stop)))
+    off = EmbeddedEngine(model, tokenizer, max_batch_size=8, decode_graphs="off").generate(reqs)
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=8, decode_graphs="static")
+    ahead = engine.generate(reqs)
+    assert _same(off, ahead) is None, _same(off, ahead)
+    assert [r.text for r in off] == [r.text for r in ahead]
+    assert engine.steps_ahead > 0
+    assert any(len(r.completion_ids) < 12 and r.finish_reason == "stop" for r in off), "no sequence stopped early"
+    assert sum(r.finish_reason == "stop" for r in off) >= 3
 
 
 def test_a_module_put_into_serving_drops_the_graphs(tokenizer):
