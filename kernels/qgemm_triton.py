@@ -208,11 +208,16 @@ def tile_map(counts, rows: int, block_m: int, device=None) -> torch.Tensor:
         groups = counts.numel()
         n_tiles = n_row_tiles(rows, groups, block_m)
         cmap = torch.empty((3, n_tiles), dtype=torch.int32, device=counts.device)
+        if not n_tiles:  # no rows: nothing to launch
+            return cmap
         t_block = 64
         _tile_map_kernel[(triton.cdiv(n_tiles, t_block),)](counts.contiguous(), cmap, groups, n_tiles, BLOCK_M=block_m,
                                                            E_PAD=triton.next_power_of_2(max(groups, 2)), T_BLOCK=t_block)
         return cmap
     key = (tuple(int(n) for n in counts), int(block_m), str(device))
+    if sum(key[0]) > rows:  # the tile bound and the kernels' row reads assume the counts cover at most `rows`
+        raise ValueError(f"counts sum to {sum(key[0])} rows but the operand has {rows}; pass one count per expert "
+                         f"of the rows grouped in it")
     cmap = _MAP_CACHE.get(key)
     if cmap is None:
         groups = len(counts)

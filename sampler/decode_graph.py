@@ -60,8 +60,8 @@ from dataclasses import dataclass
 import torch
 
 from rl4bit.kernels import fused
-from rl4bit.sampler.host_copy import to_device
 from rl4bit.sampler.kv_cache import StepLayout, pad_rows
+from rl4bit.trainer.transfer import to_device
 
 MODES = ("off", "static", "cuda")
 
@@ -185,8 +185,9 @@ class DecodeGraphs:
             bucket = self._buckets[rows] = _Bucket(rows, self._logits)
         pad = rows - b
         on_device = isinstance(tokens, torch.Tensor)
-        bucket.inputs.copy_(to_device([([0] * b if on_device else tokens) + [0] * pad, positions + [0] * pad,
-                                       slots + [self.scratch_slot] * pad], torch.long, bucket.inputs.device))
+        host = torch.tensor([([0] * b if on_device else tokens) + [0] * pad, positions + [0] * pad,
+                             slots + [self.scratch_slot] * pad], dtype=torch.long)
+        bucket.inputs.copy_(to_device(host, bucket.inputs.device))  # pinned, no host wait (a pageable copy syncs)
         if on_device:
             bucket.inputs[0, :b].copy_(tokens)
         if self.mode == "static":

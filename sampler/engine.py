@@ -42,9 +42,12 @@ prefill and mixed steps run op by op. Graphed decode steps run one ahead
 the device, before the host reads them, so the graph launch and the host's
 bookkeeping overlap the GPU's work instead of following it. A sequence that
 stops at step i (a stop token or string) has its row of step i + 1 dropped;
-the other rows of step i + 1 are kept. Same ops on the same values: the
-tokens and logprobs are the step-by-step loop's (tested bitwise on the CPU in
-"static" mode, and on CUDA).
+the other rows of step i + 1 are kept. Each row's ops and values are the
+step-by-step loop's; step i + 1 still holds the stopped row, so it may run
+at a larger row bucket than that loop would, which changes no bits where rows
+do not depend on the row count (the engine's batch invariance; tested bitwise
+on the CPU in "static" mode with stops mid-decode, and on CUDA for the
+tests' models).
 
 The n samples of a request prefill the prompt once (`share_prefix`): the
 others copy the first one's prompt KV into their slots and draw their first
@@ -209,8 +212,9 @@ class EmbeddedEngine:
                     budget -= need
                     room -= 1 + len(s.followers)  # keep room for the samples that will fork from its prefill
                     active.append(s)
-                room = min(self.max_batch_size - len(active), len(self.cache.free))
-                if (waiting and room > 0) or not self._decode_ahead(active):  # runs until a sequence finishes
+                # steps ahead until a sequence finishes: only then could a waiting request be admitted (one just
+                # admitted needs a prefill, and _decode_ahead refuses any step with one)
+                if not self._decode_ahead(active):
                     waiting[:0] = self._step(active)  # followers that found no room: they prefill later
                 for s in [s for s in active if s.finish is not None]:
                     self.cache.release(s.slot)
@@ -308,7 +312,7 @@ class EmbeddedEngine:
             self.steps_ahead += nxt is not None
             self._read(step, seqs)
             if nxt is None or any(s.finish is not None for s in seqs):
-                if nxt is not None:
+                if nxt is not None and any(s.finish is None for s in seqs):  # else every row of nxt is dropped
                     self._read(nxt, [s for s in seqs if s.finish is None])
                 break
             step = nxt
@@ -326,11 +330,12 @@ class EmbeddedEngine:
             return None
         params = [s.params for s in seqs]
         out = sample_rows_tensors(logits, params, [s.noise_key for s in seqs], [len(s.completion) + ahead for s in seqs])
+        cuda = self.device.type == "cuda"
         step = dict(seqs=list(seqs), tokens=out[0], params=params, event=None,
-                    host=[t.to("cpu", non_blocking=True) for t in out])
-        if self.device.type == "cuda":
+                    host=[t.to("cpu", non_blocking=cuda) for t in out])  # CUDA: pinned, read after the event
+        if cuda:
             step["event"] = torch.cuda.Event()
-            step["event"].record()
+            step["event"].record(torch.cuda.current_stream(self.device))
         return step
 
     def _read(self, step: dict, seqs: list[_Seq]) -> None:

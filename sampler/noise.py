@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from rl4bit.kernels.philox import philox4x32_keyed
-from rl4bit.sampler.host_copy import to_device
+from rl4bit.trainer.transfer import to_device
 
 _MASK32 = 0xFFFFFFFF
 
@@ -56,6 +56,6 @@ def gumbel_noise(keys: list[int], steps: list[int], vocab: int, device) -> torch
     """fp32 [len(keys), vocab] standard Gumbel noise; keys in [0, 2**63), steps >= 0 (the token index)."""
     if any(not 0 <= int(k) < 2**63 for k in keys) or any(int(t) < 0 for t in steps):
         raise ValueError("gumbel_noise: keys must lie in [0, 2**63) and steps be >= 0")
-    k = to_device([int(x) for x in keys], torch.int64, device)
-    t = to_device([int(x) for x in steps], torch.int64, device)
+    k = to_device(torch.tensor([int(x) for x in keys], dtype=torch.int64), device)
+    t = to_device(torch.tensor([int(x) for x in steps], dtype=torch.int64), device)
     return uniform(k, t, vocab).log_().neg_().log_().neg_()

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 import torch
 
-from rl4bit.sampler.host_copy import to_device
 from rl4bit.sampler.noise import gumbel_noise
 from rl4bit.sampler.types import SamplingParams
+from rl4bit.trainer.transfer import to_device
 
 
 def effective_temperature(temperature: float) -> float:
@@ -104,7 +104,7 @@ def sample_rows_tensors(logits: torch.Tensor, params: list[SamplingParams], keys
     logprobs fp32 [B], NaN in the rows whose params do not ask for them). The engine's decode steps read these
     on the host one step later, while the next step already runs."""
     logits = logits.float()
-    temps = to_device([effective_temperature(p.temperature) for p in params], torch.float32, logits.device)
+    temps = to_device(torch.tensor([effective_temperature(p.temperature) for p in params]), logits.device)
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
     scores = logp.clone()  # what argmax draws from: processed logp plus Gumbel noise, or the raw logits (greedy)
     proc_rows = {}
@@ -124,7 +124,7 @@ def sample_rows_tensors(logits: torch.Tensor, params: list[SamplingParams], keys
         if len(drawn) == len(params):
             scores += noise
         else:
-            idx = to_device(drawn, torch.int64, logits.device)
+            idx = to_device(torch.tensor(drawn), logits.device)
             scores[idx] += noise
     tokens = torch.argmax(scores, dim=-1)
     lps = logp.gather(1, tokens[:, None])[:, 0]

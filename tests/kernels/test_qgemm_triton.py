@@ -129,7 +129,7 @@ def test_pick_config_routes_by_rows_per_expert_and_k():
 @pytest.mark.parametrize("block_m", [16, 128])
 @pytest.mark.parametrize("counts", [[0, 5, 16, 0, 33, 1, 0, 200],
                                     [1] * 8 + [0] * 24,  # few rows over many experts: min(E, R) row tiles, not E
-                                    [17] * 8,  # every expert one row past a whole tile: the bound is tight
+                                    [17] * 8,  # every expert one row past a whole tile: two tiles each
                                     [0, 0, 1, 0]])
 def test_tile_map_covers_each_row_once(block_m, counts):
     rows = sum(counts)

@@ -47,6 +47,11 @@ def test_step_terms():
     assert read_floor("small", 4096, 32, 32, "bf16")["experts_touched"] == pytest.approx(c["num_experts"])
     kv_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 2
     assert one["kv_bytes"] == kv_token * (32 + 16)
+    # a batch that touches every expert reads all the weights but the embedding table (one row a token) once
+    big = read_floor("small", 4096, 32, 32, "bf16")
+    table = c["vocab_size"] * c["hidden_size"] * 2
+    assert big["step_bytes"] == pytest.approx(big["weight_bytes"] - table + 4096 * c["hidden_size"] * 2
+                                              + big["kv_bytes"])
     # one token reads less than the whole model; NVFP4 experts read fewer bytes than BF16 ones
     assert one["step_bytes"] < one["weight_bytes"]
     assert read_floor("small", 1, 32, 32, "nvfp4")["step_bytes"] < one["step_bytes"]

@@ -74,10 +74,10 @@ def test_steps_launched_ahead_drop_the_rows_of_stopped_sequences(tokenizer):
                                               ignore_eos=True))
             for i, p in enumerate(prompts(6, seed=31))]
     free = EmbeddedEngine(model, tokenizer, max_batch_size=8, decode_graphs="off").generate(base)
-    reqs = []  # stop where each free run put its 4th token: by id on even requests, by text on odd ones
-    for r, out in zip(base, free):
-        stop = dict(stop_token_ids=[out.completion_ids[3]]) if int(r.id) % 2 == 0 else \
-            dict(stop=[tokenizer.decode([out.completion_ids[3]])])
+    reqs = []  # stop where each free run put its token 1 + i % 5: by id on even requests, by text on odd ones
+    for i, (r, out) in enumerate(zip(base, free)):
+        tok = out.completion_ids[1 + i % 5]
+        stop = dict(stop_token_ids=[tok]) if i % 2 == 0 else dict(stop=[tokenizer.decode([tok])])
         reqs.append(Request(r.id, r.prompt_ids, dataclasses.replace(r.params, **stop)))
     off = EmbeddedEngine(model, tokenizer, max_batch_size=8, decode_graphs="off").generate(reqs)
     engine = EmbeddedEngine(model, tokenizer, max_batch_size=8, decode_graphs="static")
@@ -85,8 +85,9 @@ def test_steps_launched_ahead_drop_the_rows_of_stopped_sequences(tokenizer):
     assert _same(off, ahead) is None, _same(off, ahead)
     assert [r.text for r in off] == [r.text for r in ahead]
     assert engine.steps_ahead > 0
-    assert any(len(r.completion_ids) < 12 and r.finish_reason == "stop" for r in off), "no sequence stopped early"
-    assert sum(r.finish_reason == "stop" for r in off) >= 3
+    stopped = [len(r.completion_ids) for r in off if r.finish_reason == "stop" and len(r.completion_ids) < 12]
+    # stops at two or more lengths in one batch: a step launched ahead lost some rows and kept the others
+    assert len(set(stopped)) >= 2, stopped
 
 
 def test_a_module_put_into_serving_drops_the_graphs(tokenizer):
