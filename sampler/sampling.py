@@ -42,6 +42,11 @@ def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.log_softmax(logits.float() / effective_temperature(temperature), dim=-1)
 
 
+def truncates(params: SamplingParams) -> bool:
+    """Whether top-k, top-p or min-p removes any token (the processed distribution differs from the policy's)."""
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
+
+
 def truncation_mask(logp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Bool mask [V] of the tokens top-k, top-p and min-p keep (applied in that order)."""
     keep = torch.ones_like(logp, dtype=torch.bool)
@@ -106,16 +111,22 @@ def sample_rows_tensors(logits: torch.Tensor, params: list[SamplingParams], keys
     logits = logits.float()
     temps = to_device(torch.tensor([effective_temperature(p.temperature) for p in params]), logits.device)
     logp = torch.log_softmax(logits / temps[:, None], dim=-1)
-    scores = logp.clone()  # what argmax draws from: processed logp plus Gumbel noise, or the raw logits (greedy)
-    proc_rows = {}
+    # what argmax draws from: the raw logits (greedy rows), else processed logp plus Gumbel noise; the
+    # per-row ops are only for rows that truncate (a batch-wide op otherwise: no launches per row)
+    greedy = [i for i, p in enumerate(params) if p.temperature == 0]
+    if len(greedy) == len(params):
+        scores = logits  # only read below: no row draws noise or truncates
+    else:
+        scores = logp.clone()
+        if greedy:
+            g = to_device(torch.tensor(greedy), logits.device)
+            scores[g] = logits[g]
+    proc_rows = {}  # rows whose processed logprobs differ from the policy's: they truncate
     for i, p in enumerate(params):
-        truncates = p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0.0
-        if p.temperature == 0:
-            scores[i] = logits[i]
-        elif truncates:
-            scores[i] = proc_rows.setdefault(i, processed_logprobs(logits[i], p))
-        if p.processed_logprobs and i not in proc_rows:
-            proc_rows[i] = processed_logprobs(logits[i], p) if truncates else logp[i]
+        if truncates(p) and (p.temperature > 0 or p.processed_logprobs):
+            proc_rows[i] = processed_logprobs(logits[i], p)
+            if p.temperature > 0:
+                scores[i] = proc_rows[i]
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if drawn:
         if any(keys[i] is None for i in drawn):
@@ -128,7 +139,13 @@ def sample_rows_tensors(logits: torch.Tensor, params: list[SamplingParams], keys
             scores[idx] += noise
     tokens = torch.argmax(scores, dim=-1)
     lps = logp.gather(1, tokens[:, None])[:, 0]
-    plps = torch.full_like(lps, float("nan"))
+    ask = [p.processed_logprobs for p in params]  # without truncation the processed logprob is the policy's
+    if all(ask):
+        plps = lps.clone()
+    elif any(ask):
+        plps = torch.where(to_device(torch.tensor(ask), lps.device), lps, float("nan"))
+    else:
+        plps = torch.full_like(lps, float("nan"))
     for i, row in proc_rows.items():
         if params[i].processed_logprobs:
             plps[i] = row.gather(0, tokens[i:i + 1])[0]

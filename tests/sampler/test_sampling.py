@@ -47,3 +47,18 @@ def test_rows_are_independent_of_their_neighbours():
         assert lp == float(torch.log_softmax(row / t, -1)[tok])
         assert lp - 1e-6 <= plp <= 0  # truncation renormalises: the kept tokens only gain mass
     assert alone[1][0] == int(logits[1].argmax()) and alone[5][0] == int(logits[5].argmax())
+
+
+def test_processed_logprobs_only_for_the_rows_that_ask():
+    """Batch-wide paths (all greedy, some rows asking for processed logprobs) give each row what it gives alone."""
+    torch.manual_seed(2)
+    logits = torch.randn(6, 40) * 2
+    for temps in ([0.0] * 6, [0.0, 1.0, 0.0, 0.8, 1.0, 0.0]):
+        params = [SamplingParams(temperature=t, top_k=4 if i == 3 else 0, processed_logprobs=i % 2 == 1)
+                  for i, t in enumerate(temps)]
+        keys = [None if p.temperature == 0 else 20 + i for i, p in enumerate(params)]
+        tokens, lps, plps = sample_rows(logits, params, keys, [5] * 6)
+        alone = [sample_token(logits[i], params[i], k, 5) for i, k in enumerate(keys)]
+        assert list(zip(tokens, lps, plps)) == alone
+        assert [p is None for p in plps] == [i % 2 == 0 for i in range(6)]
+        assert plps[1] == lps[1] and plps[3] != lps[3]  # untruncated: the policy's; top-k renormalises
