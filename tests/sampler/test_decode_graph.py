@@ -3,12 +3,14 @@
 CPU: mode "static" runs the graphs' static-shape forward (padded bucket rows,
 scratch cache slot, device-built attention indices) eagerly and must equal mode
 "off" for the plain model and the quantized serving modules, across bucket
-sizes and with sequences leaving mid-decode. CUDA (marked gpu): mode "cuda"
-(captured graphs, replayed) against "off", and a weight update copied in place
-reaching the captured graphs (dense tensors and, for nvfp4, the served
-QTensors; that last part added after the session's GPU runs, not yet run on a
-GPU); an FP32 model's experts (no grouped kernel on
-CUDA) make the capture fail, and decode falls back to op by op with a warning.
+sizes and with sequences leaving mid-decode, also stopping on stop tokens and
+strings while the next step is already launched (`_decode_ahead`). CUDA (marked
+gpu): mode "cuda" (captured graphs, replayed, steps one ahead) against "off",
+and a weight update copied in place reaching the captured graphs (dense tensors
+and, for nvfp4, the served QTensors; ran on the H200 in the tenth session); an
+FP32 model's experts (no grouped kernel on CUDA) make the capture fail, and
+decode falls back to op by op with a warning. The stop test's CUDA case was
+added after that session's GPU runs and has not run on a GPU yet.
 """
 
 from __future__ import annotations
@@ -65,22 +67,29 @@ def test_static_decode_equals_op_by_op(tokenizer, recipe):
     assert _same(off, small) is None, f"{recipe} max_batch_size=3: {_same(off, small)}"
 
 
-def test_steps_launched_ahead_drop_the_rows_of_stopped_sequences(tokenizer):
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                           reason="CUDA graphs need a CUDA device")])
+
+
+@pytest.mark.parametrize("mode", ["static", _CUDA])
+def test_steps_launched_ahead_drop_the_rows_of_stopped_sequences(tokenizer, mode):
     """Decode steps run one ahead of the host (`_decode_ahead`); a sequence stopping on a stop token or a stop
     string mid-decode loses its row of the step already launched, and nothing else changes: the same
-    rollouts as op by op."""
-    model = _serving("nvfp4")
+    rollouts as op by op (CPU: the static forward; CUDA: captured graphs, BF16 compute as the GPU jobs)."""
+    cuda = mode == "cuda"
+    model = _serving("nvfp4", torch.bfloat16 if cuda else torch.float32, device=mode if cuda else "cpu")
+    kw = dict(device="cuda", autocast=torch.bfloat16) if cuda else {}
     base = [Request(str(i), p, SamplingParams(temperature=1.0 if i % 2 else 0.0, seed=70 + i, max_new_tokens=12,
                                               ignore_eos=True))
             for i, p in enumerate(prompts(6, seed=31))]
-    free = EmbeddedEngine(model, tokenizer, max_batch_size=8, decode_graphs="off").generate(base)
+    free = EmbeddedEngine(model, tokenizer, max_batch_size=8, decode_graphs="off", **kw).generate(base)
     reqs = []  # stop where each free run put its token 1 + i % 5: by id on even requests, by text on odd ones
     for i, (r, out) in enumerate(zip(base, free)):
         tok = out.completion_ids[1 + i % 5]
         stop = dict(stop_token_ids=[tok]) if i % 2 == 0 else dict(stop=[tokenizer.decode([tok])])
         reqs.append(Request(r.id, r.prompt_ids, dataclasses.replace(r.params, **stop)))
-    off = EmbeddedEngine(model, tokenizer, max_batch_size=8, decode_graphs="off").generate(reqs)
-    engine = EmbeddedEngine(model, tokenizer, max_batch_size=8, decode_graphs="static")
+    off = EmbeddedEngine(model, tokenizer, max_batch_size=8, decode_graphs="off", **kw).generate(reqs)
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=8, decode_graphs=mode, **kw)
     ahead = engine.generate(reqs)
     assert _same(off, ahead) is None, _same(off, ahead)
     assert [r.text for r in off] == [r.text for r in ahead]
