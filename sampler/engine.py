@@ -101,6 +101,19 @@ class _Seq:
     """The request's other samples, waiting to fork from this one's prefill (shared prompt KV)."""
 
 
+@dataclass
+class _Launched:
+    """A decode step launched on the device whose results the host has not read yet (`_decode_ahead`)."""
+
+    seqs: list[_Seq]
+    tokens: torch.Tensor
+    """The sampled tokens on the device: the next step's input."""
+    params: list[SamplingParams]
+    host: list[torch.Tensor]
+    """Tokens, policy and processed logprobs copied to the host (pinned on CUDA: valid once `event` is done)."""
+    event: "torch.cuda.Event | None"
+
+
 class EmbeddedEngine:
     """Batched, batch-invariant generation over `model` (a HF causal LM), in-process."""
 
@@ -319,34 +332,34 @@ class EmbeddedEngine:
         self.decode_s += time.perf_counter() - t0
         return True
 
-    def _launch(self, seqs: list[_Seq], prev: dict | None) -> dict | None:
+    def _launch(self, seqs: list[_Seq], prev: _Launched | None) -> _Launched | None:
         """Launch one graphed decode step of `seqs` and its sampling; the results stay on the device (copied
         to pinned host memory behind an event). prev: the step before, not yet read by the host: its device
         tokens are this step's input, one position and one noise index past the host's view."""
         ahead = 0 if prev is None else 1
-        tokens = [s.pending[0] for s in seqs] if prev is None else prev["tokens"]
+        tokens = [s.pending[0] for s in seqs] if prev is None else prev.tokens
         logits = self.graphs.logits(tokens, [s.n_cached + ahead for s in seqs], [s.slot for s in seqs])
         if logits is None:
             return None
         params = [s.params for s in seqs]
         out = sample_rows_tensors(logits, params, [s.noise_key for s in seqs], [len(s.completion) + ahead for s in seqs])
         cuda = self.device.type == "cuda"
-        step = dict(seqs=list(seqs), tokens=out[0], params=params, event=None,
-                    host=[t.to("cpu", non_blocking=cuda) for t in out])  # CUDA: pinned, read after the event
+        event = None
+        host = [t.to("cpu", non_blocking=cuda) for t in out]  # CUDA: pinned, read after the event
         if cuda:
-            step["event"] = torch.cuda.Event()
-            step["event"].record(torch.cuda.current_stream(self.device))
-        return step
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+        return _Launched(list(seqs), out[0], params, host, event)
 
-    def _read(self, step: dict, seqs: list[_Seq]) -> None:
+    def _read(self, step: _Launched, seqs: list[_Seq]) -> None:
         """Wait for a launched step's results on the host and append them to those of its rows' sequences
         that are in `seqs` (the caller leaves out the ones that finished after the step was launched)."""
-        if step["event"] is not None:
-            step["event"].synchronize()
-        tokens, lps, plps = rows_to_lists(step["params"], *(t.tolist() for t in step["host"]))
+        if step.event is not None:
+            step.event.synchronize()
+        tokens, lps, plps = rows_to_lists(step.params, *(t.tolist() for t in step.host))
         self.decode_steps += 1
         keep = {id(s) for s in seqs}
-        for s, token, lp, plp in zip(step["seqs"], tokens, lps, plps):
+        for s, token, lp, plp in zip(step.seqs, tokens, lps, plps):
             if id(s) in keep:
                 self._append(s, token, lp, plp)
 

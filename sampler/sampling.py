@@ -43,7 +43,8 @@ def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def truncates(params: SamplingParams) -> bool:
-    """Whether top-k, top-p or min-p removes any token (the processed distribution differs from the policy's)."""
+    """Whether the params ask for top-k, top-p or min-p truncation (then the processed distribution is computed
+    row by row, `processed_logprobs`; without, it is the policy's)."""
     return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
