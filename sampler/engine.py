@@ -108,7 +108,6 @@ class _Launched:
     seqs: list[_Seq]
     tokens: torch.Tensor
     """The sampled tokens on the device: the next step's input."""
-    params: list[SamplingParams]
     host: list[torch.Tensor]
     """Tokens, policy and processed logprobs copied to the host (pinned on CUDA: valid once `event` is done)."""
     event: "torch.cuda.Event | None"
@@ -324,9 +323,10 @@ class EmbeddedEngine:
             nxt = self._launch(seqs, step) if ahead else None
             self.steps_ahead += nxt is not None
             self._read(step, seqs)
-            if nxt is None or any(s.finish is not None for s in seqs):
-                if nxt is not None and any(s.finish is None for s in seqs):  # else every row of nxt is dropped
-                    self._read(nxt, [s for s in seqs if s.finish is None])
+            alive = [s for s in seqs if s.finish is None]
+            if nxt is None or len(alive) < len(seqs):
+                if nxt is not None and alive:  # else every row of nxt is dropped: not read
+                    self._read(nxt, alive)
                 break
             step = nxt
         self.decode_s += time.perf_counter() - t0
@@ -341,22 +341,22 @@ class EmbeddedEngine:
         logits = self.graphs.logits(tokens, [s.n_cached + ahead for s in seqs], [s.slot for s in seqs])
         if logits is None:
             return None
-        params = [s.params for s in seqs]
-        out = sample_rows_tensors(logits, params, [s.noise_key for s in seqs], [len(s.completion) + ahead for s in seqs])
+        out = sample_rows_tensors(logits, [s.params for s in seqs], [s.noise_key for s in seqs],
+                                  [len(s.completion) + ahead for s in seqs])
         cuda = self.device.type == "cuda"
         event = None
         host = [t.to("cpu", non_blocking=cuda) for t in out]  # CUDA: pinned, read after the event
         if cuda:
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device))
-        return _Launched(list(seqs), out[0], params, host, event)
+        return _Launched(list(seqs), out[0], host, event)
 
     def _read(self, step: _Launched, seqs: list[_Seq]) -> None:
         """Wait for a launched step's results on the host and append them to those of its rows' sequences
         that are in `seqs` (the caller leaves out the ones that finished after the step was launched)."""
         if step.event is not None:
             step.event.synchronize()
-        tokens, lps, plps = rows_to_lists(step.params, *(t.tolist() for t in step.host))
+        tokens, lps, plps = rows_to_lists([s.params for s in step.seqs], *(t.tolist() for t in step.host))
         self.decode_steps += 1
         keep = {id(s) for s in seqs}
         for s, token, lp, plp in zip(step.seqs, tokens, lps, plps):
