@@ -75,6 +75,7 @@ from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_impleme
 from rl4bit.sampler.sampling import policy_logprobs, rows_to_lists, sample_rows, sample_rows_tensors
 from rl4bit.sampler.serving_dtype import precast
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, request_error
+from rl4bit.trainer.fused_attention import pack_qkv
 
 
 @dataclass
@@ -140,6 +141,7 @@ class EmbeddedEngine:
         self.model = model.to(device).eval()
         self.precast = precast(self.model, autocast)
         """State-dict names held in the autocast dtype (serving_dtype.py); updates to them may come in FP32."""
+        pack_qkv(self.model)  # q/k/v weights as views of one stacked tensor: one GEMM, no copy (fused_attention)
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         cfg = model.config

@@ -19,6 +19,29 @@ from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, SamplingParams
 
 
+def kernel_table(prof, decode_steps: int, rows: int) -> None:
+    """GPU kernels by total time, per decode step: calls a step, µs a step, µs a call (the prefill's calls are in
+    the totals too: profile with many new tokens so that they weigh little)."""
+    from torch.autograd import DeviceType
+
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if getattr(e, "device_type", None) != DeviceType.CUDA:
+            continue
+        t = by_name.setdefault(e.name, [0, 0.0])
+        t[0] += 1
+        t[1] += e.time_range.elapsed_us()
+    if not by_name:
+        return
+    total = sum(t[1] for t in by_name.values())
+    steps = max(decode_steps, 1)
+    print(f"GPU kernels: {total / steps:.0f} µs a decode step in {sum(t[0] for t in by_name.values()) / steps:.0f} "
+          f"launches (prefill included)")
+    print(f"{'µs/step':>9} {'calls/step':>10} {'µs/call':>8}  kernel")
+    for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:rows]:
+        print(f"{us / steps:9.1f} {n / steps:10.2f} {us / n:8.2f}  {name[:90]}")
+
+
 def main() -> None:
     a = argparse.ArgumentParser()
     a.add_argument("--device", default="cuda")
@@ -56,6 +79,7 @@ def main() -> None:
         syncs = sum(e.count for e in events if "Synchronize" in e.key)
         print(f"per step (prefill + decode steps = {steps}): {launches / steps:.0f} kernel launches, "
               f"{syncs / steps:.1f} host syncs")
+        kernel_table(prof, eng.decode_steps, args.rows)
         key = "cuda_time_total" if args.device.startswith("cuda") else "cpu_time_total"
         print(prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=60))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=60))

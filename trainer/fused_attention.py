@@ -8,11 +8,14 @@ norm kernels and ten small elementwise kernels (products, negations, two
 `cat`s, sums) per layer, a tenth of a batch-1 decode step's launches. The
 replacement forward is HF's own with that stretch done by
 `kernels.qk_rope_triton` (one launch, the same bits as the fused norms followed
-by HF's rotary ops: tested), and everything else untouched: projections, the
-configured attention function (the engine's, the trainer's or HF's), o_proj.
-A forward that needs gradients (training) runs the kernel too (`_QKNormRope`,
-whose backward differentiates HF's ops), so the training forward, the trainer's
-logprob recompute and the samplers run the same forward bits by construction.
+by HF's rotary ops: tested), the q, k and v projections as one GEMM over their
+stacked weights (`projections`: plain linears only; the engine keeps the three
+weights as views of one tensor, `pack_qkv`, so serving stacks nothing), and the
+rest untouched: the configured attention function (the engine's, the trainer's
+or HF's), o_proj. A forward that needs gradients (training) runs the kernel and
+the stacked GEMM too (`_QKNormRope`, whose backward differentiates HF's ops), so
+the training forward, the trainer's logprob recompute and the samplers run the
+same forward bits by construction.
 
 `fuse_attention` installs it only where the q/k norms are fused HF RMSNorms
 (`rmsnorm.fuse_norm` checked their formula on a random weight) and the
@@ -102,9 +105,11 @@ def _forward(module: nn.Module, orig_forward, eager, hidden_states, position_emb
     cos, sin = position_embeddings
     if cos.shape[-1] != module.head_dim or not (use_reference or _kernel_ok(module, cos)):
         return orig_forward(hidden_states, position_embeddings, attention_mask, *args, **kwargs)  # partial rotary &c.
-    q = module.q_proj(hidden_states).view(hidden_shape)
-    k = module.k_proj(hidden_states).view(hidden_shape)
-    v = module.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+    if use_reference:
+        q, k, v = (p(hidden_states) for p in (module.q_proj, module.k_proj, module.v_proj))
+    else:
+        q, k, v = projections(module, hidden_states)
+    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape).transpose(1, 2)
     if use_reference:
         q, k = reference(q, k, module.q_norm, module.k_norm, cos, sin)
     else:
@@ -125,6 +130,86 @@ def _forward(module: nn.Module, orig_forward, eager, hidden_states, position_emb
                              dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling,
                              sliding_window=getattr(module, "sliding_window", None), **kwargs)
     return module.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def _stackable(lins) -> bool:
+    """Plain `nn.Linear`s (not subclasses: QuantLinear has its own GEMM) over one input, weights of one dtype and
+    device, all with a bias or none."""
+    if not all(type(lin) is nn.Linear for lin in lins):
+        return False
+    w = [lin.weight for lin in lins]
+    b = [lin.bias for lin in lins]
+    same = all(t.dtype == w[0].dtype and t.device == w[0].device and t.shape[1] == w[0].shape[1] for t in w)
+    return same and (all(t is None for t in b) or all(t is not None and t.dtype == b[0].dtype for t in b))
+
+
+def _packed(tensors, base: torch.Tensor | None) -> bool:
+    """Whether `tensors` are, in order, the consecutive row blocks of `base` (what `pack_qkv` left)."""
+    if base is None:
+        return False
+    at = base.data_ptr()
+    for t in tensors:
+        if t.dtype != base.dtype or t.data_ptr() != at or not t.is_contiguous():
+            return False
+        at += t.numel() * t.element_size()
+    return at == base.data_ptr() + base.numel() * base.element_size()
+
+
+def projections(module: nn.Module, x: torch.Tensor):
+    """q, k, v of x: one GEMM over the three projections stacked along N, when they are plain linears of one dtype.
+
+    A decode step's three small GEMMs are mostly launch and latency (5.5 µs each at batch 1 on the H200 for
+    the bench's 1B model); one GEMM over the stacked [Nq + Nk + Nv, K] weight reads the same bytes in one
+    launch. The stacked weight is the tensor `pack_qkv` made the three weights views of (serving: no copy),
+    else a `torch.cat` of them (training: the gradients reach each weight through it). Every path of this
+    forward (training, the trainer's recompute, the samplers) takes it, so they share the GEMM and its shape;
+    against three separate GEMMs an output element is the same K sum in exact arithmetic, rounded by
+    another kernel. Otherwise (quantized projections, mixed dtypes): the three modules' own forwards."""
+    lins = (module.q_proj, module.k_proj, module.v_proj)
+    if not _stackable(lins):
+        return tuple(lin(x) for lin in lins)
+    weights = [lin.weight for lin in lins]
+    biases = [lin.bias for lin in lins] if lins[0].bias is not None else None
+    wb, bb = getattr(module, "_rl4bit_qkv", (None, None))
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in weights + (biases or []))
+    w = wb if not grad and _packed(weights, wb) else torch.cat(weights)
+    b = None
+    if biases is not None:
+        b = bb if not grad and _packed(biases, bb) else torch.cat(biases)
+    return torch.nn.functional.linear(x, w, b).split([t.shape[0] for t in weights], dim=-1)
+
+
+def pack_qkv(model: nn.Module) -> list[str]:
+    """Serving: the q/k/v weights (and biases) of each fused attention become views of one stacked tensor, so
+    `projections` runs one GEMM without a copy; names of the packed modules.
+
+    In place, new Parameters (requires_grad False: serving only; do not share the model with a trainer).
+    Updates that copy into the weights (`EmbeddedEngine.update_weights`) write the stacked tensor through the
+    views; anything that replaces a weight object ends the packing (`projections` then concatenates)."""
+    done = []
+    for name, m in model.named_modules():
+        if not getattr(m, "_rl4bit_fused_attention", False):
+            continue
+        lins = (m.q_proj, m.k_proj, m.v_proj)
+        if not _stackable(lins):
+            continue
+        done.append(name)
+        if _packed([lin.weight for lin in lins], getattr(m, "_rl4bit_qkv", (None,))[0]):
+            continue  # packed already (another engine over this model): its captured graphs read this stack
+        stacked = []
+        for part in ("weight", "bias"):
+            if getattr(lins[0], part) is None:
+                stacked.append(None)
+                continue
+            base = torch.cat([getattr(lin, part).detach() for lin in lins])
+            at = 0
+            for lin in lins:
+                n = getattr(lin, part).shape[0]
+                setattr(lin, part, nn.Parameter(base[at:at + n], requires_grad=False))
+                at += n
+            stacked.append(base)
+        m._rl4bit_qkv = tuple(stacked)
+    return done
 
 
 _NEEDS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "head_dim", "scaling", "config")

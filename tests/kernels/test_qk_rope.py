@@ -156,3 +156,69 @@ def test_backward_with_part_of_the_inputs_frozen(on, frozen):
         results.append([t.grad for t, n in zip(ins, need) if n])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_stacked_projections_packed_equal_concatenated_and_follow_updates(on):
+    """`pack_qkv` makes q/k/v views of one tensor: the packed GEMM equals the concatenated one bitwise (same
+    weight values, same shape), follows in-place weight updates, and a replaced weight falls back to the cat."""
+    from rl4bit.kernels.rmsnorm import fuse_norms
+    from rl4bit.trainer.fused_attention import _packed, pack_qkv, projections
+
+    model = _tiny("qwen3_moe").to(DEVICE)
+    fuse_norms(model)
+    fuse_attentions(model)
+    attn = model.model.layers[0].self_attn
+    x = _rand(1, 5, 64, seed=30)
+    with torch.no_grad():
+        separate = [lin(x) for lin in (attn.q_proj, attn.k_proj, attn.v_proj)]
+        cat = projections(attn, x)
+        assert pack_qkv(model) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+        weights = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+        assert _packed(weights, attn._rl4bit_qkv[0])
+        base = attn._rl4bit_qkv[0]
+        assert pack_qkv(model) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]  # again: kept as is
+        assert attn._rl4bit_qkv[0] is base
+        packed = projections(attn, x)
+        for got, want, sep in zip(packed, cat, separate):
+            assert_bitwise_equal(got, want, "packed vs cat")
+            torch.testing.assert_close(got, sep, rtol=1e-5, atol=1e-5)  # three GEMMs: another kernel's rounding
+        attn.k_proj.weight.copy_(attn.k_proj.weight * 2)  # what update_weights does: through the view
+        assert_bitwise_equal(projections(attn, x)[1], attn.k_proj(x), "after an in-place update")
+        attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight * 3, requires_grad=False)  # no longer a view
+        assert not _packed([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], attn._rl4bit_qkv[0])
+        torch.testing.assert_close(projections(attn, x)[1], attn.k_proj(x), rtol=1e-5, atol=1e-5)
+
+
+def test_engine_serves_packed_projections_and_takes_updates(on):
+    """The engine packs q/k/v (one GEMM a layer); its greedy tokens follow a weight update into them."""
+    from rl4bit.sampler.engine import EmbeddedEngine
+    from rl4bit.sampler.types import Request, SamplingParams, WeightUpdate
+    from rl4bit.trainer.recipe import RecipeConfig
+    from rl4bit.trainer.surgery import convert_model
+
+    class _Tok:
+        eos_token_id = None
+
+        def decode(self, ids, **kw):
+            return " ".join(map(str, ids))
+
+    model = _tiny("qwen3_moe")
+    convert_model(model, RecipeConfig(name="bf16"))
+    fresh = {n: t.clone() for n, t in model.state_dict().items()}
+    eng = EmbeddedEngine(model, _Tok(), max_batch_size=2, device=DEVICE, max_seq_len=32, decode_graphs="off")
+    attn = eng.model.model.layers[1].self_attn
+    assert hasattr(attn, "_rl4bit_qkv")
+    req = [Request("a", [3, 5, 7, 9], SamplingParams(temperature=0.0, max_new_tokens=6))]
+    before = eng.generate(req)[0].completion_ids
+    g = torch.Generator().manual_seed(5)
+    new = {n: t + torch.randn(t.shape, generator=g) * 0.5 for n, t in fresh.items() if "v_proj" in n or "q_proj" in n}
+    eng.update_weights(WeightUpdate(version=1, tensors=new))
+    after = eng.generate(req)[0].completion_ids
+    assert_bitwise_equal(attn.v_proj.weight, new["model.layers.1.self_attn.v_proj.weight"].to(DEVICE), "view updated")
+    assert attn.v_proj.weight.data_ptr() != attn._rl4bit_qkv[0].data_ptr()  # still a view, inside the stack
+    reference = _tiny("qwen3_moe")
+    convert_model(reference, RecipeConfig(name="bf16"))
+    reference.load_state_dict({**fresh, **new})
+    rebuilt = EmbeddedEngine(reference, _Tok(), max_batch_size=2, device=DEVICE, max_seq_len=32, decode_graphs="off")
+    assert after == rebuilt.generate(req)[0].completion_ids
+    assert after != before
