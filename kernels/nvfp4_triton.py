@@ -17,6 +17,10 @@ and per-group amaxes are one ``torch.amax`` before the kernel. Every division
 is ``div_rn`` and launches use ``enable_fp_fusion=False`` (no FMA contraction),
 so the GPU rounds exactly like the reference.
 
+Optionally (``decoded=``) the same launch also writes the codes decoded to FP16, the
+grouped GEMM's pre-decoded x operand (``qgemm_triton``: one launch fewer per GEMM
+at decode sizes).
+
 A non-finite input sets a flag the caller turns into the reference's
 ValueError (``checks.check_input``) instead of returning codes.
 
@@ -35,6 +39,7 @@ from rl4bit.kernels.formats_triton import (
     e2m1_code_sr,
     e2m1_index,
     e2m1_round,
+    e2m1_value,
     e4m3_code_rn,
     e4m3_value,
     nonfinite_flag,
@@ -92,9 +97,9 @@ def _sq_err(ax3, r, s_val, s_dec, R: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=['R', 'rows_per_amax', 'seed_lo', 'seed_hi'])  # see formats_triton.NO_SPECIALIZE
-def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, R, K, rows_per_amax,
+def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, xh_ptr, R, K, rows_per_amax,
                   seed_lo, seed_hi, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ROW_AMAX: tl.constexpr,
-                  FOUR_SIX: tl.constexpr, STOCHASTIC: tl.constexpr, EVEN: tl.constexpr):
+                  FOUR_SIX: tl.constexpr, STOCHASTIC: tl.constexpr, EVEN: tl.constexpr, DECODED: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 16
@@ -158,6 +163,24 @@ def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, R, 
     scols = pid_k * G + tl.arange(0, G)
     smask = rmask[:, None] & (scols < K // 16)[None, :]
     tl.store(scale_ptr + rows.to(tl.int64)[:, None] * (K // 16) + scols[None, :], s_code.to(tl.uint8), mask=smask)
+    if DECODED != 0:  # the codes as qgemm_triton._decode_tile decodes them: its FP16 values, its K order
+        mag = e2m1_value(idx) * s_val[:, :, None]  # exact: <= 6 significant bits
+        if DECODED != 3:
+            mag = mag * 6.103515625e-05  # 2**-14, exact (the bit-trick decodes' scaling)
+        val = tl.where((code & 8) != 0, -mag, mag).to(tl.float16)  # exact: a multiple of 2**-24, < 2**12
+        # code 4a + 2b + c of each 8 (bits a, b, c) goes where that decode puts it (`_decode_tile`'s orders)
+        val = tl.reshape(val, [BLOCK_R, BLOCK_K // 8, 2, 2, 2])
+        if DECODED == 1:  # "asm": 0 2 1 3 4 6 5 7
+            val = tl.permute(val, (0, 1, 2, 4, 3))
+        elif DECODED == 2:  # "bits": 0 4 2 6 1 5 3 7
+            val = tl.permute(val, (0, 1, 4, 3, 2))
+        else:  # "f32": 0 4 1 5 2 6 3 7
+            val = tl.permute(val, (0, 1, 3, 4, 2))
+        val = tl.reshape(val, [BLOCK_R, BLOCK_K])
+        if EVEN:
+            tl.store(xh_ptr + offs, val)
+        else:
+            tl.store(xh_ptr + offs, val, mask=mask)
 
 
 def _tile(K: int, row_amax: bool, target: int) -> tuple[int, int]:
@@ -176,12 +199,16 @@ def _abs_max(x2: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: bool = False,
-                   stochastic: bool = False, seed=None, block_elems: int | None = None, num_warps: int | None = None):
+                   stochastic: bool = False, seed=None, block_elems: int | None = None, num_warps: int | None = None,
+                   decoded: torch.Tensor | None = None, decode: str = "asm"):
     """NVFP4 codes of x [..., K] -> (packed uint8 [..., K/2], E4M3 codes uint8 [..., K/16],
     per-row S_dec fp32 [rows], non-finite flag int32 [1]).
 
     The caller shapes the per-row S_dec into the QTensor's outer ([1]*ndim,
     [..., 1] or [E, 1, 1]) and checks the flag.
+    decoded: an FP16 [rows, K] tensor to also receive the codes decoded as the grouped GEMM's pre-decoded x
+    operand, in the same launch: `qgemm_triton._predecode_kernel`'s output for that `decode` ("asm", "bits"
+    or "f32"), bitwise: code x block scale (times 2**-14 for the bit-trick decodes), in that decode's K order.
     """
     K = x.shape[-1]
     problem = layout_problem(x, "nvfp4", NV_BLOCK)
@@ -213,9 +240,15 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
     block_r, block_k = _tile(K, row_amax, block_elems or 128 * per_thread)  # 4 warps
     grid = (triton.cdiv(R, block_r), triton.cdiv(K, block_k))
     warps = num_warps or min(16, max(1, block_r * block_k // (32 * per_thread)))
-    _nvfp4_kernel[grid](x2, amax, data, scale, outer_rows, flag, R, K, max(rows_per_amax, 1), lo, hi,
+    if decoded is not None and (decoded.shape != (R, K) or decoded.dtype != torch.float16
+                                or not decoded.is_contiguous() or decoded.device != dev):
+        raise ValueError(f"decoded: need a contiguous float16 [{R}, {K}] tensor on {dev}, got "
+                         f"{decoded.dtype} {tuple(decoded.shape)} on {decoded.device}")
+    _nvfp4_kernel[grid](x2, amax, data, scale, outer_rows, flag, data if decoded is None else decoded, R, K,
+                        max(rows_per_amax, 1), lo, hi,
                         BLOCK_R=block_r, BLOCK_K=block_k, ROW_AMAX=row_amax, FOUR_SIX=four_over_six,
-                        STOCHASTIC=stochastic, EVEN=R % block_r == 0 and K % block_k == 0, num_warps=warps,
+                        STOCHASTIC=stochastic, EVEN=R % block_r == 0 and K % block_k == 0,
+                        DECODED=0 if decoded is None else 1 + ("asm", "bits", "f32").index(decode), num_warps=warps,
                         enable_fp_fusion=False)
     lead = x.shape[:-1]
     return data.reshape(*lead, K // 2), scale.reshape(*lead, K // NV_BLOCK), outer_rows, flag

@@ -255,9 +255,11 @@ _DECODE_ASM = tl.constexpr("{\n .reg .b32 a, b, x, s2;\n mov.b32 s2, {$9, $9};\n
 def _decode_tile(words, scales, R: tl.constexpr, BK: tl.constexpr, DECODE: tl.constexpr):
     """FP16 [R, BK] of an NVFP4 tile: int32 words [R, BK/8] (8 codes each), E4M3 codes uint8 [R, BK/16].
 
-    Within each word the K order is permuted to (0, 4, 1, 5, 2, 6, 3, 7): pair k of
-    the bit trick holds codes k and k + 4 (nibbles 4k and 4k + 16), which lands
-    each pair in one 32-bit register as the MMA wants it. x and w use the same
+    Within each word of 8 codes the K order is permuted: pair k of the bit trick
+    holds codes k and k + 4 (nibbles 4k and 4k + 16) in one 32-bit register, and
+    the joins that lay the pairs out give each decode its own order: DECODE 0
+    (0, 2, 1, 3, 4, 6, 5, 7), 1 (0, 4, 2, 6, 1, 5, 3, 7), 2 (0, 4, 1, 5, 2, 6,
+    3, 7) (`nvfp4_triton`'s decoded output follows them). x and w use the same
     order and it stays inside one 16-block (one scale, one k16 MMA step, whose
     16 products sum exactly), so the dot is unchanged.
     DECODE 0: the bit trick in PTX (GPU); 1: the same bit trick in Triton ops
@@ -326,6 +328,8 @@ def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr
         ks = tl.arange(0, BLOCK_K // 16)
         x_rows = rows.to(tl.int64)[:, None]
         w_rows = (e.to(tl.int64) * N + cols)[:, None]
+        ox = tl.load(xo_ptr + rows, mask=rmask, other=1.0)  # the epilogue's scales, loaded before the K loop:
+        ow = tl.load(wo_ptr + e)  # their latency hides behind it instead of following it
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kwm = ((k0 // 8 + kw) < K // 8) | EVEN_K  # EVEN_N / EVEN_K: N, K are multiples of the tile (no masks)
@@ -345,8 +349,6 @@ def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr
             acc = tl.dot(xv, tl.trans(wv), acc)
         if DECODE != 2:
             acc = acc * 268435456.0  # 2**28: the two operands' 2**-14, exact
-        ox = tl.load(xo_ptr + rows, mask=rmask, other=1.0)
-        ow = tl.load(wo_ptr + e)
         y = (acc * ox[:, None]) * ow
         tl.store(y_ptr + x_rows * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
@@ -384,33 +386,55 @@ def group_outer(outer: torch.Tensor, groups: int) -> torch.Tensor:
     return (o if o.numel() == groups else o.expand(groups)).contiguous()
 
 
-def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, config: Config | None = None,
-                  decode: str | None = None) -> torch.Tensor:
-    """y [R, N] in out_dtype = grouped dequant(qx) @ dequant(qw[e])ᵀ; rows of expert e contiguous (counts[e]).
-
-    counts: list of ints or an int tensor [E] (a device tensor keeps the call free of host syncs).
-    config: the tile config (default: ``pick_config(R, E, K)``). decode: "asm" (GPU default), "bits" (the same
-    bit trick in Triton ops; interpreter default) or "f32" (plain decode): the same values either way.
-    """
-    rows, k, groups, n = grouped_shapes(qx, qw, "nvfp4", "grouped_nvfp4")
-    dev = qx.data.device
+def _decode_mode(decode: str | None) -> str:
     decode = decode or ("bits" if interpret() else GPU_DECODE)
     if decode not in DECODES:
         raise ValueError(f"decode={decode!r} is not one of {tuple(DECODES)}")
     if decode == "asm" and interpret():
         raise ValueError("decode='asm' is inline PTX and cannot run under TRITON_INTERPRET=1; use 'bits' or 'f32'")
+    return decode
+
+
+def shared_tile_map(maps: dict | None, counts, rows: int, block_m: int, device) -> torch.Tensor:
+    """`tile_map`, built once per (rows, block_m) for GEMMs that share `counts` (a layer's gate_up and down read
+    the same routing): `maps` is a dict the caller keeps for them (None: build it here)."""
+    if maps is None:
+        return tile_map(counts, rows, block_m, device)
+    key = (rows, block_m)
+    if key not in maps:
+        maps[key] = tile_map(counts, rows, block_m, device)
+    return maps[key]
+
+
+def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, config: Config | None = None,
+                  decode: str | None = None, xh: torch.Tensor | None = None, maps: dict | None = None) -> torch.Tensor:
+    """y [R, N] in out_dtype = grouped dequant(qx) @ dequant(qw[e])ᵀ; rows of expert e contiguous (counts[e]).
+
+    counts: list of ints or an int tensor [E] (a device tensor keeps the call free of host syncs).
+    config: the tile config (default: ``pick_config(R, E, K)``). decode: "asm" (GPU default), "bits" (the same
+    bit trick in Triton ops; interpreter default) or "f32" (plain decode): the same values either way.
+    xh: qx already decoded to the FP16 operand (`quantize_and_multiply`), used when the config pre-decodes x.
+    maps: a dict shared by GEMMs over the same `counts` (see `shared_tile_map`).
+    """
+    rows, k, groups, n = grouped_shapes(qx, qw, "nvfp4", "grouped_nvfp4")
+    dev = qx.data.device
+    decode = _decode_mode(decode)
     cfg = config or pick_config(rows, groups, k)
-    cmap = tile_map(as_counts(counts, groups, dev), rows, cfg.block_m, dev)
+    cmap = shared_tile_map(maps, as_counts(counts, groups, dev), rows, cfg.block_m, dev)
     n_tiles = cmap.shape[1]
     y = alloc_out(rows, n, out_dtype, dev)
     if not rows:
         return y.to(out_dtype)
     xd, xs = _words(qx.data), qx.scale.contiguous().view(torch.uint8)
-    xh = xd  # unused unless the config pre-decodes x
-    if cfg.predecode_x:
+    if not cfg.predecode_x:
+        xh = xd  # unused
+    elif xh is None:
         xh = torch.empty((rows, k), dtype=torch.float16, device=dev)
         _predecode_kernel[(triton.cdiv(rows, 16), triton.cdiv(k, BLOCK_K))](
             xd, xs, xh, rows, k, BLOCK_R=16, BLOCK_K=BLOCK_K, DECODE=DECODES[decode], num_warps=1)
+    elif xh.shape != (rows, k) or xh.dtype != torch.float16 or not xh.is_contiguous():
+        raise ValueError(f"xh: need x decoded as a contiguous float16 [{rows}, {k}] tensor, got {xh.dtype} "
+                         f"{tuple(xh.shape)}")
     _nvfp4_grouped_kernel[(n_tiles, triton.cdiv(n, cfg.block_n))](
         xd, xs, xh, row_outer(qx.outer, rows),
         _words(qw.data), qw.scale.contiguous().view(torch.uint8), group_outer(qw.outer, groups),
@@ -418,3 +442,27 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
         DECODE=DECODES[decode], X_F16=cfg.predecode_x, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.to(out_dtype)
+
+
+def quantize_and_multiply(x: torch.Tensor, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *,
+                          four_over_six: bool = True, config: Config | None = None, decode: str | None = None,
+                          maps: dict | None = None):
+    """(qx, y): x [R, K] quantized as the recipe's activations (NVFP4, per-row outer, 4/6 optional) and
+    y = `grouped_nvfp4(qx, qw, counts, out_dtype)`, bitwise; when the config pre-decodes x, the quantize kernel
+    writes the decoded operand too (`nvfp4_triton.quantize_nvfp4(decoded=)`: one launch fewer).
+
+    What the serving modules run (`trainer.qgemm.served_product`); the trainer's forward quantizes and
+    multiplies separately (it keeps qx for the backward) and gets the same bits.
+    """
+    from rl4bit.kernels import quantize
+    from rl4bit.kernels.triton_dispatch import quantize_nvfp4_decoded
+
+    decode = _decode_mode(decode)
+    cfg = config or pick_config(x.shape[0], qw.shape[0], x.shape[-1])
+    both = quantize_nvfp4_decoded(x, four_over_six=four_over_six, decode=decode) \
+        if cfg.predecode_x and (x.is_cuda or interpret()) else None
+    if both is None:
+        qx, xh = quantize(x, "nvfp4", outer="row", four_over_six=four_over_six), None
+    else:
+        qx, xh = both
+    return qx, grouped_nvfp4(qx, qw, counts, out_dtype, config=cfg, decode=decode, xh=xh, maps=maps)

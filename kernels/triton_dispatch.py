@@ -137,6 +137,21 @@ def quantize(x: torch.Tensor, fmt: str, *, rounding: str = "nearest", outer: str
     return QTensor(data=data, scale=scale.view(torch.float8_e8m0fnu), outer=ones, fmt="s2f6", shape=x.shape)
 
 
+def quantize_nvfp4_decoded(x: torch.Tensor, *, four_over_six: bool, decode: str):
+    """(QTensor of x [R, K], FP16 [R, K]): `quantize(x, "nvfp4", outer="row", four_over_six=...)` and its codes
+    decoded as the grouped GEMM's pre-decoded operand (`nvfp4_triton.quantize_nvfp4(decoded=)`), one launch;
+    None where the kernel does not cover x (the caller quantizes and pre-decodes separately)."""
+    if x.dim() != 2 or not _plain_ok(x, BLOCK["nvfp4"]) or x.shape[-1] > nvfp4_triton.MAX_ROW_K:
+        return None
+    xh = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    data, scale, outer_rows, flag = nvfp4_triton.quantize_nvfp4(x, outer="row", four_over_six=four_over_six,
+                                                                decoded=xh, decode=decode)
+    _raise_if_flagged(flag, x, "nvfp4", allow_nan=False)
+    q = QTensor(data=data, scale=scale.view(torch.float8_e4m3fn), outer=nvfp4_outer(outer_rows, x.shape, "row"),
+                fmt="nvfp4", shape=x.shape)
+    return q, xh
+
+
 def quantize_mxfp8_columnwise(x: torch.Tensor, *, rounding: str = "nearest", seed=None):
     """Columnwise MXFP8 (as ``mxfp8.quantize_mxfp8_columnwise``) in one transposing pass, or None."""
     if not _plain_ok(x, 1) or x.dim() < 2 or x.shape[-2] % 32 or rounding not in ("nearest", "stochastic"):

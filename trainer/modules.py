@@ -10,7 +10,7 @@ running its GEMM through `rl4bit.trainer.qgemm`.
 Both can (a) return the exact QTensors their forward uses for the weights
 (`quantized_weights()`), and (b) run frozen from given QTensors with no master
 weights (`load_quantized(...)`, "serving" mode), bitwise equal to the training
-forward on the same input (both call `qgemm.grouped_forward`).
+forward on the same input (training calls `qgemm.grouped_forward`, serving `qgemm.served_product`: the same bits).
 
 Leaves out: expert parallelism (top_k_index == num_experts, the EP "not
 local" sentinel, is skipped as in HF), bias on experts, the combine's
@@ -23,9 +23,8 @@ import torch
 from torch import nn
 
 from rl4bit.trainer.combine import combine
-from rl4bit.trainer.qgemm import GemmSpec, bf16_grouped, compute_dtype, expert_grouping, grouped_forward
-from rl4bit.trainer.qgemm import grouped_gemm
-from rl4bit.trainer.qgemm import quantize_activation, quantize_weight
+from rl4bit.trainer.qgemm import GemmSpec, bf16_grouped, compute_dtype, expert_grouping, grouped_gemm
+from rl4bit.trainer.qgemm import quantize_weight, served_product
 
 
 class _QuantMixin:
@@ -102,18 +101,19 @@ class QuantExperts(_QuantMixin, nn.Module):
                 tok = order // k
         dt = compute_dtype(hidden_states)
         x = hidden_states[tok].to(dt)
-        h = self._gemm(x, "gate_up_proj", counts, 0)
+        maps: dict = {}  # serving: one tile map for both GEMMs (same counts)
+        h = self._gemm(x, "gate_up_proj", counts, 0, maps)
         gate, up = h.chunk(2, dim=-1)
-        o = self._gemm(self.act_fn(gate) * up, "down_proj", counts, 1)
+        o = self._gemm(self.act_fn(gate) * up, "down_proj", counts, 1, maps)
         out = combine(o, top_k_weights, top_k_index, order, tok, inv, hidden_states, self.num_experts)
         if self.served is None:
             self.calls += 1
         return out
 
-    def _gemm(self, x, name, counts, gemm):
+    def _gemm(self, x, name, counts, gemm, maps):
         if self.served is not None:
             with torch.no_grad():
-                return grouped_forward(quantize_activation(x, self.spec), self.served[name], counts, x.dtype)
+                return served_product(x, self.served[name], counts, self.spec, x.dtype, maps)
         if isinstance(counts, torch.Tensor):  # bf16 serving (see forward): no autograd, same product as training
             return bf16_grouped(x, getattr(self, name).to(x.dtype), counts)
         return grouped_gemm(x, getattr(self, name), counts, self.spec, self._keys(gemm))
@@ -149,7 +149,7 @@ class QuantLinear(_QuantMixin, nn.Linear):
             if x2.is_cuda:  # a device count: the tile map is built on the device (inside a CUDA graph, too)
                 counts = torch.full((1,), x2.shape[0], dtype=torch.int32, device=x2.device)
             with torch.no_grad():
-                y = grouped_forward(quantize_activation(x2, self.spec), self.served["weight"], counts, dt)
+                y = served_product(x2, self.served["weight"], counts, self.spec, dt)
         else:
             y = grouped_gemm(x2, self.weight.unsqueeze(0), counts, self.spec, self._keys(0))
             self.calls += 1

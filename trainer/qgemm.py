@@ -158,6 +158,21 @@ def grouped_forward(qx: QTensor, qw: QTensor, counts, out_dtype: torch.dtype) ->
     return y.to(out_dtype)
 
 
+def served_product(x: torch.Tensor, qw: QTensor, counts, spec: GemmSpec, out_dtype: torch.dtype,
+                   maps: dict | None = None) -> torch.Tensor:
+    """The serving modules' product: `grouped_forward(quantize_activation(x, spec), qw, counts, out_dtype)`, bitwise.
+
+    On the NVFP4 Triton path it is `qgemm_triton.quantize_and_multiply`: x quantized and decoded to the GEMM's
+    FP16 operand in one launch when the GEMM's config reads it pre-decoded, and one tile map for the GEMMs
+    that pass the same `maps` dict (a layer's gate_up and down share their routing `counts`).
+    """
+    kernels = gemm_kernels(x)
+    if kernels is not None and spec.fmt == "nvfp4" and qw.fmt == "nvfp4" and x.dim() == 2:
+        return kernels[0].quantize_and_multiply(x.detach(), qw, counts, out_dtype, four_over_six=spec.four_over_six,
+                                                maps=maps)[1]
+    return grouped_forward(quantize_activation(x, spec), qw, counts, out_dtype)
+
+
 # ---------------------------------------------------------------- saved-bytes meter
 
 _METERS: list[dict] = []

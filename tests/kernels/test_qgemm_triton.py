@@ -117,6 +117,51 @@ def test_counts_tensor_equals_list():
     assert_bitwise_equal(a, b, "counts as tensor")
 
 
+def _activations(rows, k, seed):
+    """x with row scales spread over 2**-6..2**6, zero and tiny blocks (negative-zero codes, scale code 0)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-6, 7, (rows, 1), generator=g).float())
+    x[0, :16] = 0.0
+    x[1 % rows, 16:32] = -1e-30
+    return x.to(DEVICE)
+
+
+@pytest.mark.parametrize("k", [48, 96])  # 96: the quantize tile (128) ends on a partial block of columns
+@pytest.mark.parametrize("four_over_six", [True, False])
+def test_quantize_with_decoded_operand_equals_quantize_then_predecode(k, four_over_six):
+    """`quantize_and_multiply`: the quantize kernel's decoded x = the pre-decode kernel's, bitwise (both decodes);
+    its QTensor = `quantize`'s; y = quantize + `grouped_nvfp4`'s, with one tile map for two GEMMs."""
+    from rl4bit.kernels import nvfp4_triton
+
+    counts = [3, 0, 6, 2]
+    x = _activations(sum(counts), k, seed=40)
+    _, qw = _nvfp4_operands(4, k, 24, len(counts), seed=41)
+    q = quantize(x, "nvfp4", outer="row", four_over_six=four_over_six)
+    for decode in ("bits", "f32"):
+        xh = torch.empty(x.shape, dtype=torch.float16, device=DEVICE)
+        data, scale, outer, _ = nvfp4_triton.quantize_nvfp4(x, outer="row", four_over_six=four_over_six, decoded=xh,
+                                                            decode=decode)
+        assert_bitwise_equal(data, q.data, "codes")
+        assert_bitwise_equal(scale, q.scale.view(torch.uint8), "scales")
+        want = torch.empty_like(xh)
+        qg._predecode_kernel[(triton_cdiv(x.shape[0], 16), triton_cdiv(k, qg.BLOCK_K))](
+            qg._words(q.data), q.scale.view(torch.uint8), want, x.shape[0], k, BLOCK_R=16, BLOCK_K=qg.BLOCK_K,
+            DECODE=qg.DECODES[decode], num_warps=1)
+        assert_bitwise_equal(xh, want, f"decoded operand, decode={decode}")
+        maps = {}
+        for n_call in range(2):  # the second call reuses the first one's tile map
+            qx, y = qg.quantize_and_multiply(x, qw, torch.tensor(counts, device=DEVICE), torch.float32,
+                                             four_over_six=four_over_six, config=qg.DECODE, decode=decode, maps=maps)
+            assert len(maps) == 1
+            assert_bitwise_equal(qx.data, q.data, "quantize_and_multiply's codes")
+            ref = qg.grouped_nvfp4(q, qw, counts, torch.float32, config=qg.DECODE, decode=decode)
+            assert_bitwise_equal(y, ref, f"quantize_and_multiply, decode={decode}, call {n_call}")
+
+
+def triton_cdiv(a, b):
+    return -(-a // b)
+
+
 def test_pick_config_routes_by_rows_per_expert_and_k():
     assert qg.pick_config(1) is qg.DECODE and qg.pick_config(64, 1, 768) is qg.DECODE_SHORT_K
     assert qg.pick_config(65) is qg.TRAIN
@@ -313,6 +358,33 @@ def _configs_bitwise_equal(qx, qw, counts):
         for decode in qg.DECODES:
             got = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=cfg, decode=decode)
             assert_bitwise_equal(got, ref, f"{cfg} decode={decode} vs TRAIN asm")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rows,k", [(1, 2048), (4, 768), (64, 2048), (200, 2112)])
+def test_gpu_quantize_and_multiply_equals_quantize_then_grouped(rows, k):
+    """The serving path (x decoded by the quantize kernel, tile maps shared) = the trainer's (quantize, then the
+    GEMM with its own pre-decode), bitwise, for every decode, at decode and MID/TRAIN sizes."""
+    from rl4bit.kernels import nvfp4_triton
+
+    experts = 8
+    x = _activations(rows, k, seed=42)
+    _, qw = _nvfp4_operands(4, k, 1536, experts, seed=43)
+    counts = torch.tensor(_routing(rows, experts, seed=44), device=DEVICE)
+    q = quantize(x, "nvfp4", outer="row", four_over_six=True)
+    for decode in qg.DECODES:
+        xh = torch.empty(x.shape, dtype=torch.float16, device=DEVICE)
+        nvfp4_triton.quantize_nvfp4(x, outer="row", four_over_six=True, decoded=xh, decode=decode)
+        want = torch.empty_like(xh)
+        qg._predecode_kernel[(triton_cdiv(rows, 16), triton_cdiv(k, qg.BLOCK_K))](
+            qg._words(q.data), q.scale.view(torch.uint8), want, rows, k, BLOCK_R=16, BLOCK_K=qg.BLOCK_K,
+            DECODE=qg.DECODES[decode], num_warps=1)
+        assert_bitwise_equal(xh, want, f"decoded operand, decode={decode}")
+        maps = {}
+        for _ in range(2):
+            _, y = qg.quantize_and_multiply(x, qw, counts, torch.bfloat16, decode=decode, maps=maps)
+            assert_bitwise_equal(y, qg.grouped_nvfp4(q, qw, counts, torch.bfloat16, decode=decode), f"y {decode}")
 
 
 @pytest.mark.gpu
