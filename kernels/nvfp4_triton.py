@@ -39,7 +39,6 @@ from rl4bit.kernels.formats_triton import (
     e2m1_code_sr,
     e2m1_index,
     e2m1_round,
-    e2m1_value,
     e4m3_code_rn,
     e4m3_value,
     nonfinite_flag,
@@ -47,6 +46,7 @@ from rl4bit.kernels.formats_triton import (
     tile_2d,
 )
 from rl4bit.kernels.philox_triton import philox_bits4, split_seed
+from rl4bit.kernels.qgemm_triton import DECODES, _decode_tile
 
 NV_BLOCK = 16
 MAX_ROW_K = 16384  # widest row held in one program; wider rows get their amax from torch first
@@ -163,20 +163,16 @@ def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, xh_
     scols = pid_k * G + tl.arange(0, G)
     smask = rmask[:, None] & (scols < K // 16)[None, :]
     tl.store(scale_ptr + rows.to(tl.int64)[:, None] * (K // 16) + scols[None, :], s_code.to(tl.uint8), mask=smask)
-    if DECODED != 0:  # the codes as qgemm_triton._decode_tile decodes them: its FP16 values, its K order
-        mag = e2m1_value(idx) * s_val[:, :, None]  # exact: <= 6 significant bits
-        if DECODED != 3:
-            mag = mag * 6.103515625e-05  # 2**-14, exact (the bit-trick decodes' scaling)
-        val = tl.where((code & 8) != 0, -mag, mag).to(tl.float16)  # exact: a multiple of 2**-24, < 2**12
-        # code 4a + 2b + c of each 8 (bits a, b, c) goes where that decode puts it (`_decode_tile`'s orders)
-        val = tl.reshape(val, [BLOCK_R, BLOCK_K // 8, 2, 2, 2])
-        if DECODED == 1:  # "asm": 0 2 1 3 4 6 5 7
-            val = tl.permute(val, (0, 1, 2, 4, 3))
-        elif DECODED == 2:  # "bits": 0 4 2 6 1 5 3 7
-            val = tl.permute(val, (0, 1, 4, 3, 2))
-        else:  # "f32": 0 4 1 5 2 6 3 7
-            val = tl.permute(val, (0, 1, 3, 4, 2))
-        val = tl.reshape(val, [BLOCK_R, BLOCK_K])
+    if DECODED != 0:  # the codes decoded by the GEMM's own `_decode_tile` (its values, its K order), from the
+        # words and scales just computed: `_predecode_kernel`'s output by construction
+        c = tl.reshape(code, [BLOCK_R, BLOCK_K // 8, 2, 2, 2])  # code 4a + 2b + c of each 8 at (a, b, c)
+        c0, c1 = tl.split(c)
+        c = c0 | (c1 << 4)
+        c0, c1 = tl.split(c)
+        c = c0 | (c1 << 8)
+        c0, c1 = tl.split(c)
+        words = c0 | (c1 << 16)  # int32 [BLOCK_R, BLOCK_K / 8]: code 8j + i in bits 4i..4i+3 (`_words`)
+        val = _decode_tile(words, s_code, BLOCK_R, BLOCK_K, DECODED - 1)
         if EVEN:
             tl.store(xh_ptr + offs, val)
         else:
@@ -208,7 +204,7 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
     [..., 1] or [E, 1, 1]) and checks the flag.
     decoded: an FP16 [rows, K] tensor to also receive the codes decoded as the grouped GEMM's pre-decoded x
     operand, in the same launch: `qgemm_triton._predecode_kernel`'s output for that `decode` ("asm", "bits"
-    or "f32"), bitwise: code x block scale (times 2**-14 for the bit-trick decodes), in that decode's K order.
+    or "f32"), bitwise (the same `_decode_tile` on the same words and scales).
     """
     K = x.shape[-1]
     problem = layout_problem(x, "nvfp4", NV_BLOCK)
@@ -248,7 +244,7 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
                         max(rows_per_amax, 1), lo, hi,
                         BLOCK_R=block_r, BLOCK_K=block_k, ROW_AMAX=row_amax, FOUR_SIX=four_over_six,
                         STOCHASTIC=stochastic, EVEN=R % block_r == 0 and K % block_k == 0,
-                        DECODED=0 if decoded is None else 1 + ("asm", "bits", "f32").index(decode), num_warps=warps,
+                        DECODED=0 if decoded is None else 1 + DECODES[decode], num_warps=warps,
                         enable_fp_fusion=False)
     lead = x.shape[:-1]
     return data.reshape(*lead, K // 2), scale.reshape(*lead, K // NV_BLOCK), outer_rows, flag

@@ -31,11 +31,24 @@ def _kernels():
 
     seeds = dict(seed_lo="i64", seed_hi="i64")
     nv_sig = dict(x_ptr="*bf16", amax_ptr="*fp32", data_ptr="*u8", scale_ptr="*u8", outer_ptr="*fp32",
-                  flag_ptr="*i32", R="i32", K="i32", rows_per_amax="i32", **seeds)
+                  flag_ptr="*i32", xh_ptr="*fp16", R="i32", K="i32", rows_per_amax="i32", **seeds)
     for four_six, sr in ((True, False), (False, False), (False, True)):  # the launches for K = 2048
         yield (f"nvfp4 4/6={four_six} sr={sr}", nv._nvfp4_kernel, nv_sig,
                dict(BLOCK_R=1 if four_six or sr else 2, BLOCK_K=2048, ROW_AMAX=True, FOUR_SIX=four_six,
-                    STOCHASTIC=sr, EVEN=True), 4)
+                    STOCHASTIC=sr, EVEN=True, DECODED=0), 4)
+    for decoded in (1, 2, 3):  # serving: the GEMM's pre-decoded operand too (asm, bits, f32 decodes), K = 768
+        yield (f"nvfp4 4/6 + decoded operand ({decoded})", nv._nvfp4_kernel, nv_sig,
+               dict(BLOCK_R=2, BLOCK_K=1024, ROW_AMAX=True, FOUR_SIX=True, STOCHASTIC=False, EVEN=False,
+                    DECODED=decoded), 4)
+    from rl4bit.kernels import qgemm_triton as qg
+
+    gemm_sig = dict(xd_ptr="*i32", xs_ptr="*u8", xh_ptr="*fp16", xo_ptr="*fp32", wd_ptr="*i32", ws_ptr="*u8",
+                    wo_ptr="*fp32", y_ptr="*bf16", map_ptr="*i32", n_tiles="i32", N="i32", K="i32", KW="i32", KS="i32")
+    for cfg in ("DECODE", "TRAIN"):
+        c = getattr(qg, cfg)
+        yield (f"nvfp4 grouped GEMM {cfg}", qg._nvfp4_grouped_kernel, gemm_sig,
+               dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DECODE=0, X_F16=c.predecode_x,
+                    EVEN_N=True, EVEN_K=True), c.num_warps)
     rows_sig = dict(x_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", flag_ptr="*i32", M="i32", K="i32", **seeds)
     for sr in (False, True):
         yield f"mxfp8 rows sr={sr}", mx._mxfp8_rows_kernel, rows_sig, dict(BLOCK_M=16, BLOCK_K=256, STOCHASTIC=sr), 4
