@@ -252,16 +252,25 @@ _DECODE_ASM = tl.constexpr("{\n .reg .b32 a, b, x, s2;\n mov.b32 s2, {$9, $9};\n
 
 
 @triton.jit
+def _pairs_in_k_order(c0, c1, c2, c3, c4, c5, c6, c7, R: tl.constexpr, BK: tl.constexpr):
+    """[R, BK] from the 8 codes' values of each word ([R, BK / 8] each, c_i = code i) in the K order
+    (0, 4, 1, 5, 2, 6, 3, 7): the pairs (k, k + 4) the bit trick decodes in one 32-bit register stay adjacent,
+    as the MMA operand registers hold them (`tl.join` adds a minor dim: the low halves, then the high ones)."""
+    lo = tl.join(tl.join(c0, c2), tl.join(c1, c3))  # [.., 2, 2] flattened: c0 c1 c2 c3
+    hi = tl.join(tl.join(c4, c6), tl.join(c5, c7))
+    return tl.reshape(tl.join(lo, hi), [R, BK])
+
+
+@triton.jit
 def _decode_tile(words, scales, R: tl.constexpr, BK: tl.constexpr, DECODE: tl.constexpr):
     """FP16 [R, BK] of an NVFP4 tile: int32 words [R, BK/8] (8 codes each), E4M3 codes uint8 [R, BK/16].
 
-    Within each word of 8 codes the K order is permuted: pair k of the bit trick
-    holds codes k and k + 4 (nibbles 4k and 4k + 16) in one 32-bit register, and
-    the joins that lay the pairs out give each decode its own order: DECODE 0
-    (0, 2, 1, 3, 4, 6, 5, 7), 1 (0, 4, 2, 6, 1, 5, 3, 7), 2 (0, 4, 1, 5, 2, 6,
-    3, 7) (`nvfp4_triton`'s decoded output follows them). x and w use the same
-    order and it stays inside one 16-block (one scale, one k16 MMA step, whose
-    16 products sum exactly), so the dot is unchanged.
+    Within each word of 8 codes the K order is permuted to (0, 4, 1, 5, 2, 6, 3, 7)
+    in every decode (`_pairs_in_k_order`): pair k of the bit trick holds codes k
+    and k + 4 (nibbles 4k and 4k + 16) in one 32-bit register, which stays one
+    register of the MMA operand. x and w use the same order and it stays inside
+    one 16-block (one scale, one k16 MMA step, whose 16 products sum exactly),
+    so the dot is unchanged.
     DECODE 0: the bit trick in PTX (GPU); 1: the same bit trick in Triton ops
     (interpreter); 2: plain FP32 decode (E2M1 value x E4M3 value, cast to FP16).
     0 and 1 give code x scale x 2**-14, 2 gives code x scale (module docstring).
@@ -279,15 +288,15 @@ def _decode_tile(words, scales, R: tl.constexpr, BK: tl.constexpr, DECODE: tl.co
             sw = tl.reshape(tl.broadcast_to(sv[:, :, None], [R, BK // 16, 2]), [R, BK // 8])
             e0, e4, e1, e5, e2, e6, e3, e7 = tl.inline_asm_elementwise(
                 _DECODE_ASM, "=h,=h,=h,=h,=h,=h,=h,=h,r,h", [words, sw], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
-            v = tl.join(tl.join(tl.join(e0, e4), tl.join(e1, e5)), tl.join(tl.join(e2, e6), tl.join(e3, e7)))
-            v = tl.reshape(v, [R, BK])
+            v = _pairs_in_k_order(e0, e1, e2, e3, e4, e5, e6, e7, R, BK)
         else:
             p0 = ((words << 9) & 0x0E000E00) | ((words << 12) & -2147450880)  # 0x80008000 as int32
             p1 = ((words << 5) & 0x0E000E00) | ((words << 8) & -2147450880)
             p2 = ((words << 1) & 0x0E000E00) | ((words << 4) & -2147450880)
             p3 = ((words >> 3) & 0x0E000E00) | (words & -2147450880)  # >> fills bits the mask drops
-            p = tl.reshape(tl.join(tl.join(p0, p1), tl.join(p2, p3)), [R, BK // 8, 4])
-            h = tl.join(p.to(tl.int16), (p >> 16).to(tl.int16)).to(tl.float16, bitcast=True)  # [R, BK/8, 4, 2]
+            lo = [q.to(tl.int16).to(tl.float16, bitcast=True) for q in (p0, p1, p2, p3)]  # codes k = 0..3
+            hi = [(q >> 16).to(tl.int16).to(tl.float16, bitcast=True) for q in (p0, p1, p2, p3)]  # codes k + 4
+            h = _pairs_in_k_order(lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3], R, BK)
             v = tl.reshape(tl.reshape(h, [R, BK // 16, 16]) * sv[:, :, None], [R, BK])
     return v
 

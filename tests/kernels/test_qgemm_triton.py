@@ -158,6 +158,23 @@ def test_quantize_with_decoded_operand_equals_quantize_then_predecode(k, four_ov
             assert_bitwise_equal(y, ref, f"quantize_and_multiply, decode={decode}, call {n_call}")
 
 
+def test_decodes_share_one_k_order():
+    """The bit-trick decode (Triton ops) and the plain FP32 decode lay codes out in the same K order
+    (0, 4, 1, 5, 2, 6, 3, 7 within each word) and differ by exactly 2**-14 (the PTX decode is built the same way:
+    `_pairs_in_k_order`; GPU-checked by the configs test)."""
+    q = quantize(_activations(5, 64, seed=45), "nvfp4", outer="row", four_over_six=True)
+    out = {}
+    for decode in ("bits", "f32"):
+        out[decode] = torch.empty((5, 64), dtype=torch.float16, device=DEVICE)
+        qg._predecode_kernel[(1, 1)](qg._words(q.data), q.scale.view(torch.uint8), out[decode], 5, 64, BLOCK_R=16,
+                                     BLOCK_K=qg.BLOCK_K, DECODE=qg.DECODES[decode], num_warps=1)
+    assert_bitwise_equal(out["bits"].float() * 2.0**14, out["f32"].float(), "bits x 2**14 vs f32")
+    codes = torch.stack([(q.data >> 0) & 15, (q.data >> 4) & 15], dim=-1).reshape(5, 64)  # code k at column k
+    perm = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7]).repeat(8) + torch.arange(64) // 8 * 8
+    nonzero = codes[:, perm.to(codes.device)] % 8 != 0
+    assert torch.equal(out["f32"] != 0, nonzero), "the decoded values sit where the K order puts their codes"
+
+
 def triton_cdiv(a, b):
     return -(-a // b)
 
