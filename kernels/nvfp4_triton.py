@@ -17,7 +17,9 @@ and per-group amaxes are one ``torch.amax`` before the kernel. Every division
 is ``div_rn`` and launches use ``enable_fp_fusion=False`` (no FMA contraction),
 so the GPU rounds exactly like the reference.
 
-Optionally (``decoded=``) the same launch also writes the codes decoded to FP16, the
+Optionally (``swiglu=True``) the input is a gate-up product and the kernel quantizes
+its SwiGLU (``swiglu_triton``'s values, computed on the loads: the down projection's
+input is never stored). Optionally (``decoded=``) the same launch also writes the codes decoded to FP16, the
 grouped GEMM's pre-decoded x operand (``qgemm_triton``: one launch fewer per GEMM
 at decode sizes).
 
@@ -47,6 +49,7 @@ from rl4bit.kernels.formats_triton import (
 )
 from rl4bit.kernels.philox_triton import philox_bits4, split_seed
 from rl4bit.kernels.qgemm_triton import DECODES, _decode_tile
+from rl4bit.kernels.swiglu_triton import swiglu_values
 
 NV_BLOCK = 16
 MAX_ROW_K = 16384  # widest row held in one program; wider rows get their amax from torch first
@@ -99,13 +102,19 @@ def _sq_err(ax3, r, s_val, s_dec, R: tl.constexpr, G: tl.constexpr):
 @triton.jit(do_not_specialize=['R', 'rows_per_amax', 'seed_lo', 'seed_hi'])  # see formats_triton.NO_SPECIALIZE
 def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, xh_ptr, R, K, rows_per_amax,
                   seed_lo, seed_hi, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ROW_AMAX: tl.constexpr,
-                  FOUR_SIX: tl.constexpr, STOCHASTIC: tl.constexpr, EVEN: tl.constexpr, DECODED: tl.constexpr):
+                  FOUR_SIX: tl.constexpr, STOCHASTIC: tl.constexpr, EVEN: tl.constexpr, DECODED: tl.constexpr,
+                  SWIGLU: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 16
     rows, cols, mask, offs = tile_2d(pid_r, pid_k, R, K, BLOCK_R, BLOCK_K)
     rmask = rows < R
-    if EVEN:
+    if SWIGLU:  # x = SwiGLU of h [R, 2K] = [gate | up], computed as swiglu_triton writes it (x's dtype values)
+        h_offs = rows.to(tl.int64)[:, None] * (2 * K) + cols[None, :]
+        g = tl.load(x_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + h_offs + K, mask=mask, other=0.0).to(tl.float32)
+        x = swiglu_values(g, u, x_ptr.dtype.element_ty)
+    elif EVEN:
         x = tl.load(x_ptr + offs).to(tl.float32)
     else:
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -196,7 +205,7 @@ def _abs_max(x2: torch.Tensor) -> torch.Tensor:
 
 def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: bool = False,
                    stochastic: bool = False, seed=None, block_elems: int | None = None, num_warps: int | None = None,
-                   decoded: torch.Tensor | None = None, decode: str = "asm"):
+                   decoded: torch.Tensor | None = None, decode: str = "asm", swiglu: bool = False):
     """NVFP4 codes of x [..., K] -> (packed uint8 [..., K/2], E4M3 codes uint8 [..., K/16],
     per-row S_dec fp32 [rows], non-finite flag int32 [1]).
 
@@ -205,12 +214,23 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
     decoded: an FP16 [rows, K] tensor to also receive the codes decoded as the grouped GEMM's pre-decoded x
     operand, in the same launch: `qgemm_triton._predecode_kernel`'s output for that `decode` ("asm", "bits"
     or "f32"), bitwise (the same `_decode_tile` on the same words and scales).
+    swiglu: x is h [R, 2K] = [gate | up] and the values quantized are its SwiGLU (`swiglu_triton.swiglu(h)`,
+    bitwise, never stored); outer="row" only.
     """
-    K = x.shape[-1]
-    problem = layout_problem(x, "nvfp4", NV_BLOCK)
-    if problem is not None:
-        raise ValueError(problem)
-    x2 = x.contiguous().reshape(-1, K)
+    if swiglu:
+        if x.dim() != 2 or x.shape[-1] % 2 or outer != "row":
+            raise ValueError(f"nvfp4 swiglu: need h [R, 2K] and outer='row', got {tuple(x.shape)}, outer={outer!r}")
+        problem = layout_problem(x[:, : x.shape[-1] // 2], "nvfp4", NV_BLOCK)
+        if problem is not None:
+            raise ValueError(problem)
+        K = x.shape[-1] // 2
+        x2 = x.contiguous()
+    else:
+        K = x.shape[-1]
+        problem = layout_problem(x, "nvfp4", NV_BLOCK)
+        if problem is not None:
+            raise ValueError(problem)
+        x2 = x.contiguous().reshape(-1, K)
     R = x2.shape[0]
     dev = x.device
     row_amax = outer == "row" and K <= MAX_ROW_K
@@ -221,6 +241,8 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
             raise ValueError(f"nvfp4: outer='group' needs a 3D [E, N, K] tensor, got shape {tuple(x.shape)}")
         amax, rows_per_amax = _abs_max(x2.reshape(x.shape[0], -1)), x.shape[1]
     elif outer == "row":
+        if swiglu and not row_amax:
+            raise ValueError(f"nvfp4 swiglu: rows wider than {MAX_ROW_K} are not covered")
         amax = x2 if row_amax else _abs_max(x2)
         rows_per_amax = 1
     else:
@@ -244,7 +266,7 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
                         max(rows_per_amax, 1), lo, hi,
                         BLOCK_R=block_r, BLOCK_K=block_k, ROW_AMAX=row_amax, FOUR_SIX=four_over_six,
                         STOCHASTIC=stochastic, EVEN=R % block_r == 0 and K % block_k == 0,
-                        DECODED=0 if decoded is None else 1 + DECODES[decode], num_warps=warps,
+                        DECODED=0 if decoded is None else 1 + DECODES[decode], SWIGLU=swiglu, num_warps=warps,
                         enable_fp_fusion=False)
-    lead = x.shape[:-1]
+    lead = x2.shape[:-1] if swiglu else x.shape[:-1]
     return data.reshape(*lead, K // 2), scale.reshape(*lead, K // NV_BLOCK), outer_rows, flag

@@ -455,23 +455,27 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
 
 def quantize_and_multiply(x: torch.Tensor, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *,
                           four_over_six: bool = True, config: Config | None = None, decode: str | None = None,
-                          maps: dict | None = None):
+                          maps: dict | None = None, swiglu: bool = False):
     """(qx, y): x [R, K] quantized as the recipe's activations (NVFP4, per-row outer, 4/6 optional) and
     y = `grouped_nvfp4(qx, qw, counts, out_dtype)`, bitwise; when the config pre-decodes x, the quantize kernel
-    writes the decoded operand too (`nvfp4_triton.quantize_nvfp4(decoded=)`: one launch fewer).
+    writes the decoded operand too (`nvfp4_triton.quantize_nvfp4(decoded=)`: one launch fewer). swiglu: x is
+    h [R, 2K] = [gate | up] and the product's input is its SwiGLU (`swiglu_triton.swiglu(h)`'s values, never
+    stored: two launches fewer).
 
     What the serving modules run (`trainer.qgemm.served_product`); the trainer's forward quantizes and
     multiplies separately (it keeps qx for the backward) and gets the same bits.
     """
     from rl4bit.kernels import quantize
-    from rl4bit.kernels.triton_dispatch import quantize_nvfp4_decoded
+    from rl4bit.kernels.triton_dispatch import quantize_nvfp4_rows
 
     decode = _decode_mode(decode)
-    cfg = config or pick_config(x.shape[0], qw.shape[0], x.shape[-1])
-    both = quantize_nvfp4_decoded(x, four_over_six=four_over_six, decode=decode) \
-        if cfg.predecode_x and (x.is_cuda or interpret()) else None
-    if both is None:
-        qx, xh = quantize(x, "nvfp4", outer="row", four_over_six=four_over_six), None
-    else:
-        qx, xh = both
+    k = x.shape[-1] // 2 if swiglu else x.shape[-1]
+    cfg = config or pick_config(x.shape[0], qw.shape[0], k)
+    got = quantize_nvfp4_rows(x, four_over_six=four_over_six, decode=decode if cfg.predecode_x else None,
+                              swiglu=swiglu)
+    if got is None and swiglu:
+        raise ValueError(f"quantize_and_multiply: h {x.dtype} {tuple(x.shape)} is not covered by the NVFP4 row "
+                         f"quantize kernel (2D, K a multiple of 16, rows of at most nvfp4_triton.MAX_ROW_K); run "
+                         f"swiglu_triton.swiglu(h) and pass its output with swiglu=False")
+    qx, xh = got or (quantize(x, "nvfp4", outer="row", four_over_six=four_over_six), None)
     return qx, grouped_nvfp4(qx, qw, counts, out_dtype, config=cfg, decode=decode, xh=xh, maps=maps)

@@ -137,18 +137,22 @@ def quantize(x: torch.Tensor, fmt: str, *, rounding: str = "nearest", outer: str
     return QTensor(data=data, scale=scale.view(torch.float8_e8m0fnu), outer=ones, fmt="s2f6", shape=x.shape)
 
 
-def quantize_nvfp4_decoded(x: torch.Tensor, *, four_over_six: bool, decode: str):
-    """(QTensor of x [R, K], FP16 [R, K]): `quantize(x, "nvfp4", outer="row", four_over_six=...)` and its codes
-    decoded as the grouped GEMM's pre-decoded operand (`nvfp4_triton.quantize_nvfp4(decoded=)`), one launch;
-    None where the kernel does not cover x (the caller quantizes and pre-decodes separately)."""
-    if x.dim() != 2 or not _plain_ok(x, BLOCK["nvfp4"]) or x.shape[-1] > nvfp4_triton.MAX_ROW_K:
+def quantize_nvfp4_rows(x: torch.Tensor, *, four_over_six: bool, decode: str | None = None, swiglu: bool = False):
+    """(QTensor of x [R, K], FP16 [R, K] or None): `quantize(x, "nvfp4", outer="row", four_over_six=...)`, in the
+    same launch (`nvfp4_triton.quantize_nvfp4`) x's codes decoded as the grouped GEMM's pre-decoded operand
+    when `decode` names the GEMM's decode, and with `swiglu` x given as h [R, 2K] = [gate | up] and quantized
+    as its SwiGLU (`swiglu_triton`'s values); None where the kernel does not cover x (the caller runs the
+    separate steps)."""
+    k = x.shape[-1] // 2 if swiglu else x.shape[-1]
+    if x.dim() != 2 or not _plain_ok(x, BLOCK["nvfp4"]) or k > nvfp4_triton.MAX_ROW_K or k % BLOCK["nvfp4"]:
         return None
-    xh = torch.empty(x.shape, dtype=torch.float16, device=x.device)
+    xh = None if decode is None else torch.empty((x.shape[0], k), dtype=torch.float16, device=x.device)
     data, scale, outer_rows, flag = nvfp4_triton.quantize_nvfp4(x, outer="row", four_over_six=four_over_six,
-                                                                decoded=xh, decode=decode)
+                                                                decoded=xh, decode=decode or "asm", swiglu=swiglu)
     _raise_if_flagged(flag, x, "nvfp4", allow_nan=False)
-    q = QTensor(data=data, scale=scale.view(torch.float8_e4m3fn), outer=nvfp4_outer(outer_rows, x.shape, "row"),
-                fmt="nvfp4", shape=x.shape)
+    shape = torch.Size((x.shape[0], k))
+    q = QTensor(data=data, scale=scale.view(torch.float8_e4m3fn), outer=nvfp4_outer(outer_rows, shape, "row"),
+                fmt="nvfp4", shape=shape)
     return q, xh
 
 

@@ -50,6 +50,7 @@ from transformers import AttentionInterface
 from transformers.integrations.moe import ExpertsInterface
 
 from rl4bit.kernels.attention import attend, fused_attention_ok
+from rl4bit.trainer.fused_swiglu import swiglu
 from rl4bit.trainer.qgemm import bf16_grouped, expert_grouping
 
 ENGINE_IMPL = "rl4bit_engine"
@@ -211,6 +212,16 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
     return out, None
 
 
+def _gate(experts, h: torch.Tensor) -> torch.Tensor:
+    """The experts module's `_apply_gate(h)`; HF's default one (`act_fn(gate) * up`) through the fused SwiGLU
+    (`trainer.fused_swiglu`: one kernel where it applies, as the trainer's experts run it)."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    if getattr(type(experts), "_apply_gate", None) is _default_apply_gate:
+        return swiglu(h, experts.act_fn)
+    return experts._apply_gate(h)
+
+
 def engine_experts(self, hidden_states, top_k_index, top_k_weights):
     """HF's eager experts loop (expert index order), each expert's rows padded to MIN_ROWS.
 
@@ -222,7 +233,7 @@ def engine_experts(self, hidden_states, top_k_index, top_k_weights):
     flat = top_k_index.reshape(-1)
     if hidden_states.is_cuda and hidden_states.dtype == self.gate_up_proj.dtype == torch.bfloat16:
         order, tok, counts, _ = expert_grouping(flat, self.num_experts, top_k_index.shape[1])
-        h = self._apply_gate(bf16_grouped(hidden_states[tok], self.gate_up_proj, counts))
+        h = _gate(self, bf16_grouped(hidden_states[tok], self.gate_up_proj, counts))
         y = bf16_grouped(h, self.down_proj, counts) * top_k_weights.reshape(-1)[order, None]
         return out.index_add_(0, tok, y.to(out.dtype))
     order = torch.argsort(flat, stable=True)  # (token, k) pairs grouped by expert, token order kept
@@ -236,7 +247,7 @@ def engine_experts(self, hidden_states, top_k_index, top_k_weights):
         tok, kpos = tok_all[at : at + c], kpos_all[at : at + c]
         at += c
         x = pad_rows(hidden_states[tok], MIN_ROWS)
-        h = self._apply_gate(F.linear(x, self.gate_up_proj[e]))
+        h = _gate(self, F.linear(x, self.gate_up_proj[e]))
         y = F.linear(h, self.down_proj[e])[:c]
         y = y * top_k_weights[tok, kpos, None]
         out.index_add_(0, tok, y.to(out.dtype))

@@ -75,8 +75,9 @@ from torch import nn
 from rl4bit.kernels import QTensor
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.trainer import ep_codec
-from rl4bit.trainer.modules import QuantExperts
 from rl4bit.trainer.combine import combine
+from rl4bit.trainer.fused_swiglu import swiglu
+from rl4bit.trainer.modules import QuantExperts
 from rl4bit.trainer.qgemm import compute_dtype, grouped_gemm, quantize_activation
 
 COMBINE_TENSOR_ID = 4
@@ -279,8 +280,7 @@ class ExpertParallelExperts(QuantExperts):
             o = x_local * 0 + (self.gate_up_proj.sum() + self.down_proj.sum()).to(x_local.dtype) * 0
         else:
             h = grouped_gemm(x_local, self.gate_up_proj, counts, self.spec, self._keys(0), qx=box.get("q"))
-            gate, up = h.chunk(2, dim=-1)
-            o = grouped_gemm(self.act_fn(gate) * up, self.down_proj, counts, self.spec, self._keys(1))
+            o = grouped_gemm(swiglu(h, self.act_fn), self.down_proj, counts, self.spec, self._keys(1))
         seed = derive_seed(self.seed, self.step, 2 * self.layer_id, COMBINE_TENSOR_ID, self.calls)
         z = _Combine.apply(o, self, route, seed, dt)
         w = top_k_weights.reshape(-1)[route.order, None]

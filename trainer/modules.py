@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from rl4bit.trainer.combine import combine
+from rl4bit.trainer.fused_swiglu import swiglu
 from rl4bit.trainer.qgemm import GemmSpec, bf16_grouped, compute_dtype, expert_grouping, grouped_gemm
-from rl4bit.trainer.qgemm import quantize_weight, served_product
+from rl4bit.trainer.qgemm import quantize_weight, served_product, swiglu_served
 
 
 class _QuantMixin:
@@ -103,8 +104,11 @@ class QuantExperts(_QuantMixin, nn.Module):
         x = hidden_states[tok].to(dt)
         maps: dict = {}  # serving: one tile map for both GEMMs (same counts)
         h = self._gemm(x, "gate_up_proj", counts, 0, maps)
-        gate, up = h.chunk(2, dim=-1)
-        o = self._gemm(self.act_fn(gate) * up, "down_proj", counts, 1, maps)
+        if self.served is not None and swiglu_served(h, self.served["down_proj"], self.spec, self.act_fn):
+            with torch.no_grad():  # the SwiGLU inside the down projection's quantize: the same values
+                o = served_product(h, self.served["down_proj"], counts, self.spec, h.dtype, maps, swiglu=True)
+        else:
+            o = self._gemm(swiglu(h, self.act_fn), "down_proj", counts, 1, maps)
         out = combine(o, top_k_weights, top_k_index, order, tok, inv, hidden_states, self.num_experts)
         if self.served is None:
             self.calls += 1

@@ -159,18 +159,37 @@ def grouped_forward(qx: QTensor, qw: QTensor, counts, out_dtype: torch.dtype) ->
 
 
 def served_product(x: torch.Tensor, qw: QTensor, counts, spec: GemmSpec, out_dtype: torch.dtype,
-                   maps: dict | None = None) -> torch.Tensor:
+                   maps: dict | None = None, swiglu: bool = False) -> torch.Tensor:
     """The serving modules' product: `grouped_forward(quantize_activation(x, spec), qw, counts, out_dtype)`, bitwise.
 
     On the NVFP4 Triton path it is `qgemm_triton.quantize_and_multiply`: x quantized and decoded to the GEMM's
     FP16 operand in one launch when the GEMM's config reads it pre-decoded, and one tile map for the GEMMs
     that pass the same `maps` dict (a layer's gate_up and down share their routing `counts`).
+    swiglu: x is h = [gate | up] and the product's input is `fused_swiglu.swiglu(h)` (SiLU), computed inside
+    the quantize; only where `swiglu_served` says so.
     """
     kernels = gemm_kernels(x)
     if kernels is not None and spec.fmt == "nvfp4" and qw.fmt == "nvfp4" and x.dim() == 2:
         return kernels[0].quantize_and_multiply(x.detach(), qw, counts, out_dtype, four_over_six=spec.four_over_six,
-                                                maps=maps)[1]
+                                                maps=maps, swiglu=swiglu)[1]
+    if swiglu:
+        raise ValueError("served_product(swiglu=True) needs the NVFP4 Triton path (swiglu_served); pass "
+                         "fused_swiglu.swiglu(h, act_fn) with swiglu=False")
     return grouped_forward(quantize_activation(x, spec), qw, counts, out_dtype)
+
+
+def swiglu_served(h: torch.Tensor, qw: QTensor, spec: GemmSpec, act_fn) -> bool:
+    """Whether `served_product(h, qw, ..., swiglu=True)` computes `fused_swiglu.swiglu(h, act_fn)` inside the
+    quantize: the kernel SwiGLU applies (fused kernels on, SiLU) and the product takes the NVFP4 Triton path
+    with rows the row quantize kernel holds whole."""
+    from rl4bit.trainer.fused_swiglu import applies
+
+    if not applies(h, act_fn) or gemm_kernels(h) is None or spec.fmt != "nvfp4" or qw.fmt != "nvfp4":
+        return False
+    from rl4bit.kernels.nvfp4_triton import MAX_ROW_K
+
+    k = h.shape[-1] // 2
+    return k % 16 == 0 and k <= MAX_ROW_K
 
 
 # ---------------------------------------------------------------- saved-bytes meter

@@ -35,11 +35,15 @@ def _kernels():
     for four_six, sr in ((True, False), (False, False), (False, True)):  # the launches for K = 2048
         yield (f"nvfp4 4/6={four_six} sr={sr}", nv._nvfp4_kernel, nv_sig,
                dict(BLOCK_R=1 if four_six or sr else 2, BLOCK_K=2048, ROW_AMAX=True, FOUR_SIX=four_six,
-                    STOCHASTIC=sr, EVEN=True, DECODED=0), 4)
+                    STOCHASTIC=sr, EVEN=True, DECODED=0, SWIGLU=False), 4)
     for decoded in (1, 2, 3):  # serving: the GEMM's pre-decoded operand too (asm, bits, f32 decodes), K = 768
         yield (f"nvfp4 4/6 + decoded operand ({decoded})", nv._nvfp4_kernel, nv_sig,
                dict(BLOCK_R=2, BLOCK_K=1024, ROW_AMAX=True, FOUR_SIX=True, STOCHASTIC=False, EVEN=False,
-                    DECODED=decoded), 4)
+                    DECODED=decoded, SWIGLU=decoded == 1), 4)  # asm: also the SwiGLU of a gate-up input
+    from rl4bit.kernels import swiglu_triton as sw
+
+    yield ("swiglu bf16", sw._swiglu_kernel, dict(h_ptr="*bf16", y_ptr="*bf16", R="i32", I="i32", s_h="i32"),
+           dict(BLOCK_R=2, BLOCK_I=1024), 4)
     from rl4bit.kernels import qgemm_triton as qg
 
     gemm_sig = dict(xd_ptr="*i32", xs_ptr="*u8", xh_ptr="*fp16", xo_ptr="*fp32", wd_ptr="*i32", ws_ptr="*u8",
