@@ -40,8 +40,12 @@ checked: that would sync) the tile map is built by one small kernel, the grid
 is fixed at cdiv(R, BLOCK_M) + min(E, R) row tiles (``n_row_tiles``; the tiles
 past the last expert exit at once) and nothing reads the device, so a decode step can be captured.
 
+Serving (`quantize_and_multiply`): the activation quantize kernel also writes the
+pre-decoded x (and can take the SwiGLU of a gate-up product as its input), and
+the GEMMs of a layer share one tile map: the same bits as quantize + GEMM.
+
 Leaves out: split-K, autotuning (tiles are fixed so the bits are), swizzled
-scale layouts, the activation quantize (fused quantize+GEMM).
+scale layouts, quantize and GEMM in one kernel.
 """
 
 from __future__ import annotations
