@@ -205,7 +205,7 @@ def _abs_max(x2: torch.Tensor) -> torch.Tensor:
 
 def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: bool = False,
                    stochastic: bool = False, seed=None, block_elems: int | None = None, num_warps: int | None = None,
-                   decoded: torch.Tensor | None = None, decode: str = "asm", swiglu: bool = False):
+                   decoded: torch.Tensor | None = None, decode: str | None = None, swiglu: bool = False):
     """NVFP4 codes of x [..., K] -> (packed uint8 [..., K/2], E4M3 codes uint8 [..., K/16],
     per-row S_dec fp32 [rows], non-finite flag int32 [1]).
 
@@ -213,7 +213,7 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
     [..., 1] or [E, 1, 1]) and checks the flag.
     decoded: an FP16 [rows, K] tensor to also receive the codes decoded as the grouped GEMM's pre-decoded x
     operand, in the same launch: `qgemm_triton._predecode_kernel`'s output for that `decode` ("asm", "bits"
-    or "f32"), bitwise (the same `_decode_tile` on the same words and scales).
+    or "f32"; None: the GEMM's default), bitwise (the same `_decode_tile` on the same words and scales).
     swiglu: x is h [R, 2K] = [gate | up] and the values quantized are its SwiGLU (`swiglu_triton.swiglu(h)`,
     bitwise, never stored); outer="row" only.
     """
@@ -258,6 +258,10 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
     block_r, block_k = _tile(K, row_amax, block_elems or 128 * per_thread)  # 4 warps
     grid = (triton.cdiv(R, block_r), triton.cdiv(K, block_k))
     warps = num_warps or min(16, max(1, block_r * block_k // (32 * per_thread)))
+    if decoded is not None:
+        from rl4bit.kernels.qgemm_triton import _decode_mode
+
+        decode = _decode_mode(decode)  # a known decode, and no inline PTX under the interpreter
     if decoded is not None and (decoded.shape != (R, K) or decoded.dtype != torch.float16
                                 or not decoded.is_contiguous() or decoded.device != dev):
         raise ValueError(f"decoded: need a contiguous float16 [{R}, {K}] tensor on {dev}, got "

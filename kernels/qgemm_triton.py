@@ -256,6 +256,12 @@ _DECODE_ASM = tl.constexpr("{\n .reg .b32 a, b, x, s2;\n mov.b32 s2, {$9, $9};\n
 
 
 @triton.jit
+def _low_half(p):
+    """The FP16 held in the low 16 bits of int32 p."""
+    return p.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
 def _pairs_in_k_order(c0, c1, c2, c3, c4, c5, c6, c7, R: tl.constexpr, BK: tl.constexpr):
     """[R, BK] from the 8 codes' values of each word ([R, BK / 8] each, c_i = code i) in the K order
     (0, 4, 1, 5, 2, 6, 3, 7): the pairs (k, k + 4) the bit trick decodes in one 32-bit register stay adjacent,
@@ -298,9 +304,9 @@ def _decode_tile(words, scales, R: tl.constexpr, BK: tl.constexpr, DECODE: tl.co
             p1 = ((words << 5) & 0x0E000E00) | ((words << 8) & -2147450880)
             p2 = ((words << 1) & 0x0E000E00) | ((words << 4) & -2147450880)
             p3 = ((words >> 3) & 0x0E000E00) | (words & -2147450880)  # >> fills bits the mask drops
-            lo = [q.to(tl.int16).to(tl.float16, bitcast=True) for q in (p0, p1, p2, p3)]  # codes k = 0..3
-            hi = [(q >> 16).to(tl.int16).to(tl.float16, bitcast=True) for q in (p0, p1, p2, p3)]  # codes k + 4
-            h = _pairs_in_k_order(lo[0], lo[1], lo[2], lo[3], hi[0], hi[1], hi[2], hi[3], R, BK)
+            h = _pairs_in_k_order(_low_half(p0), _low_half(p1), _low_half(p2), _low_half(p3),  # codes k = 0..3
+                                  _low_half(p0 >> 16), _low_half(p1 >> 16), _low_half(p2 >> 16),  # codes k + 4
+                                  _low_half(p3 >> 16), R, BK)
             v = tl.reshape(tl.reshape(h, [R, BK // 16, 16]) * sv[:, :, None], [R, BK])
     return v
 
@@ -408,14 +414,21 @@ def _decode_mode(decode: str | None) -> str:
     return decode
 
 
-def shared_tile_map(maps: dict | None, counts, rows: int, block_m: int, device) -> torch.Tensor:
-    """`tile_map`, built once per (rows, block_m) for GEMMs that share `counts` (a layer's gate_up and down read
-    the same routing): `maps` is a dict the caller keeps for them (None: build it here)."""
+def shared_tile_map(maps: dict | None, counts, groups: int, rows: int, block_m: int, device) -> torch.Tensor:
+    """`tile_map(as_counts(counts, groups, device), ...)`, built once per (rows, block_m) for GEMMs that share
+    `counts` (a layer's gate_up and down read the same routing): `maps` is a dict the caller keeps for them,
+    one per routing (None: build it here). ValueError if the dict already holds the maps of other counts
+    (another tensor object, or another list)."""
     if maps is None:
-        return tile_map(counts, rows, block_m, device)
+        return tile_map(as_counts(counts, groups, device), rows, block_m, device)
+    mine = counts if isinstance(counts, torch.Tensor) else tuple(int(n) for n in counts)
+    held = maps.setdefault("counts", mine)
+    if held is not mine and (isinstance(mine, torch.Tensor) or isinstance(held, torch.Tensor) or held != mine):
+        raise ValueError("maps holds the tile maps of other counts: keep one dict per routing (the GEMMs of one "
+                         "layer call), not one across layers")
     key = (rows, block_m)
     if key not in maps:
-        maps[key] = tile_map(counts, rows, block_m, device)
+        maps[key] = tile_map(as_counts(counts, groups, device), rows, block_m, device)
     return maps[key]
 
 
@@ -426,14 +439,15 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
     counts: list of ints or an int tensor [E] (a device tensor keeps the call free of host syncs).
     config: the tile config (default: ``pick_config(R, E, K)``). decode: "asm" (GPU default), "bits" (the same
     bit trick in Triton ops; interpreter default) or "f32" (plain decode): the same values either way.
-    xh: qx already decoded to the FP16 operand (`quantize_and_multiply`), used when the config pre-decodes x.
+    xh: qx already decoded to the FP16 operand by the same `decode` (`quantize_and_multiply`: the bit-trick
+    decodes carry 2**-14, "f32" does not, and nothing here can tell), used when the config pre-decodes x.
     maps: a dict shared by GEMMs over the same `counts` (see `shared_tile_map`).
     """
     rows, k, groups, n = grouped_shapes(qx, qw, "nvfp4", "grouped_nvfp4")
     dev = qx.data.device
     decode = _decode_mode(decode)
     cfg = config or pick_config(rows, groups, k)
-    cmap = shared_tile_map(maps, as_counts(counts, groups, dev), rows, cfg.block_m, dev)
+    cmap = shared_tile_map(maps, counts, groups, rows, cfg.block_m, dev)
     n_tiles = cmap.shape[1]
     y = alloc_out(rows, n, out_dtype, dev)
     if not rows:
@@ -445,9 +459,9 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
         xh = torch.empty((rows, k), dtype=torch.float16, device=dev)
         _predecode_kernel[(triton.cdiv(rows, 16), triton.cdiv(k, BLOCK_K))](
             xd, xs, xh, rows, k, BLOCK_R=16, BLOCK_K=BLOCK_K, DECODE=DECODES[decode], num_warps=1)
-    elif xh.shape != (rows, k) or xh.dtype != torch.float16 or not xh.is_contiguous():
-        raise ValueError(f"xh: need x decoded as a contiguous float16 [{rows}, {k}] tensor, got {xh.dtype} "
-                         f"{tuple(xh.shape)}")
+    elif xh.shape != (rows, k) or xh.dtype != torch.float16 or not xh.is_contiguous() or xh.device != dev:
+        raise ValueError(f"xh: need x decoded as a contiguous float16 [{rows}, {k}] tensor on {dev}, got {xh.dtype} "
+                         f"{tuple(xh.shape)} on {xh.device}")
     _nvfp4_grouped_kernel[(n_tiles, triton.cdiv(n, cfg.block_n))](
         xd, xs, xh, row_outer(qx.outer, rows),
         _words(qw.data), qw.scale.contiguous().view(torch.uint8), group_outer(qw.outer, groups),
@@ -479,7 +493,7 @@ def quantize_and_multiply(x: torch.Tensor, qw, counts, out_dtype: torch.dtype = 
                               swiglu=swiglu)
     if got is None and swiglu:
         raise ValueError(f"quantize_and_multiply: h {x.dtype} {tuple(x.shape)} is not covered by the NVFP4 row "
-                         f"quantize kernel (2D, K a multiple of 16, rows of at most nvfp4_triton.MAX_ROW_K); run "
-                         f"swiglu_triton.swiglu(h) and pass its output with swiglu=False")
+                         f"quantize kernel (h [R, 2K] with K a multiple of 16 and at most nvfp4_triton.MAX_ROW_K); "
+                         f"run swiglu_triton.swiglu(h) and pass its output with swiglu=False")
     qx, xh = got or (quantize(x, "nvfp4", outer="row", four_over_six=four_over_six), None)
     return qx, grouped_nvfp4(qx, qw, counts, out_dtype, config=cfg, decode=decode, xh=xh, maps=maps)

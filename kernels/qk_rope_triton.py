@@ -2,7 +2,8 @@
 
     q_out, k_out = qk_norm_rope(q, k, wq, wk, eps_q, eps_k, cos, sin)
 
-For every head row x (q [B, T, Hq, D] and k [B, T, Hkv, D], heads' rows contiguous) and cos/sin [B, T, D]:
+For every head row x (q [B, T, Hq, D] and k [B, T, Hkv, D]: a token's heads contiguous, tokens at any stride,
+so the q/k views of a stacked q/k/v GEMM's output are read in place) and cos/sin [B, T, D]:
 
     h = rmsnorm_triton's norm of x with its weight          (the same formula and loop)
     out = h * cos + rotate_half(h) * sin                     (HF's `apply_rotary_pos_emb`)
@@ -33,22 +34,23 @@ from rl4bit.kernels.rmsnorm_triton import FLOAT_TL, round_to, rsqrt_f32, square_
 
 
 @triton.jit
-def _norm_rope_row(x_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, r, heads, D, eps, H_DTYPE: tl.constexpr,
+def _norm_rope_row(x_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, r, heads, s_t, D, eps, H_DTYPE: tl.constexpr,
                    ASM: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     live = offs < D
-    x = tl.load(x_ptr + r * D + offs, mask=live, other=0.0).to(tl.float32)
+    bt = r // heads
+    x_row = x_ptr + bt * s_t + (r - bt * heads) * D  # token bt's head: tokens s_t apart, heads D apart
+    x = tl.load(x_row + offs, mask=live, other=0.0).to(tl.float32)
     rstd = rsqrt_f32(tl.div_rn(tl.sum(square_rn(x, ASM), axis=0), D.to(tl.float32)) + eps, ASM)
     w = tl.load(w_ptr + offs, mask=live, other=0.0).to(tl.float32)
     h = round_to(w * round_to(x * rstd, x_ptr.dtype.element_ty), H_DTYPE)
     half = D // 2
     low = offs < half
     p = tl.where(low, offs + half, offs - half)  # the rotation partner
-    xp = tl.load(x_ptr + r * D + p, mask=live, other=0.0).to(tl.float32)
+    xp = tl.load(x_row + p, mask=live, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + p, mask=live, other=0.0).to(tl.float32)
     hp = round_to(wp * round_to(xp * rstd, x_ptr.dtype.element_ty), H_DTYPE)
     rot = tl.where(low, -hp, hp)
-    bt = r // heads
     c = tl.load(cos_ptr + bt * D + offs, mask=live, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + bt * D + offs, mask=live, other=0.0).to(tl.float32)
     out_ty = y_ptr.dtype.element_ty
@@ -57,14 +59,23 @@ def _norm_rope_row(x_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, r, heads, D, eps, H_DT
 
 
 @triton.jit(do_not_specialize=["rows_q", "rows_k"])
-def _qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, rows_q, rows_k, hq, hk, D,
-                         eps_q, eps_k, HQ_DTYPE: tl.constexpr, HK_DTYPE: tl.constexpr, ASM: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, rows_q, rows_k, hq, hk,
+                         s_qt, s_kt, D, eps_q, eps_k, HQ_DTYPE: tl.constexpr, HK_DTYPE: tl.constexpr,
+                         ASM: tl.constexpr, BLOCK: tl.constexpr):
     r = tl.program_id(0).to(tl.int64)
     if r < rows_q:
-        _norm_rope_row(q_ptr, wq_ptr, qo_ptr, cos_ptr, sin_ptr, r, hq, D, eps_q, HQ_DTYPE, ASM, BLOCK)
+        _norm_rope_row(q_ptr, wq_ptr, qo_ptr, cos_ptr, sin_ptr, r, hq, s_qt, D, eps_q, HQ_DTYPE, ASM, BLOCK)
     else:
-        _norm_rope_row(k_ptr, wk_ptr, ko_ptr, cos_ptr, sin_ptr, r - rows_q, hk, D, eps_k, HK_DTYPE, ASM, BLOCK)
+        _norm_rope_row(k_ptr, wk_ptr, ko_ptr, cos_ptr, sin_ptr, r - rows_q, hk, s_kt, D, eps_k, HK_DTYPE, ASM, BLOCK)
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [B, T, H, D] as the kernel reads it: heads of a token contiguous, tokens x.stride(1) apart (the q/k views
+    of one stacked q/k/v GEMM's output: no copy); any other layout is copied contiguous."""
+    b, t, h, d = x.shape
+    if x.stride(3) == 1 and x.stride(2) == d and (b == 1 or x.stride(0) == t * x.stride(1)):
+        return x
+    return x.contiguous()
 
 
 def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
@@ -79,7 +90,7 @@ def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
         raise ValueError(f"qk_norm_rope: q {tuple(q.shape)}, k {tuple(k.shape)}, weights {tuple(wq.shape)} / "
                          f"{tuple(wk.shape)}, cos/sin {tuple(cos.shape)} / {tuple(sin.shape)}; need [B, T, H, D] q/k "
                          "with one even D <= 1024, [D] weights, cos/sin [B, T, D], FP32/BF16/FP16")
-    q, k = q.contiguous(), k.contiguous()
+    q, k = _token_rows(q), _token_rows(k)
     cos, sin = cos.expand(b, t, d).contiguous(), sin.expand(b, t, d).contiguous()
     hq_dt, hk_dt = torch.promote_types(wq.dtype, q.dtype), torch.promote_types(wk.dtype, k.dtype)
     qo = torch.empty(q.shape, dtype=torch.promote_types(hq_dt, cos.dtype), device=q.device)
@@ -88,7 +99,8 @@ def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
     if rows_q + rows_k:
         with _on_device(q):
             _qk_norm_rope_kernel[(rows_q + rows_k,)](
-                q, k, wq.contiguous(), wk.contiguous(), qo, ko, cos, sin, rows_q, rows_k, hq, hk, d,
+                q, k, wq.contiguous(), wk.contiguous(), qo, ko, cos, sin, rows_q, rows_k, hq, hk, q.stride(1),
+                k.stride(1), d,
                 float(eps_q), float(eps_k), HQ_DTYPE=FLOAT_TL[hq_dt], HK_DTYPE=FLOAT_TL[hk_dt], ASM=not interpret(),
                 BLOCK=triton.next_power_of_2(d), num_warps=4, enable_fp_fusion=False)
     return qo, ko

@@ -148,8 +148,14 @@ def quantize_nvfp4_rows(x: torch.Tensor, *, four_over_six: bool, decode: str | N
         return None
     xh = None if decode is None else torch.empty((x.shape[0], k), dtype=torch.float16, device=x.device)
     data, scale, outer_rows, flag = nvfp4_triton.quantize_nvfp4(x, outer="row", four_over_six=four_over_six,
-                                                                decoded=xh, decode=decode or "asm", swiglu=swiglu)
-    _raise_if_flagged(flag, x, "nvfp4", allow_nan=False)
+                                                                decoded=xh, decode=decode, swiglu=swiglu)
+    if not swiglu:
+        _raise_if_flagged(flag, x, "nvfp4", allow_nan=False)
+    elif not _DEFERRED[0] and int(flag.item()) != 0:
+        flag.zero_()
+        check_input(x, "nvfp4", BLOCK["nvfp4"], allow_nan=False)  # h's own NaN/Inf, named as the reference does
+        raise NonFiniteInputError(f"nvfp4: the SwiGLU of h {tuple(x.shape)} overflows {x.dtype} (h itself is "
+                                  f"finite): the gate-up product is out of range")
     shape = torch.Size((x.shape[0], k))
     q = QTensor(data=data, scale=scale.view(torch.float8_e4m3fn), outer=nvfp4_outer(outer_rows, shape, "row"),
                 fmt="nvfp4", shape=shape)

@@ -135,8 +135,9 @@ def _forward(module: nn.Module, orig_forward, eager, hidden_states, position_emb
 def _stackable(lins) -> bool:
     """Plain `nn.Linear`s (not subclasses: QuantLinear has its own GEMM) over one input, weights of one dtype and
     device, all with a bias or none."""
-    if not all(type(lin) is nn.Linear for lin in lins):
-        return False
+    if not all(type(lin) is nn.Linear and "forward" not in vars(lin) and not lin._forward_hooks
+               and not lin._forward_pre_hooks for lin in lins):
+        return False  # a hooked or replaced forward would be skipped by the stacked GEMM
     w = [lin.weight for lin in lins]
     b = [lin.bias for lin in lins]
     same = all(t.dtype == w[0].dtype and t.device == w[0].device and t.shape[1] == w[0].shape[1] for t in w)
@@ -172,10 +173,13 @@ def projections(module: nn.Module, x: torch.Tensor):
     biases = [lin.bias for lin in lins] if lins[0].bias is not None else None
     wb, bb = getattr(module, "_rl4bit_qkv", (None, None))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in weights + (biases or []))
-    w = wb if not grad and _packed(weights, wb) else torch.cat(weights)
+    if wb is not None and not _packed(weights, wb):
+        del module._rl4bit_qkv  # a weight was replaced (or moved): the stack is stale, let its memory go
+        wb = bb = None
+    w = wb if not grad and wb is not None else torch.cat(weights)
     b = None
     if biases is not None:
-        b = bb if not grad and _packed(biases, bb) else torch.cat(biases)
+        b = bb if not grad and bb is not None and _packed(biases, bb) else torch.cat(biases)
     return torch.nn.functional.linear(x, w, b).split([t.shape[0] for t in weights], dim=-1)
 
 
@@ -185,7 +189,8 @@ def pack_qkv(model: nn.Module) -> list[str]:
 
     In place, new Parameters (requires_grad False: serving only; do not share the model with a trainer).
     Updates that copy into the weights (`EmbeddedEngine.update_weights`) write the stacked tensor through the
-    views; anything that replaces a weight object ends the packing (`projections` then concatenates)."""
+    views; anything that replaces or moves a weight ends the packing (`projections` then drops the stack and
+    concatenates). The state dict holds views of one storage: clone before `safetensors.save_file`."""
     done = []
     for name, m in model.named_modules():
         if not getattr(m, "_rl4bit_fused_attention", False):

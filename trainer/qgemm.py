@@ -134,7 +134,8 @@ def gemm_kernels(t: torch.Tensor):
 
 
 def grouped_forward(qx: QTensor, qw: QTensor, counts, out_dtype: torch.dtype) -> torch.Tensor:
-    """The quantized forward product from QTensors: training and serving both call exactly this.
+    """The quantized forward product from QTensors: the training forward calls exactly this; serving calls
+    `served_product`, which on the Triton path skips the x pre-decode launch and shares tile maps (same bits).
 
     counts: rows per expert, a list of ints or (CUDA kernels) an int tensor [E].
     """

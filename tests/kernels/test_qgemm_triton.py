@@ -148,14 +148,30 @@ def test_quantize_with_decoded_operand_equals_quantize_then_predecode(k, four_ov
             qg._words(q.data), q.scale.view(torch.uint8), want, x.shape[0], k, BLOCK_R=16, BLOCK_K=qg.BLOCK_K,
             DECODE=qg.DECODES[decode], num_warps=1)
         assert_bitwise_equal(xh, want, f"decoded operand, decode={decode}")
-        maps = {}
+        maps, routing = {}, torch.tensor(counts, device=DEVICE)
         for n_call in range(2):  # the second call reuses the first one's tile map
-            qx, y = qg.quantize_and_multiply(x, qw, torch.tensor(counts, device=DEVICE), torch.float32,
+            qx, y = qg.quantize_and_multiply(x, qw, routing, torch.float32,
                                              four_over_six=four_over_six, config=qg.DECODE, decode=decode, maps=maps)
-            assert len(maps) == 1
+            assert len(maps) == 2  # the counts and one map
             assert_bitwise_equal(qx.data, q.data, "quantize_and_multiply's codes")
             ref = qg.grouped_nvfp4(q, qw, counts, torch.float32, config=qg.DECODE, decode=decode)
             assert_bitwise_equal(y, ref, f"quantize_and_multiply, decode={decode}, call {n_call}")
+
+
+def test_maps_belong_to_one_routing():
+    """A `maps` dict shares tile maps between GEMMs of the same counts and refuses other counts."""
+    counts = torch.tensor([8, 0], device=DEVICE)
+    qx, qw = _nvfp4_operands(8, 32, 16, 2, seed=46)
+    maps = {}
+    a = qg.grouped_nvfp4(qx, qw, counts, torch.float32, maps=maps)
+    assert_bitwise_equal(qg.grouped_nvfp4(qx, qw, counts, torch.float32, maps=maps), a, "shared map")
+    with pytest.raises(ValueError, match="one dict per routing"):
+        qg.grouped_nvfp4(qx, qw, torch.tensor([0, 8], device=DEVICE), torch.float32, maps=maps)
+    lists = {}
+    qg.grouped_nvfp4(qx, qw, [8, 0], torch.float32, maps=lists)
+    qg.grouped_nvfp4(qx, qw, [8, 0], torch.float32, maps=lists)  # an equal list is the same routing
+    with pytest.raises(ValueError, match="one dict per routing"):
+        qg.grouped_nvfp4(qx, qw, [0, 8], torch.float32, maps=lists)
 
 
 def test_decodes_share_one_k_order():

@@ -74,6 +74,21 @@ def test_rows_do_not_depend_on_the_row_count():
         assert_bitwise_equal(part[1], full[1][:, lo:hi], f"k rows {lo}:{hi}")
 
 
+def test_strided_token_rows_are_read_in_place():
+    """q/k as views of one stacked q/k/v output (tokens 3 * H * D apart): the same bits as contiguous copies."""
+    d, hq, hk = 32, 4, 2
+    qkv = _rand(2, 5, (hq + 2 * hk) * d, dtype=torch.bfloat16, seed=31, scale=3.0)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(2, 5, hq, d), k.view(2, 5, hk, d)
+    assert not q.is_contiguous()
+    w = _rand(d, seed=32)
+    cos, sin = _rope_inputs(2, 5, d, torch.float32, 33)
+    got = qk_norm_rope(q, k, w, w, 1e-6, 1e-6, cos, sin)
+    want = qk_norm_rope(q.contiguous(), k.contiguous(), w, w, 1e-6, 1e-6, cos, sin)
+    for g, x, name in zip(got, want, "qk"):
+        assert_bitwise_equal(g, x, f"{name} strided")
+
+
 def _tiny(family):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -187,6 +202,11 @@ def test_stacked_projections_packed_equal_concatenated_and_follow_updates(on):
         attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight * 3, requires_grad=False)  # no longer a view
         assert not _packed([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], attn._rl4bit_qkv[0])
         torch.testing.assert_close(projections(attn, x)[1], attn.k_proj(x), rtol=1e-5, atol=1e-5)
+        assert not hasattr(attn, "_rl4bit_qkv")  # the stale stack is dropped
+        calls = []
+        attn.v_proj.register_forward_hook(lambda *a: calls.append(1))
+        projections(attn, x)
+        assert calls == [1]  # a hooked projection keeps its own forward
 
 
 def test_engine_serves_packed_projections_and_takes_updates(on):

@@ -84,6 +84,19 @@ def test_quantize_of_h_with_swiglu_equals_quantize_of_the_kernel_output(four_ove
         assert_bitwise_equal(got, ref, f"quantize_and_multiply swiglu, {cfg}")
 
 
+def test_swiglu_overflow_and_non_finite_h_are_named():
+    from rl4bit.kernels.checks import NonFiniteInputError
+    from rl4bit.kernels.triton_dispatch import quantize_nvfp4_rows
+
+    h = torch.ones(2, 32)
+    h[1, 3], h[1, 16 + 3] = 100.0, 1e38  # finite gate and up: silu(100) * 1e38 overflows FP32
+    with pytest.raises(NonFiniteInputError, match="SwiGLU of h .* overflows"):
+        quantize_nvfp4_rows(h.to(DEVICE), four_over_six=True, swiglu=True)
+    h[1, 3] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        quantize_nvfp4_rows(h.to(DEVICE), four_over_six=True, swiglu=True)
+
+
 def test_swiglu_routes_silu_only_and_differentiates_hf_formula(on):
     from transformers.activations import ACT2FN
 

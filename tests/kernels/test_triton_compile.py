@@ -91,7 +91,8 @@ def _kernels():
     import triton.language as tl
 
     rope_sig = dict(q_ptr="*bf16", k_ptr="*bf16", wq_ptr="*fp32", wk_ptr="*fp32", qo_ptr="*fp32", ko_ptr="*fp32",
-                    cos_ptr="*fp32", sin_ptr="*fp32", rows_q="i32", rows_k="i32", hq="i32", hk="i32", D="i32",
+                    cos_ptr="*fp32", sin_ptr="*fp32", rows_q="i32", rows_k="i32", hq="i32", hk="i32", s_qt="i32",
+                    s_kt="i32", D="i32",
                     eps_q="fp32", eps_k="fp32")
     yield ("fused qk-norm + rope", qr._qk_norm_rope_kernel, rope_sig,
            dict(HQ_DTYPE=tl.float32, HK_DTYPE=tl.float32, ASM=True, BLOCK=128), 4)
