@@ -158,6 +158,80 @@ def test_quantize_with_decoded_operand_equals_quantize_then_predecode(k, four_ov
             assert_bitwise_equal(y, ref, f"quantize_and_multiply, decode={decode}, call {n_call}")
 
 
+def _simulate_decode_ptx(word: int, scale_bits: int) -> list[int]:
+    """The FP16 bit patterns $0..$7 of `qgemm_triton._DECODE_ASM` for one word and one FP16 scale: the inline PTX
+    run by a small interpreter of the instructions it uses (shl/shr/and/or .b32, mul.rn.f16x2, mov.b32 packs)."""
+    import re
+
+    import numpy as np
+
+    regs = {"$8": word & 0xFFFFFFFF, "$9": scale_bits}
+    out = {}
+
+    def val(tok):
+        return int(tok, 16) if tok.startswith("0x") else (int(tok) if tok.isdigit() else regs[tok])
+
+    for ins in qg._DECODE_ASM.value.replace("{\n", "").split(";"):
+        ins = ins.strip().strip("{}").strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        if op == "mov.b32" and args.startswith("s2"):  # s2 = {$9, $9}
+            h = regs["$9"]
+            regs["s2"] = h | (h << 16)
+            continue
+        if op == "mov.b32":  # {$lo, $hi}, x
+            lo, hi, src = re.match(r"\{(\$\d+), (\$\d+)\}, (\w+)", args).groups()
+            out[lo], out[hi] = regs[src] & 0xFFFF, regs[src] >> 16
+            continue
+        d, a, b = [t.strip() for t in args.split(",")]
+        x, y = val(a), val(b)
+        if op == "shl.b32":
+            regs[d] = (x << y) & 0xFFFFFFFF
+        elif op == "shr.u32":
+            regs[d] = x >> y
+        elif op == "and.b32":
+            regs[d] = x & y
+        elif op == "or.b32":
+            regs[d] = x | y
+        elif op == "mul.rn.f16x2":  # two FP16 products, each rounded to nearest (exact in FP32 first)
+            halves = []
+            for sh in (0, 16):
+                p = np.array([(x >> sh) & 0xFFFF, (y >> sh) & 0xFFFF], dtype=np.uint16).view(np.float16)
+                halves.append(int(np.float16(np.float32(p[0]) * np.float32(p[1])).view(np.uint16)))
+            regs[d] = halves[0] | (halves[1] << 16)
+        else:
+            raise AssertionError(f"the simulator does not know {op!r}: extend it")
+    return [out[f"${i}"] for i in range(8)]
+
+
+def test_decode_ptx_simulated_gives_each_code_where_decode_tile_names_it():
+    """CPU check of the GPU-only "asm" decode: simulated, output $j is code c(j) x scale x 2**-14 (FP16) for the
+    c(j) that `_decode_tile`'s unpacking names it (e0, e4, e1, ...), and those values are the "bits" decode's."""
+    import inspect
+    import re
+
+    import numpy as np
+
+    source = inspect.getsource(qg)  # the module's text (under the interpreter the jit functions are wrapped)
+    names = re.search(r"((?:e\d, ){7}e\d) = tl\.inline_asm_elementwise", source).group(1)
+    code_of_output = [int(n.strip()[1:]) for n in names.split(",")]
+    assert sorted(code_of_output) == list(range(8))
+    g = torch.Generator().manual_seed(47)
+    words = torch.randint(0, 2**32, (64,), generator=g, dtype=torch.int64).tolist() + [0x88888888, 0x77777777]
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    for i, word in enumerate(words):
+        s_code = [0, 1, 7, 8, 56, 126][i % 6]  # E4M3 codes: zero, subnormals, normals, the largest
+        sv = np.float16(np.array([s_code << 7], dtype=np.int16).view(np.float16)[0] * np.float16(256.0))
+        got = _simulate_decode_ptx(word, int(np.array([sv], dtype=np.float16).view(np.uint16)[0]))
+        for j, bits in enumerate(got):
+            c = (word >> (4 * code_of_output[j])) & 15
+            want = np.float16((-1.0 if c & 8 else 1.0) * e2m1[c & 7] * float(sv) * 2.0**-14)
+            if c == 8 or (c & 7 == 0 and c & 8):  # -0 x scale: the bit trick keeps the sign
+                want = np.float16(-0.0) if float(sv) > 0 else want
+            assert bits == int(np.array([want], dtype=np.float16).view(np.uint16)[0]), (hex(word), s_code, j)
+
+
 def test_maps_belong_to_one_routing():
     """A `maps` dict shares tile maps between GEMMs of the same counts and refuses other counts."""
     counts = torch.tensor([8, 0], device=DEVICE)
