@@ -13,17 +13,23 @@ reads kv head h // G (grouped-query attention). Query token t attends to key pos
 Numerics, per query row (C = `compute_dtype`, what the matmuls run in: the autocast dtype, or the operands'):
 
     q, k, v rounded to C; score_j = C(C(sum_d q_d k_jd) * scaling)          (FP32 accumulation)
-    online softmax over key blocks of BLOCK_N from position 0, in order: m = running max,
-    p_j = exp(score_j - m), l = l * exp(m_old - m) + sum p, acc = acc * exp(m_old - m) + C(p) @ v
+    keys in chunks of KEY_CHUNK positions from 0; in each chunk, an online softmax over key blocks of
+    BLOCK_N, in order, from scratch: m = running max, p_j = exp(score_j - m),
+    l = l * exp(m_old - m) + sum p, acc = acc * exp(m_old - m) + C(p) @ v
+    the chunks' (m, l, acc) folded in order (`_fold`: both rescaled to the larger max, FP32)
     out = C(acc / l)                         (IEEE division), stored in the output's dtype (q's)
+
+A decode step of few rows takes its chunks in separate programs and folds them in a second kernel
+(`_merge_kernel`, the same `_fold` in the same order; `attention(key_chunks=)`); one compiled kernel computes
+a chunk either way (whether it splits is a run-time argument), so split and unsplit give the same bits.
 
 The same roundings as the engine's torch path (`kv_cache.engine_attention`: scores and products in C, softmax
 in FP32, probabilities in C), but another softmax algorithm and summation order, so not its bits: within a
 job every pass runs this kernel or every pass runs the torch ops (`rl4bit.kernels.fused`).
 
 Why a row's bits depend on that row alone: every launch has the same tile shapes (BLOCK_M query rows from the
-row count of no one: a constant; BLOCK_N and BLOCK_D from the head dim and C alone), a row's key blocks are
-visited in the same order from 0, and a block past a row's last key leaves its m, l and acc untouched (a
+row count of no one: a constant; BLOCK_N and BLOCK_D from the head dim and C alone; KEY_CHUNK a constant), a
+row's key blocks are visited in the same order from 0, and a block past a row's last key leaves its m, l and acc untouched (a
 select, not a multiply by exp(0)). So a token's output is the same in a decode step of any batch, in a
 prefill next to other tokens, and in the trainer's pass over the whole sequence, as long as its q, keys and
 values are. (Masked keys add p = 0 products: exact zeros, which can change only the sign of an output that is
@@ -54,43 +60,101 @@ BLOCK_M = 16
 MAX_HEAD_DIM = 256
 
 
+KEY_CHUNK = 128
+"""Key positions a chunk: every row's keys are taken in chunks from position 0, each chunk's online softmax
+from scratch, the chunks folded in order (`_fold`). The bits depend on it (never on a count); a multiple of
+every `block_n`. A decode step splits its rows' chunks over programs (`attention(key_chunks=)`)."""
+
+
 def block_n(head_dim: int) -> int:
     """Key positions per block: from the head dim alone (bits depend on it: never from a count)."""
     return 64 if head_dim <= 128 else 32
 
 
-@triton.jit(do_not_specialize=["n_seqs", "n_tiles"])  # strides specialize (multiples of 16: vector loads)
-def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_tiles, s_qt, s_qh, s_kh, s_kp, s_vh,
-                      s_vp, s_ot, s_oh, D, scaling, G: tl.constexpr, C: tl.constexpr, KV_IS_C: tl.constexpr,
-                      IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_D: tl.constexpr):
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1).to(tl.int64)
+@triton.jit
+def _tile_rows(seq_ptr, tile_ptr, n_seqs, n_tiles, tile, kvh, G: tl.constexpr, BLOCK_M: tl.constexpr):
+    """(q_start, kv_row, token t, head, live, limit, last) of row tile `tile` for kv head `kvh`: rows
+    token-major (token t, query head of this kv head); limit = a row's last key position (-1 past the
+    sequence); last = the tile's last key position."""
     s = tl.load(tile_ptr + tile)
     row0 = tl.load(tile_ptr + n_tiles + tile)
     q_start = tl.load(seq_ptr + s)
     n = tl.load(seq_ptr + n_seqs + s)
     pos0 = tl.load(seq_ptr + 2 * n_seqs + s)
     kv_row = tl.load(seq_ptr + 3 * n_seqs + s)
-
-    r = row0 + tl.arange(0, BLOCK_M).to(tl.int64)  # rows token-major: (token t, query head of this kv head)
+    r = row0 + tl.arange(0, BLOCK_M).to(tl.int64)
     live = r < n * G
     t = r // G
     head = kvh * G + r % G
+    limit = tl.where(live, pos0 + t, -1)
+    last = pos0 + tl.minimum(n - 1, (row0 + BLOCK_M - 1) // G)
+    return q_start, kv_row, t, head, live, limit, last
+
+
+@triton.jit
+def _fold(m_all, l_all, a_all, m, l_sum, acc):
+    """The softmax state of the keys so far (m_all, l_all, a_all) folded with one chunk's (m, l_sum, acc): a row
+    with no key in the chunk (m = -inf) keeps its state bit for bit, a row with nothing before it takes the
+    chunk's bit for bit, the others rescale both to the larger max (elementwise FP32: the same bits in any
+    kernel that runs these ops)."""
+    empty = m == float("-inf")
+    first = m_all == float("-inf")
+    m_new = tl.maximum(m_all, m)
+    a = tl.exp(tl.where(empty | first, 0.0, m_all - m_new))
+    b = tl.exp(tl.where(empty | first, 0.0, m - m_new))
+    l_new = tl.where(empty, l_all, tl.where(first, l_sum, l_all * a + l_sum * b))
+    a_new = tl.where(empty[:, None], a_all,
+                     tl.where(first[:, None], acc, a_all * a[:, None] + acc * b[:, None]))
+    return tl.where(empty, m_all, m_new), l_new, a_new
+
+
+@triton.jit
+def _store_out(o_ptr, q_start, t, head, live, d, d_ok, l_all, a_all, s_ot, s_oh, C: tl.constexpr):
+    """out = C(acc / l) rounded to the output's dtype, for the live rows."""
+    l_all = tl.where(live, l_all, 1.0)  # a row past the sequence (not stored) divides 0 by 1, not by 0
+    out = round_to(round_to(tl.div_rn(a_all, l_all[:, None]), C), o_ptr.dtype.element_ty)
+    o = o_ptr + (q_start + t)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
+    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+
+
+@triton.jit(do_not_specialize=["n_seqs", "n_tiles", "split", "n_chunks"])  # strides specialize (vector loads)
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, st_m_ptr, st_l_ptr, st_a_ptr, seq_ptr, tile_ptr, n_seqs, n_tiles,
+                      split, n_chunks, s_qt, s_qh, s_kh, s_kp, s_vh, s_vp, s_ot, s_oh, D, scaling, G: tl.constexpr,
+                      C: tl.constexpr, KV_IS_C: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
+    """split 0: all of a row's keys, chunk by chunk, folded here and stored as the output. split 1: program z
+    takes chunk z only and stores its softmax state for `_merge_kernel`, which folds the chunks in the same
+    order with the same `_fold`. One compiled kernel for both (split is a run-time argument), so a chunk's
+    state is the same arithmetic either way."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    chunk = tl.program_id(2).to(tl.int64)
+    q_start, kv_row, t, head, live, limit, last = _tile_rows(seq_ptr, tile_ptr, n_seqs, n_tiles, tile, kvh, G,
+                                                             BLOCK_M)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     q = tl.load(q_ptr + (q_start + t)[:, None] * s_qt + head[:, None] * s_qh + d[None, :],
                 mask=live[:, None] & d_ok[None, :], other=0.0)
     q = to_compute(q, C, False, UPCAST)
-    limit = tl.where(live, pos0 + t, -1)  # a row's last key position (-1: a row past the sequence)
-    last = pos0 + tl.minimum(n - 1, (row0 + BLOCK_M - 1) // G)  # the tile's last key position
+    lo = chunk * CHUNK * split
+    hi = last + 1
+    if split != 0:
+        hi = tl.minimum(lo + CHUNK, last + 1)
 
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the chunks folded so far
+    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+    a_all = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)  # the current chunk
     l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     k_rows = k_ptr + kvh * s_kh
     v_rows = v_ptr + kvh * s_vh
-    for j0 in range(0, last + 1, BLOCK_N):
+    for j0 in range(lo, hi, BLOCK_N):
+        if (j0 % CHUNK == 0) & (j0 != lo):  # a new chunk (split 0 only): fold the last one, start afresh
+            m_all, l_all, a_all = _fold(m_all, l_all, a_all, m, l_sum, acc)
+            m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         j = j0 + tl.arange(0, BLOCK_N).to(tl.int64)
         j_ok = j <= last
         kt = tl.load(k_rows + (kv_row + j)[None, :] * s_kp + d[:, None], mask=d_ok[:, None] & j_ok[None, :],
@@ -121,10 +185,39 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, seq_ptr, tile_ptr, n_seqs, n_t
         l_sum = tl.where(active, l_sum * alpha + tl.sum(p, axis=1), l_sum)
         acc = tl.where(active[:, None], acc * alpha[:, None] + pv, acc)
         m = tl.where(active, m_new, m)
-    l_sum = tl.where(live, l_sum, 1.0)  # a row past the sequence (not stored) divides 0 by 1, not by 0
-    out = round_to(round_to(tl.div_rn(acc, l_sum[:, None]), C), o_ptr.dtype.element_ty)
-    o = o_ptr + (q_start + t)[:, None] * s_ot + head[:, None] * s_oh + d[None, :]
-    tl.store(o, out.to(o_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
+    if split != 0:
+        if lo <= last:  # the chunk's state at [tile, kv head, chunk, row] (x head dim), FP32: exact
+            at = ((tile * tl.num_programs(1) + kvh) * n_chunks + chunk) * BLOCK_M + tl.arange(0, BLOCK_M)
+            tl.store(st_m_ptr + at, m)
+            tl.store(st_l_ptr + at, l_sum)
+            tl.store(st_a_ptr + at[:, None] * BLOCK_D + d[None, :], acc)
+    else:
+        m_all, l_all, a_all = _fold(m_all, l_all, a_all, m, l_sum, acc)
+        _store_out(o_ptr, q_start, t, head, live, d, d_ok, l_all, a_all, s_ot, s_oh, C)
+
+
+@triton.jit(do_not_specialize=["n_seqs", "n_tiles", "n_chunks"])
+def _merge_kernel(o_ptr, st_m_ptr, st_l_ptr, st_a_ptr, seq_ptr, tile_ptr, n_seqs, n_tiles, n_chunks, s_ot, s_oh, D,
+                  G: tl.constexpr, C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """The split kernel's chunk states of one (row tile, kv head) folded in chunk order, then the output: what
+    the unsplit kernel computes in registers."""
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1).to(tl.int64)
+    q_start, kv_row, t, head, live, limit, last = _tile_rows(seq_ptr, tile_ptr, n_seqs, n_tiles, tile, kvh, G,
+                                                             BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+    a_all = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for c in range(0, last // CHUNK + 1):
+        at = ((tile * tl.num_programs(1) + kvh) * n_chunks + c) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m = tl.load(st_m_ptr + at)
+        l_sum = tl.load(st_l_ptr + at)
+        acc = tl.load(st_a_ptr + at[:, None] * BLOCK_D + d[None, :])
+        m_all, l_all, a_all = _fold(m_all, l_all, a_all, m, l_sum, acc)
+    _store_out(o_ptr, q_start, t, head, live, d, d_ok, l_all, a_all, s_ot, s_oh, C)
 
 
 @triton.jit(do_not_specialize=["s_kt", "s_kh", "s_vt", "s_vh", "s_cs", "s_ch", "s_cp"])
@@ -181,8 +274,12 @@ def tile_table(n: list[int], group: int, device) -> torch.Tensor:
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Tensor, tiles: torch.Tensor,
-              scaling: float, compute_dtype: torch.dtype, out: torch.Tensor) -> torch.Tensor:
+              scaling: float, compute_dtype: torch.dtype, out: torch.Tensor, key_chunks: int = 0) -> torch.Tensor:
     """Write into `out` [T, Hq, D] (q's dtype) the attention of q [T, Hq, D] (see module docstring).
+
+    key_chunks > 0: split each row tile's keys over that many programs, KEY_CHUNK positions each (enough for
+    the longest row: the engine's decode steps pass cdiv(cache length, KEY_CHUNK)), then merge the chunks in
+    order (`_merge_kernel`): the same bits as key_chunks = 0, more programs for few rows over long contexts.
 
     k / v: any tensors whose last dim is the head dim (contiguous) and whose rows for (kv head h, position j)
     sit at (seqs' kv_row + j) * s_p + h * s_h, with (s_h, s_p) = k.stride()[-3:-1]: a cache [slots, Hkv, L, D]
@@ -202,14 +299,29 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
     if k.stride() != v.stride():
         raise ValueError(f"attention: k and v need the same strides (one kv_row and one stride serve both), "
                          f"got {k.stride()} and {v.stride()}")
-    if tiles.shape[1] == 0:
+    if key_chunks < 0:
+        raise ValueError(f"attention: key_chunks {key_chunks} must be >= 0")
+    n_tiles = tiles.shape[1]
+    if n_tiles == 0:
         return out
     bd = max(16, triton.next_power_of_2(d))
+    chunks = max(key_chunks, 1)
+    if key_chunks:  # the chunks' softmax states (max, sum, accumulator) for the merge
+        st_m = torch.empty((n_tiles, hkv, chunks, BLOCK_M), dtype=torch.float32, device=q.device)
+        st_l = torch.empty_like(st_m)
+        st_a = torch.empty((n_tiles, hkv, chunks, BLOCK_M, bd), dtype=torch.float32, device=q.device)
+    else:
+        st_m = st_l = st_a = out  # unused
+    common = dict(G=hq // hkv, C=FLOAT_TL[compute_dtype], BLOCK_M=BLOCK_M, BLOCK_D=bd, CHUNK=KEY_CHUNK)
     with _on_device(q):
-        _attention_kernel[(tiles.shape[1], hkv)](
-            q, k, v, out, seqs, tiles, seqs.shape[1], tiles.shape[1], q.stride(0), q.stride(1), k.stride(-3),
-            k.stride(-2), v.stride(-3), v.stride(-2), out.stride(0), out.stride(1), d, float(scaling),
-            G=hq // hkv, C=FLOAT_TL[compute_dtype], KV_IS_C=k.dtype == v.dtype == compute_dtype,
-            IEEE=compute_dtype == torch.float32, UPCAST=interpret(),
-            BLOCK_M=BLOCK_M, BLOCK_N=block_n(d), BLOCK_D=bd, num_warps=4, enable_fp_fusion=False)
+        _attention_kernel[(n_tiles, hkv, chunks)](
+            q, k, v, out, st_m, st_l, st_a, seqs, tiles, seqs.shape[1], n_tiles, int(key_chunks > 0), chunks,
+            q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), v.stride(-3), v.stride(-2), out.stride(0),
+            out.stride(1), d, float(scaling), KV_IS_C=k.dtype == v.dtype == compute_dtype,
+            IEEE=compute_dtype == torch.float32, UPCAST=interpret(), BLOCK_N=block_n(d), num_warps=4,
+            enable_fp_fusion=False, **common)
+        if key_chunks:
+            _merge_kernel[(n_tiles, hkv)](out, st_m, st_l, st_a, seqs, tiles, seqs.shape[1], n_tiles, chunks,
+                                          out.stride(0), out.stride(1), d, num_warps=4, enable_fp_fusion=False,
+                                          **common)
     return out

@@ -64,6 +64,9 @@ from rl4bit.sampler.kv_cache import StepLayout, pad_rows
 from rl4bit.trainer.transfer import to_device
 
 MODES = ("off", "static", "cuda")
+SPLIT_MAX_ROWS = 64
+"""Decode steps of at most this many rows split their attention over key chunks (`DecodeLayout.key_chunks`);
+a guess, not yet timed (the bits do not depend on it)."""
 
 
 @dataclass
@@ -85,6 +88,15 @@ class DecodeLayout(StepLayout):
             allowed = pad_rows(keys_pos[None, None, :] <= q_pos[:, :, None], max(g, self.min_rows))
             self._groups[g] = [(1, tok, self.token_slot, ~allowed)]
         return self._groups[g]
+
+    def key_chunks(self) -> int:
+        """A decode step of few rows splits each row's keys over cdiv(cache length, KEY_CHUNK) programs (one
+        program a (row, kv head) would walk the whole context alone: 4 programs at batch 1); above
+        SPLIT_MAX_ROWS rows the tiles fill the GPU already. Static for a bucket (a CUDA graph's grid)."""
+        from rl4bit.kernels.attention_triton import KEY_CHUNK
+
+        chunks = -(-self.cache.max_len // KEY_CHUNK)
+        return chunks if chunks > 1 and self.token_slot.numel() <= SPLIT_MAX_ROWS else 0
 
     def attention_tables(self, g: int, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """`StepLayout.attention_tables` for P one-token rows, as device ops on `token_slot`/`token_pos` (every

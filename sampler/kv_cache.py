@@ -120,6 +120,11 @@ class StepLayout:
     _tables: dict | None = None
     """Per group size g: the fused attention kernel's (seqs, tiles, covered), built once and shared by every layer."""
 
+    def key_chunks(self) -> int:
+        """Programs a row tile's keys are split over in the attention kernel (0: one program; the bits are the
+        same either way): op-by-op steps keep one (prefill tiles are many already)."""
+        return 0
+
     def attention_tables(self, g: int, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """`attention_triton`'s sequence and tile tables for this step (keys in the cache: kv_row = the slot's
         first row, in position strides), and whether the sequences cover every packed row (then the output
@@ -193,7 +198,8 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
         cache_write(key[0, :, :n_real].transpose(0, 1), value[0, :, :n_real].transpose(0, 1), kc, vc,
                     step.token_slot, step.token_pos)
         seqs, tiles, covered = step.attention_tables(g, dev)
-        out = attend(query[0].transpose(0, 1), kc, vc, seqs, tiles, scaling, kc.dtype, covered=covered)
+        out = attend(query[0].transpose(0, 1), kc, vc, seqs, tiles, scaling, kc.dtype, covered=covered,
+                     key_chunks=step.key_chunks())
         return out[None], None
     kc[step.token_slot, :, step.token_pos] = key[0, :, :n_real].transpose(0, 1).to(kc.dtype)
     vc[step.token_slot, :, step.token_pos] = value[0, :, :n_real].transpose(0, 1).to(vc.dtype)

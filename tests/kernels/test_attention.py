@@ -95,6 +95,32 @@ def test_decode_steps_over_a_cache_equal_the_prefill_and_the_packed_row():
         assert torch.equal(step[0], packed[t]), t
 
 
+def test_long_rows_split_over_key_chunks_equal_the_unsplit_kernel():
+    """Rows whose keys span several KEY_CHUNKs (positions up to 300): one-token decode steps split over key
+    chunks (`key_chunks`, the engine's decode path) equal the unsplit kernel and the packed row bitwise, and the
+    packed row matches the torch formula; a split larger than needed changes nothing."""
+    n, hq, hkv, d, max_len = 300, 4, 2, 16, 320
+    q, k, v = _packed([n], hq, hkv, d, torch.float32, seed=12)
+    q, k, v = q[:n], k[:n], v[:n]
+    c = torch.bfloat16
+    packed = _run_packed(q, k, v, [n], c)
+    torch.testing.assert_close(packed.float(), reference(q, k, v, _groups([n]), 0.25, c).float(), atol=2e-2,
+                               rtol=2e-2)
+    kc = torch.zeros(2, hkv, max_len, d, dtype=torch.bfloat16, device=DEVICE)
+    vc = torch.zeros_like(kc)
+    kc[1, :, :n], vc[1, :, :n] = k.transpose(0, 1), v.transpose(0, 1)
+    slot1 = hkv * max_len
+    for t in (0, 127, 128, 129, 200, 255, 256, 299):
+        seqs = seq_table([0], [1], [t], [slot1], DEVICE)
+        tiles = tile_table([1], hq // hkv, DEVICE)
+        whole = attend(q[t:t + 1], kc, vc, seqs, tiles, 0.25, c, covered=True)
+        assert torch.equal(whole[0], packed[t]), t
+        for chunks in (-(-max_len // 128), 7):
+            split = attention(q[t:t + 1].contiguous(), kc, vc, seqs, tiles, 0.25, c, torch.empty_like(q[t:t + 1]),
+                              key_chunks=chunks)
+            assert torch.equal(split[0], packed[t]), (t, chunks)
+
+
 def test_gradients_are_the_torch_formulas():
     lengths = [6, 19, 6]
     q, k, v = (x.requires_grad_() for x in _packed(lengths, 4, 2, 16, torch.float32, seed=4))

@@ -22,7 +22,7 @@ from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, SamplingParams
 
 
-def _model():
+def _model(max_positions: int = 64):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from rl4bit.trainer.recipe import RecipeConfig
@@ -30,7 +30,7 @@ def _model():
 
     cfg = Qwen3MoeConfig(vocab_size=48, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                         num_experts_per_tok=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=None,
+                         num_experts_per_tok=2, max_position_embeddings=max_positions, pad_token_id=0, eos_token_id=None,
                          bos_token_id=None, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg)
@@ -87,3 +87,41 @@ def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
         assert x.tolist() == r.logprobs and y.tolist() == r.logprobs, r.request_id
     assert backwards.call_count == 2  # each layer's fused attention differentiated (the engine precast the
     # model's projection weights to BF16 buffers, so the gradient reaches the norms and embeddings, not them)
+
+
+def test_decode_steps_split_over_key_chunks_give_the_unsplit_bits():
+    """Contexts past KEY_CHUNK: the static decode forward (the CUDA graphs' tables, which split each row's keys
+    over programs) samples the same tokens and logprobs as op-by-op decode (one program a row) and as the
+    trainer's recompute."""
+    from rl4bit.kernels.attention_triton import KEY_CHUNK
+    from rl4bit.trainer.actor import sequence_logprobs
+
+    torch.set_num_threads(1)
+    model = _model(max_positions=KEY_CHUNK + 64)
+    g = torch.Generator().manual_seed(6)
+    reqs = [Request(str(i), torch.randint(1, 48, (KEY_CHUNK + 5 - 7 * i,), generator=g).tolist(),
+                    SamplingParams(temperature=1.0, seed=i, max_new_tokens=3)) for i in range(2)]
+    dev = torch.device(DEVICE).type
+    saved, mode_was = fused.state(), invariant.enabled()
+    fused.set_enabled(True, dev)
+    if dev == "cuda":
+        invariant.set_mode(True, "CUDA")
+    try:
+        runs = {}
+        for mode in ("off", "static"):
+            engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=2, autocast=torch.bfloat16,
+                                    max_seq_len=KEY_CHUNK + 32, device=DEVICE, decode_graphs=mode)
+            with mock.patch.object(attention_triton, "attention", wraps=attention_triton.attention) as calls:
+                runs[mode] = engine.generate(reqs)
+            split = [c.kwargs.get("key_chunks", 0) for c in calls.call_args_list]
+            assert (max(split) > 1) == (mode == "static"), (mode, split)  # static: the decode steps split
+        prompts, completions = [r.prompt_ids for r in reqs], [r.completion_ids for r in runs["off"]]
+        with torch.autocast(dev, torch.bfloat16), torch.no_grad():
+            recomputed = sequence_logprobs(model, prompts, completions, 1.0, KEY_CHUNK + 32)[0]
+    finally:
+        fused.set_enabled(saved is not None, saved or "cuda")
+        if dev == "cuda" and not mode_was:
+            invariant.set_mode(False)
+    for a, b, x in zip(runs["off"], runs["static"], recomputed):
+        assert (a.completion_ids, a.logprobs) == (b.completion_ids, b.logprobs), a.request_id
+        assert x.tolist() == a.logprobs, a.request_id

@@ -104,13 +104,20 @@ def _kernels():
     from rl4bit.kernels import attention_triton as at
 
     strides = ("s_qt", "s_qh", "s_kh", "s_kp", "s_vh", "s_vp", "s_ot", "s_oh")
-    att_sig = dict(q_ptr="*fp32", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*fp32", seq_ptr="*i64", tile_ptr="*i64",
-                   n_seqs="i32", n_tiles="i32", **{s: "i32" for s in strides}, D="i32", scaling="fp32")
+    att_sig = dict(q_ptr="*fp32", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*fp32", st_m_ptr="*fp32", st_l_ptr="*fp32",
+                   st_a_ptr="*fp32", seq_ptr="*i64", tile_ptr="*i64", n_seqs="i32", n_tiles="i32", split="i32",
+                   n_chunks="i32", **{s: "i32" for s in strides}, D="i32", scaling="fp32")
     yield ("fused attention (bf16 cache, fp32 q)", at._attention_kernel, att_sig,
-           dict(G=4, C=tl.bfloat16, KV_IS_C=True, IEEE=False, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128), 4)
+           dict(G=4, C=tl.bfloat16, KV_IS_C=True, IEEE=False, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
+                CHUNK=at.KEY_CHUNK), 4)
     yield ("fused attention (fp32)", at._attention_kernel, dict(att_sig, k_ptr="*fp32", v_ptr="*fp32"),
-           dict(G=2, C=tl.float32, KV_IS_C=True, IEEE=True, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64), 4,
+           dict(G=2, C=tl.float32, KV_IS_C=True, IEEE=True, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64,
+                CHUNK=at.KEY_CHUNK), 4,
            {r"\bfma\."})  # an FP32 `tl.dot` is FMAs (as an FP32 GEMM is): no reference to match, only itself
+    merge_sig = dict(o_ptr="*fp32", st_m_ptr="*fp32", st_l_ptr="*fp32", st_a_ptr="*fp32", seq_ptr="*i64",
+                     tile_ptr="*i64", n_seqs="i32", n_tiles="i32", n_chunks="i32", s_ot="i32", s_oh="i32", D="i32")
+    yield ("fused attention chunk merge", at._merge_kernel, merge_sig,
+           dict(G=4, C=tl.bfloat16, BLOCK_M=16, BLOCK_D=128, CHUNK=at.KEY_CHUNK), 4)
     from rl4bit.kernels import router_triton as rr
 
     part_sig = dict(x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", T="i32", H="i32", E="i32", s_xt="i32",
