@@ -48,7 +48,7 @@ from rl4bit.kernels.formats_triton import (
     tile_2d,
 )
 from rl4bit.kernels.philox_triton import philox_bits4, split_seed
-from rl4bit.kernels.qgemm_triton import DECODES, _decode_tile
+from rl4bit.kernels.qgemm_triton import DECODES, _decode_mode, _decode_tile
 from rl4bit.kernels.swiglu_triton import swiglu_values
 
 NV_BLOCK = 16
@@ -259,8 +259,6 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
     grid = (triton.cdiv(R, block_r), triton.cdiv(K, block_k))
     warps = num_warps or min(16, max(1, block_r * block_k // (32 * per_thread)))
     if decoded is not None:
-        from rl4bit.kernels.qgemm_triton import _decode_mode
-
         decode = _decode_mode(decode)  # a known decode, and no inline PTX under the interpreter
     if decoded is not None and (decoded.shape != (R, K) or decoded.dtype != torch.float16
                                 or not decoded.is_contiguous() or decoded.device != dev):
