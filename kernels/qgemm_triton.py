@@ -406,6 +406,8 @@ def group_outer(outer: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 def _decode_mode(decode: str | None) -> str:
+    """The decode a call runs: the given one checked, or the default ("bits" under the interpreter, else
+    GPU_DECODE)."""
     decode = decode or ("bits" if interpret() else GPU_DECODE)
     if decode not in DECODES:
         raise ValueError(f"decode={decode!r} is not one of {tuple(DECODES)}")
