@@ -17,6 +17,8 @@ and per-group amaxes are one ``torch.amax`` before the kernel. Every division
 is ``div_rn`` and launches use ``enable_fp_fusion=False`` (no FMA contraction),
 so the GPU rounds exactly like the reference.
 
+Optionally (``rows=``, ``cast=``) the rows quantized are x[rows].to(cast), read in place: the MoE layer's
+gather of its tokens' hidden states (and their cast to the compute dtype) is no launch of its own.
 Optionally (``swiglu=True``) the input is a gate-up product and the kernel quantizes
 its SwiGLU (``swiglu_triton``'s values, computed on the loads: the down projection's
 input is never stored). Optionally (``decoded=``) the same launch also writes the codes decoded to FP16, the
@@ -49,6 +51,7 @@ from rl4bit.kernels.formats_triton import (
 )
 from rl4bit.kernels.philox_triton import philox_bits4, split_seed
 from rl4bit.kernels.qgemm_triton import DECODES, _decode_mode, _decode_tile
+from rl4bit.kernels.rmsnorm_triton import FLOAT_TL, to_compute
 from rl4bit.kernels.swiglu_triton import swiglu_values
 
 NV_BLOCK = 16
@@ -100,10 +103,10 @@ def _sq_err(ax3, r, s_val, s_dec, R: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=['R', 'rows_per_amax', 'seed_lo', 'seed_hi'])  # see formats_triton.NO_SPECIALIZE
-def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, xh_ptr, R, K, rows_per_amax,
+def _nvfp4_kernel(x_ptr, src_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, xh_ptr, R, K, rows_per_amax,
                   seed_lo, seed_hi, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ROW_AMAX: tl.constexpr,
                   FOUR_SIX: tl.constexpr, STOCHASTIC: tl.constexpr, EVEN: tl.constexpr, DECODED: tl.constexpr,
-                  SWIGLU: tl.constexpr):
+                  SWIGLU: tl.constexpr, GATHER: tl.constexpr, CAST: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 16
@@ -114,10 +117,16 @@ def _nvfp4_kernel(x_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag_ptr, xh_
         g = tl.load(x_ptr + h_offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + h_offs + K, mask=mask, other=0.0).to(tl.float32)
         x = swiglu_values(g, u, x_ptr.dtype.element_ty)
-    elif EVEN:
-        x = tl.load(x_ptr + offs).to(tl.float32)
     else:
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x_offs = offs
+        if GATHER:  # row r of the quantized x is row src[r] of the input (the outputs stay at row r)
+            src = tl.load(src_ptr + rows, mask=rmask, other=0)
+            x_offs = src.to(tl.int64)[:, None] * K + cols[None, :]
+        if EVEN:
+            x = tl.load(x_ptr + x_offs)
+        else:
+            x = tl.load(x_ptr + x_offs, mask=mask, other=0.0)
+        x = to_compute(x, CAST, CAST == x_ptr.dtype.element_ty, True)  # x's own dtype, or rounded to CAST first
     ax3 = tl.abs(tl.reshape(x, [BLOCK_R, G, 16]))
     # NaN-keeping block amax: one compare per block finds any NaN or Inf in the tile
     b = tl.reduce(ax3, 2, _max_nan)
@@ -205,7 +214,8 @@ def _abs_max(x2: torch.Tensor) -> torch.Tensor:
 
 def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: bool = False,
                    stochastic: bool = False, seed=None, block_elems: int | None = None, num_warps: int | None = None,
-                   decoded: torch.Tensor | None = None, decode: str | None = None, swiglu: bool = False):
+                   decoded: torch.Tensor | None = None, decode: str | None = None, swiglu: bool = False,
+                   rows: torch.Tensor | None = None, cast: torch.dtype | None = None):
     """NVFP4 codes of x [..., K] -> (packed uint8 [..., K/2], E4M3 codes uint8 [..., K/16],
     per-row S_dec fp32 [rows], non-finite flag int32 [1]).
 
@@ -216,7 +226,19 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
     or "f32"; None: the GEMM's default), bitwise (the same `_decode_tile` on the same words and scales).
     swiglu: x is h [R, 2K] = [gate | up] and the values quantized are its SwiGLU (`swiglu_triton.swiglu(h)`,
     bitwise, never stored); outer="row" only.
+    rows: an int index [R]: the codes of x[rows] (x [S, K]), read in place (no gathered copy); outer="row"
+    only. cast: a float dtype x is rounded to first, in registers: the codes of x.to(cast) (round to nearest
+    even, as `Tensor.to`); None: x's own dtype.
     """
+    if rows is not None:
+        if swiglu or outer != "row" or x.dim() != 2 or x.shape[-1] > MAX_ROW_K:
+            raise ValueError(f"nvfp4 rows=: need x [S, K] with K <= {MAX_ROW_K}, outer='row' and no swiglu, got "
+                             f"{tuple(x.shape)}, outer={outer!r}, swiglu={swiglu}")
+        if rows.dim() != 1 or rows.dtype not in (torch.int32, torch.int64) or rows.device != x.device:
+            raise ValueError(f"nvfp4 rows=: need a 1-D int32/int64 index on {x.device}, got {rows.dtype} "
+                             f"{tuple(rows.shape)} on {rows.device}")
+    if cast is not None and cast not in FLOAT_TL:
+        raise ValueError(f"nvfp4 cast={cast}: need one of {tuple(FLOAT_TL)}")
     if swiglu:
         if x.dim() != 2 or x.shape[-1] % 2 or outer != "row":
             raise ValueError(f"nvfp4 swiglu: need h [R, 2K] and outer='row', got {tuple(x.shape)}, outer={outer!r}")
@@ -231,7 +253,7 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
         if problem is not None:
             raise ValueError(problem)
         x2 = x.contiguous().reshape(-1, K)
-    R = x2.shape[0]
+    R = x2.shape[0] if rows is None else rows.numel()
     dev = x.device
     row_amax = outer == "row" and K <= MAX_ROW_K
     if outer == "tensor":
@@ -264,11 +286,12 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
                                 or not decoded.is_contiguous() or decoded.device != dev):
         raise ValueError(f"decoded: need a contiguous float16 [{R}, {K}] tensor on {dev}, got "
                          f"{decoded.dtype} {tuple(decoded.shape)} on {decoded.device}")
-    _nvfp4_kernel[grid](x2, amax, data, scale, outer_rows, flag, data if decoded is None else decoded, R, K,
-                        max(rows_per_amax, 1), lo, hi,
+    _nvfp4_kernel[grid](x2, x2 if rows is None else rows.contiguous(), amax, data, scale, outer_rows, flag,
+                        data if decoded is None else decoded, R, K, max(rows_per_amax, 1), lo, hi,
                         BLOCK_R=block_r, BLOCK_K=block_k, ROW_AMAX=row_amax, FOUR_SIX=four_over_six,
                         STOCHASTIC=stochastic, EVEN=R % block_r == 0 and K % block_k == 0,
-                        DECODED=0 if decoded is None else 1 + DECODES[decode], SWIGLU=swiglu, num_warps=warps,
+                        DECODED=0 if decoded is None else 1 + DECODES[decode], SWIGLU=swiglu,
+                        GATHER=rows is not None, CAST=FLOAT_TL[cast or x.dtype], num_warps=warps,
                         enable_fp_fusion=False)
-    lead = x2.shape[:-1] if swiglu else x.shape[:-1]
+    lead = (R,) if rows is not None else x2.shape[:-1] if swiglu else x.shape[:-1]
     return data.reshape(*lead, K // 2), scale.reshape(*lead, K // NV_BLOCK), outer_rows, flag

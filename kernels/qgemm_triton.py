@@ -41,7 +41,8 @@ is fixed at cdiv(R, BLOCK_M) + min(E, R) row tiles (``n_row_tiles``; the tiles
 past the last expert exit at once) and nothing reads the device, so a decode step can be captured.
 
 Serving (`quantize_and_multiply`): the activation quantize kernel also writes the
-pre-decoded x (and can take the SwiGLU of a gate-up product as its input), and
+pre-decoded x (and can take the SwiGLU of a gate-up product as its input, or gather
+and cast the MoE layer's token rows itself), and
 the GEMMs of a layer share one tile map: the same bits as quantize + GEMM.
 
 Leaves out: split-K, autotuning (tiles are fixed so the bits are), swizzled
@@ -475,12 +476,14 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
 
 def quantize_and_multiply(x: torch.Tensor, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *,
                           four_over_six: bool = True, config: Config | None = None, decode: str | None = None,
-                          maps: dict | None = None, swiglu: bool = False):
+                          maps: dict | None = None, swiglu: bool = False, rows: torch.Tensor | None = None,
+                          cast: torch.dtype | None = None):
     """(qx, y): x [R, K] quantized as the recipe's activations (NVFP4, per-row outer, 4/6 optional) and
     y = `grouped_nvfp4(qx, qw, counts, out_dtype)`, bitwise; when the config pre-decodes x, the quantize kernel
     writes the decoded operand too (`nvfp4_triton.quantize_nvfp4(decoded=)`: one launch fewer). swiglu: x is
     h [R, 2K] = [gate | up] and the product's input is its SwiGLU (`swiglu_triton.swiglu(h)`'s values, never
-    stored: two launches fewer).
+    stored: two launches fewer). rows, cast: the product's input is x[rows].to(cast) (x [S, K], rows an int
+    index [R]), read in place by the quantize (no gather, no cast launch).
 
     What the serving modules run (`trainer.qgemm.served_product`); the trainer's forward quantizes and
     multiplies separately (it keeps qx for the backward) and gets the same bits.
@@ -490,12 +493,16 @@ def quantize_and_multiply(x: torch.Tensor, qw, counts, out_dtype: torch.dtype = 
 
     decode = _decode_mode(decode)
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
-    cfg = config or pick_config(x.shape[0], qw.shape[0], k)
+    r = x.shape[0] if rows is None else rows.numel()
+    cfg = config or pick_config(r, qw.shape[0], k)
     got = quantize_nvfp4_rows(x, four_over_six=four_over_six, decode=decode if cfg.predecode_x else None,
-                              swiglu=swiglu)
+                              swiglu=swiglu, rows=rows, cast=cast)
     if got is None and swiglu:
         raise ValueError(f"quantize_and_multiply: h {x.dtype} {tuple(x.shape)} is not covered by the NVFP4 row "
                          f"quantize kernel (h [R, 2K] with K a multiple of 16 and at most nvfp4_triton.MAX_ROW_K); "
                          f"run swiglu_triton.swiglu(h) and pass its output with swiglu=False")
-    qx, xh = got or (quantize(x, "nvfp4", outer="row", four_over_six=four_over_six), None)
+    if got is None:
+        xr = (x if rows is None else x[rows]).to(cast or x.dtype)
+        got = quantize(xr, "nvfp4", outer="row", four_over_six=four_over_six), None
+    qx, xh = got
     return qx, grouped_nvfp4(qx, qw, counts, out_dtype, config=cfg, decode=decode, xh=xh, maps=maps)

@@ -137,26 +137,37 @@ def quantize(x: torch.Tensor, fmt: str, *, rounding: str = "nearest", outer: str
     return QTensor(data=data, scale=scale.view(torch.float8_e8m0fnu), outer=ones, fmt="s2f6", shape=x.shape)
 
 
-def quantize_nvfp4_rows(x: torch.Tensor, *, four_over_six: bool, decode: str | None = None, swiglu: bool = False):
+def quantize_nvfp4_rows(x: torch.Tensor, *, four_over_six: bool, decode: str | None = None, swiglu: bool = False,
+                        rows: torch.Tensor | None = None, cast: torch.dtype | None = None):
     """(QTensor of x [R, K], FP16 [R, K] or None): `quantize(x, "nvfp4", outer="row", four_over_six=...)`, in the
     same launch (`nvfp4_triton.quantize_nvfp4`) x's codes decoded as the grouped GEMM's pre-decoded operand
     when `decode` names the GEMM's decode, and with `swiglu` x given as h [R, 2K] = [gate | up] and quantized
-    as its SwiGLU (`swiglu_triton`'s values); None where the kernel does not cover x (the caller runs the
-    separate steps)."""
+    as its SwiGLU (`swiglu_triton`'s values); with `rows` (and `cast`) the QTensor of x[rows].to(cast), read
+    in place (`rows` in range is the caller's promise: checking would read the device). None where the kernel
+    does not cover x (the caller runs the separate steps)."""
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     if x.dim() != 2 or not _plain_ok(x, BLOCK["nvfp4"]) or k > nvfp4_triton.MAX_ROW_K or k % BLOCK["nvfp4"]:
         return None
-    xh = None if decode is None else torch.empty((x.shape[0], k), dtype=torch.float16, device=x.device)
+    r = x.shape[0] if rows is None else rows.numel()
+    xh = None if decode is None else torch.empty((r, k), dtype=torch.float16, device=x.device)
     data, scale, outer_rows, flag = nvfp4_triton.quantize_nvfp4(x, outer="row", four_over_six=four_over_six,
-                                                                decoded=xh, decode=decode, swiglu=swiglu)
-    if not swiglu:
+                                                                decoded=xh, decode=decode, swiglu=swiglu,
+                                                                rows=rows, cast=cast)
+    if rows is not None or cast is not None:
+        if not _DEFERRED[0] and int(flag.item()) != 0:
+            flag.zero_()
+            xr = x if rows is None else x[rows]
+            check_input(xr, "nvfp4", BLOCK["nvfp4"], allow_nan=False)  # the rows' own NaN/Inf, named
+            raise NonFiniteInputError(f"nvfp4: rows of x {tuple(xr.shape)} overflow {cast} (x itself is finite); "
+                                      f"the values are out of that dtype's range")
+    elif not swiglu:
         _raise_if_flagged(flag, x, "nvfp4", allow_nan=False)
     elif not _DEFERRED[0] and int(flag.item()) != 0:
         flag.zero_()
         check_input(x, "nvfp4", BLOCK["nvfp4"], allow_nan=False)  # h's own NaN/Inf, named as the reference does
         raise NonFiniteInputError(f"nvfp4: the SwiGLU of h {tuple(x.shape)} overflows {x.dtype} (h itself is "
                                   f"finite): the gate-up product is out of range")
-    shape = torch.Size((x.shape[0], k))
+    shape = torch.Size((r, k))
     q = QTensor(data=data, scale=scale.view(torch.float8_e4m3fn), outer=nvfp4_outer(outer_rows, shape, "row"),
                 fmt="nvfp4", shape=shape)
     return q, xh

@@ -101,9 +101,13 @@ class QuantExperts(_QuantMixin, nn.Module):
                 order = order[: sum(counts)]  # drops the EP sentinel index == num_experts, sorted last
                 tok = order // k
         dt = compute_dtype(hidden_states)
-        x = hidden_states[tok].to(dt)
         maps: dict = {}  # serving: one tile map for both GEMMs (same counts)
-        h = self._gemm(x, "gate_up_proj", counts, 0, maps)
+        if self.served is not None:  # x = hidden_states[tok].to(dt), gathered inside the quantize where it can
+            with torch.no_grad():
+                h = served_product(hidden_states, self.served["gate_up_proj"], counts, self.spec, dt, maps,
+                                   rows=tok, cast=dt)
+        else:
+            h = self._gemm(hidden_states[tok].to(dt), "gate_up_proj", counts, 0, maps)
         if self.served is not None and swiglu_served(h, self.served["down_proj"], self.spec, self.act_fn):
             with torch.no_grad():  # the SwiGLU inside the down projection's quantize: the same values
                 o = served_product(h, self.served["down_proj"], counts, self.spec, h.dtype, maps, swiglu=True)

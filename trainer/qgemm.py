@@ -160,7 +160,8 @@ def grouped_forward(qx: QTensor, qw: QTensor, counts, out_dtype: torch.dtype) ->
 
 
 def served_product(x: torch.Tensor, qw: QTensor, counts, spec: GemmSpec, out_dtype: torch.dtype,
-                   maps: dict | None = None, swiglu: bool = False) -> torch.Tensor:
+                   maps: dict | None = None, swiglu: bool = False, rows: torch.Tensor | None = None,
+                   cast: torch.dtype | None = None) -> torch.Tensor:
     """The serving modules' product: `grouped_forward(quantize_activation(x, spec), qw, counts, out_dtype)`, bitwise.
 
     On the NVFP4 Triton path it is `qgemm_triton.quantize_and_multiply`: x quantized and decoded to the GEMM's
@@ -168,14 +169,18 @@ def served_product(x: torch.Tensor, qw: QTensor, counts, spec: GemmSpec, out_dty
     that pass the same `maps` dict (a layer's gate_up and down share their routing `counts`).
     swiglu: x is h = [gate | up] and the product's input is `fused_swiglu.swiglu(h)` (SiLU), computed inside
     the quantize; only where `swiglu_served` says so.
+    rows, cast: the product's input is x[rows].to(cast) (an MoE layer's tokens in expert order, in the compute
+    dtype); the NVFP4 Triton path reads those rows in place, other paths gather and cast first.
     """
     kernels = gemm_kernels(x)
     if kernels is not None and spec.fmt == "nvfp4" and qw.fmt == "nvfp4" and x.dim() == 2:
         return kernels[0].quantize_and_multiply(x.detach(), qw, counts, out_dtype, four_over_six=spec.four_over_six,
-                                                maps=maps, swiglu=swiglu)[1]
+                                                maps=maps, swiglu=swiglu, rows=rows, cast=cast)[1]
     if swiglu:
         raise ValueError("served_product(swiglu=True) needs the NVFP4 Triton path (swiglu_served); pass "
                          "fused_swiglu.swiglu(h, act_fn) with swiglu=False")
+    if rows is not None or cast is not None:
+        x = (x if rows is None else x[rows]).to(cast or x.dtype)
     return grouped_forward(quantize_activation(x, spec), qw, counts, out_dtype)
 
 

@@ -158,6 +158,56 @@ def test_quantize_with_decoded_operand_equals_quantize_then_predecode(k, four_ov
             assert_bitwise_equal(y, ref, f"quantize_and_multiply, decode={decode}, call {n_call}")
 
 
+@pytest.mark.parametrize("cast", [torch.bfloat16, None])
+@pytest.mark.parametrize("k", [48, 96])
+def test_quantize_and_multiply_gathers_and_casts_rows_in_place(cast, k):
+    """rows=, cast=: the product of x[rows].to(cast) with the rows read in place by the quantize kernel equals
+    the gather, the cast, then `quantize_and_multiply`, bitwise: codes, scales, outer, decoded operand, y (FP32
+    x with values between BF16 neighbours, exact ties among them; rows unsorted and repeated, as top-k picks)."""
+    counts = [3, 0, 6, 2]
+    src = _activations(7, k, seed=45)
+    ulp = torch.tensor(2.0**-8, device=DEVICE)  # BF16 keeps 8 significant bits: add half and quarter ulps
+    src[2] = torch.round(src[2] * 256) / 256 * (1 + ulp / 2)  # ties: round to even
+    src[3] = src[3] * (1 + ulp / 4)
+    rows = torch.tensor([4, 0, 6, 2, 2, 5, 1, 3, 0, 6, 3], device=DEVICE)
+    _, qw = _nvfp4_operands(4, k, 24, len(counts), seed=46)
+    xr = src[rows].to(cast or src.dtype)
+    if cast is not None:
+        assert not torch.equal(xr.float(), src[rows]), "the cast must round some values for the test to bite"
+    want_q, want_y = qg.quantize_and_multiply(xr, qw, counts, torch.float32, config=qg.DECODE)
+    got_q, got_y = qg.quantize_and_multiply(src, qw, counts, torch.float32, config=qg.DECODE, rows=rows, cast=cast)
+    for name in ("data", "scale", "outer"):
+        assert_bitwise_equal(getattr(got_q, name), getattr(want_q, name), f"qx.{name}")
+    assert got_q.shape == want_q.shape
+    assert_bitwise_equal(got_y, want_y, "y of the rows read in place")
+    served = qgemm.served_product(src, qw, counts, qgemm.GemmSpec(fmt="nvfp4", four_over_six=True), torch.float32,
+                                  rows=rows, cast=cast)  # CPU: the reference path's own gather and cast
+    assert_bitwise_equal(served, qgemm.grouped_forward(quantize(xr, "nvfp4", outer="row", four_over_six=True), qw,
+                                                       counts, torch.float32), "served_product, reference path")
+
+
+def test_quantize_rows_rejects_bad_index_and_names_overflow():
+    """rows= needs a 1-D int index and outer='row'; a finite FP32 row that overflows BF16 in the cast is named
+    as such (the unfused path would see the Inf the cast makes)."""
+    from rl4bit.kernels import nvfp4_triton
+    from rl4bit.kernels.checks import NonFiniteInputError
+
+    x = _activations(4, 32, seed=47)
+    with pytest.raises(ValueError, match="rows="):
+        nvfp4_triton.quantize_nvfp4(x, outer="row", rows=torch.tensor([[0]], device=DEVICE))
+    with pytest.raises(ValueError, match="outer='row'"):
+        nvfp4_triton.quantize_nvfp4(x, outer="tensor", rows=torch.tensor([0], device=DEVICE))
+    x[3, 5] = 3.4e38  # finite in FP32, Inf in BF16 (past its largest value 3.39e38 by more than half an ulp)
+    got = td.quantize_nvfp4_rows(x, four_over_six=True, rows=torch.tensor([0, 1], device=DEVICE),
+                                 cast=torch.bfloat16)
+    assert got is not None  # row 3 is not read
+    with pytest.raises(NonFiniteInputError, match="overflow"):
+        td.quantize_nvfp4_rows(x, four_over_six=True, rows=torch.tensor([0, 3], device=DEVICE), cast=torch.bfloat16)
+    x[2, 0] = float("nan")
+    with pytest.raises(NonFiniteInputError, match="NaN"):
+        td.quantize_nvfp4_rows(x, four_over_six=True, rows=torch.tensor([2], device=DEVICE))
+
+
 def _simulate_decode_ptx(word: int, scale_bits: int) -> list[int]:
     """The FP16 bit patterns $0..$7 of `qgemm_triton._DECODE_ASM` for one word and one FP16 scale: the inline PTX
     run by a small interpreter of the instructions it uses (shl/shr/and/or .b32, mul.rn.f16x2, mov.b32 packs)."""
@@ -492,6 +542,29 @@ def test_gpu_quantize_and_multiply_equals_quantize_then_grouped(rows, k):
         for _ in range(2):
             _, y = qg.quantize_and_multiply(x, qw, counts, torch.bfloat16, decode=decode, maps=maps)
             assert_bitwise_equal(y, qg.grouped_nvfp4(q, qw, counts, torch.bfloat16, decode=decode), f"y {decode}")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("rows,k", [(4, 2048), (256, 2048), (64, 768)])
+def test_gpu_rows_read_in_place_equal_gather_then_cast(rows, k):
+    """rows=, cast= on the GPU (the MoE layer's FP32 hidden states, top-k rows in expert order, BF16 compute):
+    the same bits as gathering and casting first, for every decode (the cast by integer ops in the kernel, the
+    reference by `Tensor.to`)."""
+    experts, top_k = 8, 4
+    src = _activations(rows // top_k, k, seed=48)
+    g = torch.Generator().manual_seed(49)
+    tok = torch.randint(0, src.shape[0], (rows,), generator=g).to(DEVICE)
+    _, qw = _nvfp4_operands(4, k, 1536, experts, seed=50)
+    counts = torch.tensor(_routing(rows, experts, seed=51), device=DEVICE)
+    xr = src[tok].to(torch.bfloat16)
+    for decode in qg.DECODES:
+        want_q, want_y = qg.quantize_and_multiply(xr, qw, counts, torch.bfloat16, decode=decode)
+        got_q, got_y = qg.quantize_and_multiply(src, qw, counts, torch.bfloat16, decode=decode, rows=tok,
+                                                cast=torch.bfloat16)
+        assert_bitwise_equal(got_q.data, want_q.data, f"codes {decode}")
+        assert_bitwise_equal(got_q.outer, want_q.outer, f"outer {decode}")
+        assert_bitwise_equal(got_y, want_y, f"y {decode}")
 
 
 @pytest.mark.gpu

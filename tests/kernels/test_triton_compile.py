@@ -25,21 +25,26 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'rl4b
 
 
 def _kernels():
+    import triton.language as tl
+
     from rl4bit.kernels import mxfp8_triton as mx
     from rl4bit.kernels import nvfp4_triton as nv
     from rl4bit.kernels import s2f6_triton as s2
 
     seeds = dict(seed_lo="i64", seed_hi="i64")
-    nv_sig = dict(x_ptr="*bf16", amax_ptr="*fp32", data_ptr="*u8", scale_ptr="*u8", outer_ptr="*fp32",
+    nv_sig = dict(x_ptr="*bf16", src_ptr="*i64", amax_ptr="*fp32", data_ptr="*u8", scale_ptr="*u8", outer_ptr="*fp32",
                   flag_ptr="*i32", xh_ptr="*fp16", R="i32", K="i32", rows_per_amax="i32", **seeds)
     for four_six, sr in ((True, False), (False, False), (False, True)):  # the launches for K = 2048
         yield (f"nvfp4 4/6={four_six} sr={sr}", nv._nvfp4_kernel, nv_sig,
                dict(BLOCK_R=1 if four_six or sr else 2, BLOCK_K=2048, ROW_AMAX=True, FOUR_SIX=four_six,
-                    STOCHASTIC=sr, EVEN=True, DECODED=0, SWIGLU=False), 4)
+                    STOCHASTIC=sr, EVEN=True, DECODED=0, SWIGLU=False, GATHER=False, CAST=tl.bfloat16), 4)
     for decoded in (1, 2, 3):  # serving: the GEMM's pre-decoded operand too (asm, bits, f32 decodes), K = 768
         yield (f"nvfp4 4/6 + decoded operand ({decoded})", nv._nvfp4_kernel, nv_sig,
                dict(BLOCK_R=2, BLOCK_K=1024, ROW_AMAX=True, FOUR_SIX=True, STOCHASTIC=False, EVEN=False,
-                    DECODED=decoded, SWIGLU=decoded == 1), 4)  # asm: also the SwiGLU of a gate-up input
+                    DECODED=decoded, SWIGLU=decoded == 1, GATHER=False, CAST=tl.bfloat16), 4)  # asm: + SwiGLU
+    yield ("nvfp4 4/6 + decoded operand, FP32 rows gathered and rounded to BF16", nv._nvfp4_kernel,
+           dict(nv_sig, x_ptr="*fp32"), dict(BLOCK_R=1, BLOCK_K=2048, ROW_AMAX=True, FOUR_SIX=True, STOCHASTIC=False,
+                                             EVEN=True, DECODED=1, SWIGLU=False, GATHER=True, CAST=tl.bfloat16), 4)
     from rl4bit.kernels import swiglu_triton as sw
 
     yield ("swiglu bf16", sw._swiglu_kernel, dict(h_ptr="*bf16", y_ptr="*bf16", R="i32", I="i32", s_h="i32"),
@@ -88,7 +93,6 @@ def _kernels():
     for x in ("bf16", "fp32"):  # the norms of the residual stream (FP32 in the trainer) and of BF16 activations
         yield (f"fused rmsnorm {x}", rn._rms_norm_kernel, dict(x_ptr=f"*{x}", w_ptr="*fp32", y_ptr="*fp32", C="i32",
                                                                  eps="fp32"), dict(ASM=True, BLOCK=1024), 4)
-    import triton.language as tl
 
     rope_sig = dict(q_ptr="*bf16", k_ptr="*bf16", wq_ptr="*fp32", wk_ptr="*fp32", qo_ptr="*fp32", ko_ptr="*fp32",
                     cos_ptr="*fp32", sin_ptr="*fp32", rows_q="i32", rows_k="i32", hq="i32", hk="i32", s_qt="i32",
