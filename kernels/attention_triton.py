@@ -65,6 +65,11 @@ KEY_CHUNK = 128
 from scratch, the chunks folded in order (`_fold`). The bits depend on it (never on a count); a multiple of
 every `block_n`. A decode step splits its rows' chunks over programs (`attention(key_chunks=)`)."""
 
+SPLIT_MAX_BYTES = 64 << 20
+"""Most bytes of chunk states (FP32 max, sum and accumulator of every (row tile, kv head, chunk)) a split call
+allocates; past it the call runs unsplit (the same bits). 64 rows x 4 kv heads x 128-dim heads fit 4096 key
+positions; one row fits ~256K."""
+
 
 def block_n(head_dim: int) -> int:
     """Key positions per block: from the head dim alone (bits depend on it: never from a count)."""
@@ -278,8 +283,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
     """Write into `out` [T, Hq, D] (q's dtype) the attention of q [T, Hq, D] (see module docstring).
 
     key_chunks > 0: split each row tile's keys over that many programs, KEY_CHUNK positions each (enough for
-    the longest row: the engine's decode steps pass cdiv(cache length, KEY_CHUNK)), then merge the chunks in
-    order (`_merge_kernel`): the same bits as key_chunks = 0, more programs for few rows over long contexts.
+    every position of k: the engine's decode steps pass cdiv(cache length, KEY_CHUNK); fewer is a ValueError),
+    then merge the chunks in order (`_merge_kernel`): the same bits as key_chunks = 0, more programs for few
+    rows over long contexts. Unsplit where the chunk states would pass SPLIT_MAX_BYTES.
 
     k / v: any tensors whose last dim is the head dim (contiguous) and whose rows for (kv head h, position j)
     sit at (seqs' kv_row + j) * s_p + h * s_h, with (s_h, s_p) = k.stride()[-3:-1]: a cache [slots, Hkv, L, D]
@@ -299,19 +305,22 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
     if k.stride() != v.stride():
         raise ValueError(f"attention: k and v need the same strides (one kv_row and one stride serve both), "
                          f"got {k.stride()} and {v.stride()}")
-    if key_chunks < 0:
-        raise ValueError(f"attention: key_chunks {key_chunks} must be >= 0")
+    if key_chunks < 0 or 0 < key_chunks * KEY_CHUNK < k.shape[-2]:
+        raise ValueError(f"attention: key_chunks {key_chunks} must be 0 or cover the {k.shape[-2]} key positions a "
+                         f"sequence can reach (at least cdiv({k.shape[-2]}, KEY_CHUNK={KEY_CHUNK}))")
     n_tiles = tiles.shape[1]
     if n_tiles == 0:
         return out
     bd = max(16, triton.next_power_of_2(d))
+    if n_tiles * hkv * key_chunks * BLOCK_M * (bd + 2) * 4 > SPLIT_MAX_BYTES:
+        key_chunks = 0  # the states would not fit the budget: unsplit, the same bits
     chunks = max(key_chunks, 1)
     if key_chunks:  # the chunks' softmax states (max, sum, accumulator) for the merge
         st_m = torch.empty((n_tiles, hkv, chunks, BLOCK_M), dtype=torch.float32, device=q.device)
         st_l = torch.empty_like(st_m)
         st_a = torch.empty((n_tiles, hkv, chunks, BLOCK_M, bd), dtype=torch.float32, device=q.device)
-    else:
-        st_m = st_l = st_a = out  # unused
+    else:  # unused; FP32 like the split's states, so both modes run one compiled kernel (pointer types are
+        st_m = st_l = st_a = torch.empty(1, dtype=torch.float32, device=q.device)  # part of its signature)
     common = dict(G=hq // hkv, C=FLOAT_TL[compute_dtype], BLOCK_M=BLOCK_M, BLOCK_D=bd, CHUNK=KEY_CHUNK)
     with _on_device(q):
         _attention_kernel[(n_tiles, hkv, chunks)](

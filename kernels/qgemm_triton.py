@@ -84,7 +84,8 @@ class Config:
 
 DECODE = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=True, block_k=256)
 DECODE_SHORT_K = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=True, block_k=64)
-"""DECODE for K < DECODE_LONG_K (a 256 step would leave a few loop iterations to pipeline). Both from
+"""DECODE for K < DECODE_LONG_K in calls of many programs (`SMALL_GRID`; a 256 step would leave a few loop
+iterations to pipeline while other programs wait for the SM). Both from
 ``scripts/sweep_decode_gemm.py`` on the H200 (64 configs, all bitwise equal to TRAIN): dense M=1 K=4096
 N=14336 50.1 -> 30.2 µs against the previous 16x32 one-warp tile; Qwen3-30B-A3B down (K=768) 62.8 -> 59.6 µs."""
 DECODE_LONG_K = 2048
@@ -125,9 +126,28 @@ configs, all bitwise equal to TRAIN), the GPU job's batch-256 decode shapes: gat
 MID_MAX_ROWS_PER_GROUP = 64
 
 
-def pick_config(rows: int, groups: int = 1, k: int = DECODE_LONG_K) -> Config:
-    """DECODE (DECODE_SHORT_K below K = DECODE_LONG_K) for few rows (R <= DECODE_MAX_ROWS, or at most
-    DECODE_MAX_ROWS_PER_GROUP rows an expert), MID up to MID_MAX_ROWS_PER_GROUP rows an expert, else TRAIN.
+SMALL_GRID = 264
+"""Programs (row tiles holding rows x column tiles) up to which a DECODE call keeps the 256-wide K step at
+K < DECODE_LONG_K. With few programs, one an SM or two (a batch-1 MoE step: four experts), a program's K
+loop is the call's latency and fewer, larger steps keep more bytes in flight: the tenth session's
+`sweep_decode_gemm.py --one-token` on the H200 found DECODE fastest of 66 configs, DECODE_SHORT_K among
+them, on the 1B model's down projection (K=768, 4 experts x 32 column tiles: 128 programs). With thousands
+(Qwen3-30B-A3B's down at 16 tokens) the 64-wide step won (59.6 against 62.8 µs). 2 x the H200's 132 SMs:
+between the two measured points, not swept itself."""
+
+
+def decode_programs(rows: int, groups: int, n: int) -> int:
+    """Programs of a DECODE-tile call that hold rows: one row tile for each expert with rows (at most
+    min(E, R); more only past 16 rows an expert), times the column tiles."""
+    tiles = triton.cdiv(rows, DECODE.block_m) if groups == 1 else min(groups, rows)
+    return tiles * triton.cdiv(n, DECODE.block_n)
+
+
+def pick_config(rows: int, groups: int = 1, k: int = DECODE_LONG_K, n: int | None = None) -> Config:
+    """DECODE for few rows (R <= DECODE_MAX_ROWS, or at most DECODE_MAX_ROWS_PER_GROUP rows an expert; its
+    64-wide-step twin DECODE_SHORT_K below K = DECODE_LONG_K unless the call has at most SMALL_GRID
+    programs, `decode_programs`, with n the output columns; n None: by K alone), MID up to
+    MID_MAX_ROWS_PER_GROUP rows an expert, else TRAIN.
 
     The choice depends on the call's shape only; all configs give the same bits per row (GPU-tested), so a
     row's result does not depend on which one ran.
@@ -135,7 +155,9 @@ def pick_config(rows: int, groups: int = 1, k: int = DECODE_LONG_K) -> Config:
     if not TWO_CONFIGS:
         return TRAIN
     if rows <= DECODE_MAX_ROWS or rows <= DECODE_MAX_ROWS_PER_GROUP * groups:
-        return DECODE if k >= DECODE_LONG_K else DECODE_SHORT_K
+        if k >= DECODE_LONG_K or (n is not None and decode_programs(rows, groups, n) <= SMALL_GRID):
+            return DECODE
+        return DECODE_SHORT_K
     return MID if groups > 1 and rows <= MID_MAX_ROWS_PER_GROUP * groups else TRAIN
 
 
@@ -440,7 +462,7 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
     """y [R, N] in out_dtype = grouped dequant(qx) @ dequant(qw[e])ᵀ; rows of expert e contiguous (counts[e]).
 
     counts: list of ints or an int tensor [E] (a device tensor keeps the call free of host syncs).
-    config: the tile config (default: ``pick_config(R, E, K)``). decode: "asm" (GPU default), "bits" (the same
+    config: the tile config (default: ``pick_config(R, E, K, N)``). decode: "asm" (GPU default), "bits" (the same
     bit trick in Triton ops; interpreter default) or "f32" (plain decode): the same values either way.
     xh: qx already decoded to the FP16 operand by the same `decode` (`quantize_and_multiply`: the bit-trick
     decodes carry 2**-14, "f32" does not, and nothing here can tell), used when the config pre-decodes x.
@@ -449,7 +471,7 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
     rows, k, groups, n = grouped_shapes(qx, qw, "nvfp4", "grouped_nvfp4")
     dev = qx.data.device
     decode = _decode_mode(decode)
-    cfg = config or pick_config(rows, groups, k)
+    cfg = config or pick_config(rows, groups, k, n)
     cmap = shared_tile_map(maps, counts, groups, rows, cfg.block_m, dev)
     n_tiles = cmap.shape[1]
     y = alloc_out(rows, n, out_dtype, dev)
@@ -494,7 +516,7 @@ def quantize_and_multiply(x: torch.Tensor, qw, counts, out_dtype: torch.dtype = 
     decode = _decode_mode(decode)
     k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     r = x.shape[0] if rows is None else rows.numel()
-    cfg = config or pick_config(r, qw.shape[0], k)
+    cfg = config or pick_config(r, qw.shape[0], k, qw.shape[1])
     got = quantize_nvfp4_rows(x, four_over_six=four_over_six, decode=decode if cfg.predecode_x else None,
                               swiglu=swiglu, rows=rows, cast=cast)
     if got is None and swiglu:

@@ -119,6 +119,18 @@ def test_long_rows_split_over_key_chunks_equal_the_unsplit_kernel():
             split = attention(q[t:t + 1].contiguous(), kc, vc, seqs, tiles, 0.25, c, torch.empty_like(q[t:t + 1]),
                               key_chunks=chunks)
             assert torch.equal(split[0], packed[t]), (t, chunks)
+    seqs, tiles = seq_table([0], [1], [299], [slot1], DEVICE), tile_table([1], hq // hkv, DEVICE)
+    with pytest.raises(ValueError, match="key_chunks 2 must be 0 or cover the 320 key positions"):
+        attention(q[299:].contiguous(), kc, vc, seqs, tiles, 0.25, c, torch.empty_like(q[299:]), key_chunks=2)
+    import rl4bit.kernels.attention_triton as at
+
+    budget = at.SPLIT_MAX_BYTES
+    try:  # past the states' byte budget the call runs unsplit: the same bits
+        at.SPLIT_MAX_BYTES = 1
+        over = attention(q[299:].contiguous(), kc, vc, seqs, tiles, 0.25, c, torch.empty_like(q[299:]), key_chunks=3)
+    finally:
+        at.SPLIT_MAX_BYTES = budget
+    assert torch.equal(over[0], packed[299])
 
 
 def test_gradients_are_the_torch_formulas():

@@ -326,6 +326,14 @@ def test_pick_config_routes_by_rows_per_expert_and_k():
     assert qg.pick_config(1024, 16, 2048) is qg.MID  # batched MoE decode: 256 tokens x top-4 over 16 experts
     assert qg.pick_config(1025, 16, 2048) is qg.TRAIN and qg.pick_config(1024, 1, 2048) is qg.TRAIN
     assert qg.pick_config(32768, 128, 2048) is qg.TRAIN  # a training micro-batch
+    # K < DECODE_LONG_K: the 256-wide K step while the call has few programs (a batch-1 MoE step: four experts
+    # x 32 column tiles), the 64-wide one past SMALL_GRID; without n, by K alone
+    assert qg.pick_config(4, 32, 768, 2048) is qg.DECODE and qg.pick_config(4, 32, 768) is qg.DECODE_SHORT_K
+    assert qg.decode_programs(4, 32, 2048) == 128 and qg.decode_programs(64, 32, 2048) == 1024
+    assert qg.pick_config(64, 32, 768, 2048) is qg.DECODE_SHORT_K  # batch 16
+    assert qg.pick_config(128, 128, 768, 2048) is qg.DECODE_SHORT_K  # Qwen3-30B-A3B down, 16 tokens
+    assert qg.pick_config(1, 1, 768, 64 * (qg.SMALL_GRID + 1)) is qg.DECODE_SHORT_K
+    assert qg.pick_config(1, 1, 768, 64 * qg.SMALL_GRID) is qg.DECODE
 
 
 @pytest.mark.parametrize("block_m", [16, 128])
