@@ -41,8 +41,10 @@ TOP_K = {128: 8, 16: 4, 32: 4}
 TRAIN_SHAPES = [("a3b gate_up", 128, 2048, 1536, 4096), ("a3b down", 128, 768, 2048, 4096),
                 ("bench gate_up", 16, 2048, 1536, 16384), ("bench down", 16, 768, 2048, 16384)]
 """(name, E, K, N, tokens): training micro-batch shapes (tokens x top-k routed rows)."""
-ONE_TOKEN_SHAPES = [("1b gate_up", 32, 2048, 1536, 1), ("1b down", 32, 768, 2048, 1)]
-"""(name, E, K, N, tokens): `bench rollout`'s 1B model at batch 1 (32 experts, top-4: four rows, one an expert)."""
+ONE_TOKEN_SHAPES = [("1b gate_up", 32, 2048, 1536, 1), ("1b down", 32, 768, 2048, 1), ("1b down", 32, 768, 2048, 2),
+                    ("1b down", 32, 768, 2048, 4), ("1b down", 32, 768, 2048, 8)]
+"""(name, E, K, N, tokens): `bench rollout`'s 1B model at batch 1 (32 experts, top-4: four rows, one an expert),
+and its down projection at 2 / 4 / 8 tokens: where the 256-wide K step stops winning (`qgemm_triton.SMALL_GRID`)."""
 MID_SHAPES = [("bench gate_up", 16, 2048, 1536, 256), ("bench down", 16, 768, 2048, 256)]
 """(name, E, K, N, tokens): the GPU job's batch-256 decode step (configs/gpu-h200.yaml: 16 experts, top-4)."""
 
@@ -119,8 +121,10 @@ def main() -> int:
             shape_rows.append(dict(shape=label, config=repr(cfg), us=us, floor_us=floor_us, bitwise=same))
         shape_rows.sort(key=lambda r: r.get("us", 1e9))
         results += shape_rows
-        print(f"\n{label}: HBM floor {floor_us:.1f} us (copy {gbps:.0f} GB/s)")
-        for r in shape_rows[:8] + [r for r in shape_rows if r["config"] in (repr(qg.DECODE), repr(qg.TRAIN))]:
+        picked = qg.pick_config(rows, e, k, n)
+        print(f"\n{label}: HBM floor {floor_us:.1f} us (copy {gbps:.0f} GB/s); pick_config: {picked}")
+        shown = (repr(qg.DECODE), repr(qg.DECODE_SHORT_K), repr(qg.TRAIN), repr(picked))
+        for r in shape_rows[:8] + [r for r in shape_rows[8:] if r["config"] in shown]:
             tflops = 2.0 * rows * k * n / r["us"] / 1e6 if "us" in r else float("nan")
             print(f"  {r.get('us', float('nan')):8.1f} us {tflops:6.0f} TFLOP/s  bitwise={r.get('bitwise')}  {r['config']}"
                   + (f"  {r['error']}" if "error" in r else ""))
