@@ -184,15 +184,13 @@ def map_entry(map_ptr, n_tiles, t):
     return tl.load(map_ptr + t), tl.load(map_ptr + n_tiles + t), tl.load(map_ptr + 2 * n_tiles + t)
 
 
-@triton.jit(do_not_specialize=['T'])  # see formats_triton.NO_SPECIALIZE
-def _tile_map_kernel(counts_ptr, map_ptr, E, T, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, T_BLOCK: tl.constexpr):
-    """map[:, t] = (expert, first row, end row) of row tile t, or (-1, 0, 0) past the last tile."""
-    ei = tl.arange(0, E_PAD)
-    c = tl.load(counts_ptr + ei, mask=ei < E, other=0).to(tl.int32)
+@triton.jit
+def map_tiles(c, ei, E, t, T, map_ptr, BLOCK_M: tl.constexpr):
+    """Store map[:, t] = (expert, first row, end row) of row tiles t (int32 [T_BLOCK]; `tile_map`'s layout, T
+    tiles), or (-1, 0, 0) past the last tile, from the counts c (int32 [E_PAD], zero past E) of experts ei."""
     tiles = (c + (BLOCK_M - 1)) // BLOCK_M
     tile_end = tl.cumsum(tiles, 0)
     row_end = tl.cumsum(c, 0)
-    t = tl.program_id(0) * T_BLOCK + tl.arange(0, T_BLOCK)
     e = tl.sum((tile_end[None, :] <= t[:, None]).to(tl.int32), axis=1)  # experts whose tiles all lie before t
     sel = ei[None, :] == e[:, None]
     t_end = tl.sum(tl.where(sel, tile_end[None, :], 0), axis=1)
@@ -205,6 +203,14 @@ def _tile_map_kernel(counts_ptr, map_ptr, E, T, BLOCK_M: tl.constexpr, E_PAD: tl
     tl.store(map_ptr + t, tl.where(valid, e, -1), mask=tmask)
     tl.store(map_ptr + T + t, tl.where(valid, row0, 0), mask=tmask)
     tl.store(map_ptr + 2 * T + t, tl.where(valid, r_end, 0), mask=tmask)
+
+
+@triton.jit(do_not_specialize=['T'])  # see formats_triton.NO_SPECIALIZE
+def _tile_map_kernel(counts_ptr, map_ptr, E, T, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, T_BLOCK: tl.constexpr):
+    """map[:, t] = (expert, first row, end row) of row tile t, or (-1, 0, 0) past the last tile."""
+    ei = tl.arange(0, E_PAD)
+    c = tl.load(counts_ptr + ei, mask=ei < E, other=0).to(tl.int32)
+    map_tiles(c, ei, E, tl.program_id(0) * T_BLOCK + tl.arange(0, T_BLOCK), T, map_ptr, BLOCK_M)
 
 
 _MAP_CACHE: dict = {}

@@ -89,19 +89,20 @@ class QuantExperts(_QuantMixin, nn.Module):
         flat = top_k_index.reshape(-1)
         with torch.no_grad():
             serving = self.served is not None or (self.spec.fmt == "bf16" and torch.is_inference_mode_enabled())
+            maps: dict = {}  # serving: one tile map for both GEMMs (same counts), written by the routing kernel
             if flat.is_cuda and serving:
                 # Serving on CUDA (quantized modules in serving mode; bf16 ones under inference mode, which only
                 # the engine uses: the trainer's passes run under no_grad): counts stay on the device (the Triton
                 # GEMM or torch._grouped_mm reads them there), so the step makes no host sync here and can be
                 # captured in a CUDA graph; the engine never runs expert parallelism (no EP sentinel index).
-                order, tok, counts, inv = expert_grouping(flat, self.num_experts, k)
+                nvfp4 = self.served is not None and self.spec.fmt == "nvfp4"
+                order, tok, counts, inv = expert_grouping(flat, self.num_experts, k, maps if nvfp4 else None)
             else:
                 order, inv = torch.argsort(flat, stable=True), None
                 counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts].tolist()
                 order = order[: sum(counts)]  # drops the EP sentinel index == num_experts, sorted last
                 tok = order // k
         dt = compute_dtype(hidden_states)
-        maps: dict = {}  # serving: one tile map for both GEMMs (same counts)
         if self.served is not None:  # x = hidden_states[tok].to(dt), gathered inside the quantize where it can
             with torch.no_grad():
                 h = served_product(hidden_states, self.served["gate_up_proj"], counts, self.spec, dt, maps,

@@ -427,17 +427,27 @@ def _group_offsets(counts, device) -> torch.Tensor:
     return to_device(torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
 
 
-def expert_grouping(flat_index: torch.Tensor, groups: int, k: int):
+def expert_grouping(flat_index: torch.Tensor, groups: int, k: int, maps: dict | None = None):
     """(order, tok, counts, inv) of a flat top-k index on its device, no host read: `argsort(stable)`,
     `order // k`, `device_counts`, and inv (inv[order] = arange: each entry's place in the grouped order;
     None from torch's path, where `trainer.combine` builds it only if its kernel runs).
     A decode step's small index takes one fused kernel (`kernels.route_triton`, the same integers) when the
-    fused kernels are on (`kernels.fused`)."""
+    fused kernels are on (`kernels.fused`); given `maps` (the dict the layer's NVFP4 GEMMs share, see
+    `qgemm_triton.shared_tile_map`), that kernel also writes their tile map for DECODE's row tiles into it."""
     if fused.enabled(flat_index.device.type):
         from rl4bit.kernels.route_triton import MAX_ENTRIES, expert_order  # triton is optional off the fused path
 
         if flat_index.numel() <= MAX_ENTRIES:
-            return expert_order(flat_index, groups, k)
+            block_m = 0
+            if maps is not None:
+                from rl4bit.kernels.qgemm_triton import DECODE
+
+                block_m = DECODE.block_m
+            order, tok, counts, inv, cmap = expert_order(flat_index, groups, k, block_m)
+            if cmap is not None:
+                maps.clear()
+                maps["counts"], maps[(flat_index.numel(), block_m)] = counts, cmap
+            return order, tok, counts, inv
     order = torch.argsort(flat_index, stable=True)
     return order, order // k, device_counts(flat_index, groups), None  # inv: combine() makes it if it needs it
 

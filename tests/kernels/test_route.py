@@ -66,6 +66,45 @@ def test_bad_input_names_the_limit():
 def test_out_of_range_indices_are_the_sentinel_never_a_stray_write():
     """Negative or > E indices count as the sentinel: sorted last in entry order, uncounted, inv still a permutation."""
     flat = torch.tensor([2, -1, 0, 1, 3, 2, 9], device=DEVICE)
-    order, tok, counts, inv = expert_order(flat, 4, 1)
+    order, tok, counts, inv, cmap = expert_order(flat, 4, 1)
+    assert cmap is None  # none asked for
     assert order.tolist() == [2, 3, 0, 5, 4, 1, 6] and counts.tolist() == [1, 1, 2, 1]
     assert torch.equal(inv[order].cpu(), torch.arange(7)) and torch.equal(tok, order)
+
+
+@pytest.mark.parametrize("tokens,e,k", [(1, 32, 4), (4, 32, 4), (16, 32, 4), (64, 16, 4), (300, 128, 8)])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_tile_map_in_the_same_launch_equals_tile_map(tokens, e, k, block_m):
+    """map_block_m: the routing kernel's tile map = `qgemm_triton.tile_map` of its counts (the device kernel's and
+    the host-built one), also with skewed routing and the EP sentinel in the index."""
+    from rl4bit.kernels import qgemm_triton as qg
+
+    g = torch.Generator().manual_seed(tokens * e + block_m)
+    flat = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).reshape(-1)
+    flat[: flat.numel() // 3] = 1  # one expert holds a third of the rows: several tiles
+    flat[-1] = e  # the sentinel: not counted, still a row of the bound
+    flat = flat.to(DEVICE)
+    order, tok, counts, inv, cmap = expert_order(flat, e, k, block_m)
+    for a, b in zip((order, tok, counts, inv), _want(flat, e, k)):
+        assert torch.equal(a, b)
+    n = flat.numel()
+    assert torch.equal(cmap, qg.tile_map(counts, n, block_m))
+    assert torch.equal(cmap.cpu(), qg.tile_map(counts.tolist(), n, block_m, "cpu").cpu())
+
+
+def test_grouping_fills_the_layers_shared_maps():
+    """expert_grouping(maps=): the counts and DECODE's tile map land in the dict the layer's GEMMs share, so
+    `shared_tile_map` launches nothing for them."""
+    from rl4bit.kernels import qgemm_triton as qg
+
+    flat = torch.randint(0, 16, (64,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    fused.set_enabled(True, torch.device(DEVICE).type)
+    try:
+        maps = {"counts": "stale"}
+        order, tok, counts, inv = expert_grouping(flat, 16, 4, maps)
+    finally:
+        fused.set_enabled(True, "cuda")
+    assert maps["counts"] is counts and set(maps) == {"counts", (64, qg.DECODE.block_m)}
+    cmap = maps[(64, qg.DECODE.block_m)]
+    assert qg.shared_tile_map(maps, counts, 16, 64, qg.DECODE.block_m, DEVICE) is cmap
+    assert torch.equal(cmap, qg.tile_map(counts, 64, qg.DECODE.block_m))

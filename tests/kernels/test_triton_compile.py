@@ -102,9 +102,12 @@ def _kernels():
            dict(HQ_DTYPE=tl.float32, HK_DTYPE=tl.float32, ASM=True, BLOCK=128), 4)
     comb_sig = dict(o_ptr="*bf16", w_ptr="*fp32", idx_ptr="*i64", inv_ptr="*i64", out_ptr="*fp32", H="i32", E="i32")
     yield "fused moe combine", cb._combine_kernel, comb_sig, dict(K=4, K_PAD=4, BLOCK_H=1024), 4
-    route_sig = dict(idx_ptr="*i64", order_ptr="*i64", tok_ptr="*i64", inv_ptr="*i64", counts_ptr="*i32", N="i32",
-                     E="i32")
-    yield "fused moe grouping", rt._route_kernel, route_sig, dict(K=4, BLOCK=1024, E_PAD=64), 4
+    route_sig = dict(idx_ptr="*i64", order_ptr="*i64", tok_ptr="*i64", inv_ptr="*i64", counts_ptr="*i32",
+                     map_ptr="*i32", N="i32", E="i32", T="i32")
+    yield "fused moe grouping", rt._route_kernel, route_sig, dict(K=4, BLOCK=1024, E_PAD=64, MAP_BLOCK_M=0,
+                                                                   T_PAD=2), 4
+    yield ("fused moe grouping + tile map", rt._route_kernel, route_sig,
+           dict(K=4, BLOCK=4, E_PAD=64, MAP_BLOCK_M=16, T_PAD=8), 4)  # a batch-1 step: 4 entries, 5 row tiles
     from rl4bit.kernels import attention_triton as at
 
     strides = ("s_qt", "s_qh", "s_kh", "s_kp", "s_vh", "s_vp", "s_ot", "s_oh")
