@@ -74,6 +74,7 @@ from rl4bit.sampler.decode_graph import DecodeGraphs
 from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_implementations, pad_rows
 from rl4bit.sampler.sampling import policy_logprobs, rows_to_lists, sample_rows, sample_rows_tensors
 from rl4bit.sampler.serving_dtype import precast
+from rl4bit.sampler.stop_strings import StopStrings
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, request_error
 from rl4bit.trainer.fused_attention import pack_qkv
 
@@ -90,6 +91,8 @@ class _Seq:
     """Philox key of this sample's noise (from the request seed and sample index); None when greedy."""
     stop_ids: set[int]
     max_new: int
+    stops: StopStrings
+    """The request's stop strings, checked on the completion's tail (stop_strings.py)."""
     slot: int = -1
     n_cached: int = 0
     pending: list[int] = field(default_factory=list)
@@ -243,7 +246,7 @@ class EmbeddedEngine:
             key = derive_seed(seed, i) & (2**63 - 1)
         max_new = min(p.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
-        return _Seq(out_index, req, i, p, key, stop_ids, max_new,
+        return _Seq(out_index, req, i, p, key, stop_ids, max_new, StopStrings(self.tokenizer, p.stop),
                     pending=list(req.prompt_ids))
 
     def _forward(self, seqs: list[_Seq], tokens_per_seq: list[list[int]], starts: list[int], rows: list[int]):
@@ -409,11 +412,9 @@ class EmbeddedEngine:
         if token in s.stop_ids:
             s.finish = "stop"
         elif s.params.stop:
-            text = self.tokenizer.decode(s.completion, skip_special_tokens=True)
-            hits = [(text.find(stop), stop) for stop in s.params.stop if stop in text]
-            if hits:
-                idx, stop = min(hits)
-                s.text = text[: idx + len(stop)]
+            cut = s.stops.check(s.completion)
+            if cut is not None:
+                s.text = cut
                 s.finish = "stop"
                 return
         if s.finish is None and len(s.completion) >= s.max_new:
@@ -431,7 +432,8 @@ class EmbeddedEngine:
         ids = list(prompt_ids) + list(completion_ids)
         if not prompt_ids or not completion_ids or len(ids) > self.max_seq_len:
             raise ValueError(f"score needs a non-empty prompt and completion of <= {self.max_seq_len} tokens in all")
-        s = _Seq(-1, Request("score", list(prompt_ids)), 0, SamplingParams(), None, set(), 0)
+        s = _Seq(-1, Request("score", list(prompt_ids)), 0, SamplingParams(), None, set(), 0,
+                 StopStrings(self.tokenizer, []))
         s.slot = self.cache.acquire()
         try:
             with model_implementations(self.model), torch.inference_mode():
