@@ -64,19 +64,33 @@ def _scale_value(code):
 
 
 @triton.jit
-def _mx_step(a_ptr, sa_ptr, a_rows, amask, b_ptr, sb_ptr, b_rows, bmask, k0, kend, LD, acc,
+def _mx_scale_codes(sa_ptr, a_rows, amask, sb_ptr, b_rows, bmask, k0, kend, LDS, BK: tl.constexpr):
+    """The E8M0 scale codes (int32 [BM, BK/32], [BN, BK/32]) of the K step at k0; LDS = scales a row. Masked
+    past kend (code 127, no read), so the loops below can load the step after their last one."""
+    kb = k0 // 32 + tl.arange(0, BK // 32)
+    kbmask = kb < (kend + 31) // 32
+    ca = tl.load(sa_ptr + a_rows * LDS + kb[None, :], mask=amask & kbmask[None, :], other=127)
+    cb = tl.load(sb_ptr + b_rows * LDS + kb[None, :], mask=bmask & kbmask[None, :], other=127)
+    return ca.to(tl.int32), cb.to(tl.int32)
+
+
+@triton.jit
+def _mx_step(a_ptr, ca, a_rows, amask, b_ptr, cb, b_rows, bmask, k0, kend, LD, acc,
              BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
              EVEN_K: tl.constexpr = False):
-    """acc += A[a_rows, k0:k0+BK] @ B[b_rows, k0:k0+BK]ᵀ with MXFP8 scales; LD = row length (elements).
-    EVEN_K: the caller knows every K step is whole (no K masks)."""
+    """acc += A[a_rows, k0:k0+BK] @ B[b_rows, k0:k0+BK]ᵀ with the step's MXFP8 scale codes ca, cb
+    (`_mx_scale_codes`); LD = row length (elements). EVEN_K: the caller knows every K step is whole (no K masks).
+
+    The callers load a step's scale codes one step early, into registers: a K step of 64 reads 2 scale bytes
+    a row, under `cp.async`'s 4-byte minimum, so the software pipeline cannot stage them like the codes, and a
+    load at the top of the step left every step waiting one memory latency (sm_90 TTGIR). The values, hence
+    the bits, are the same."""
     kk = k0 + tl.arange(0, BK)
     kmask = (kk < kend) | EVEN_K
     a = tl.load(a_ptr + a_rows * LD + kk[None, :], mask=amask & kmask[None, :], other=0)
     b = tl.load(b_ptr + b_rows * LD + kk[None, :], mask=bmask & kmask[None, :], other=0)
-    kb = k0 // 32 + tl.arange(0, BK // 32)
-    kbmask = (kb < (kend + 31) // 32) | EVEN_K
-    sa = _scale_value(tl.load(sa_ptr + a_rows * (LD // 32) + kb[None, :], mask=amask & kbmask[None, :], other=127).to(tl.int32))
-    sb = _scale_value(tl.load(sb_ptr + b_rows * (LD // 32) + kb[None, :], mask=bmask & kbmask[None, :], other=127).to(tl.int32))
+    sa = _scale_value(ca)
+    sb = _scale_value(cb)
     if FP8:  # BK == 32: one block, scales applied to the FP8 partial sum
         d = tl.dot(a.to(tl.float8e4nv, bitcast=True), tl.trans(b.to(tl.float8e4nv, bitcast=True)))
         acc += (d * tl.reshape(sa, [BM])[:, None]) * tl.reshape(sb, [BN])[None, :]
@@ -93,10 +107,11 @@ def _mx_step(a_ptr, sa_ptr, a_rows, amask, b_ptr, sb_ptr, b_rows, bmask, k0, ken
 
 
 @triton.jit(do_not_specialize=['n_tiles'])  # see formats_triton.NO_SPECIALIZE
-def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC, KR,
+def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC, KR, KS,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr,
                     INTERPRET: tl.constexpr, EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False):
     """out[rows of e, :NC] = A[rows, :KR] @ B[e, :NC, :KR]ᵀ; the row tiles come from qgemm_triton.tile_map.
+    KS = KR // 32 scales a row (an argument: Triton then knows its divisibility for the addresses).
     EVEN_N / EVEN_K: NC, KR are multiples of the tile (no column / K masks; same bits)."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -109,18 +124,22 @@ def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC,
         a_rows = rows.to(tl.int64)[:, None]
         b_rows = (e.to(tl.int64) * NC + cols)[:, None]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, KR, BK):
-            acc = _mx_step(a_ptr, sa_ptr, a_rows, rmask[:, None], b_ptr, sb_ptr, b_rows, nmask[:, None], k0, KR, KR,
+        ca, cb = _mx_scale_codes(sa_ptr, a_rows, rmask[:, None], sb_ptr, b_rows, nmask[:, None], 0, KR, KS, BK)
+        for k0 in range(0, KR, BK):  # each step's scales loaded during the step before (see _mx_step)
+            na, nb = _mx_scale_codes(sa_ptr, a_rows, rmask[:, None], sb_ptr, b_rows, nmask[:, None], k0 + BK, KR, KS,
+                                     BK)
+            acc = _mx_step(a_ptr, ca, a_rows, rmask[:, None], b_ptr, cb, b_rows, nmask[:, None], k0, KR, KR,
                            acc, BLOCK_M, BLOCK_N, FP8, BK, INTERPRET, EVEN_K)
+            ca, cb = na, nb
         tl.store(out_ptr + a_rows * NC + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=rmask[:, None] & nmask[None, :])
 
 
 @triton.jit
-def _mx_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, seg_ptr, P, Q, RP,
+def _mx_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, seg_ptr, P, Q, RP, RS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr,
                      INTERPRET: tl.constexpr):
-    """out[e] [P, Q] = A[:, seg e] @ B[:, seg e]ᵀ, A [P, RP], B [Q, RP]; seg e = [seg[e], seg[e+1])."""
+    """out[e] [P, Q] = A[:, seg e] @ B[:, seg e]ᵀ, A [P, RP], B [Q, RP]; seg e = [seg[e], seg[e+1]); RS = RP // 32."""
     e = tl.program_id(0)
     pm = tl.program_id(1)
     pn = tl.program_id(2)
@@ -131,9 +150,13 @@ def _mx_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, seg_ptr, P, Q, RP,
     rmask = rows < P
     nmask = cols < Q
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(s0, s1, BK):
-        acc = _mx_step(a_ptr, sa_ptr, rows.to(tl.int64)[:, None], rmask[:, None], b_ptr, sb_ptr,
-                       cols.to(tl.int64)[:, None], nmask[:, None], k0, s1, RP, acc, BLOCK_M, BLOCK_N, FP8, BK, INTERPRET)
+    a_rows, b_rows = rows.to(tl.int64)[:, None], cols.to(tl.int64)[:, None]
+    ca, cb = _mx_scale_codes(sa_ptr, a_rows, rmask[:, None], sb_ptr, b_rows, nmask[:, None], s0, s1, RS, BK)
+    for k0 in range(s0, s1, BK):  # each step's scales loaded during the step before (see _mx_step)
+        na, nb = _mx_scale_codes(sa_ptr, a_rows, rmask[:, None], sb_ptr, b_rows, nmask[:, None], k0 + BK, s1, RS, BK)
+        acc = _mx_step(a_ptr, ca, a_rows, rmask[:, None], b_ptr, cb, b_rows, nmask[:, None], k0, s1, RP, acc,
+                       BLOCK_M, BLOCK_N, FP8, BK, INTERPRET)
+        ca, cb = na, nb
     out_rows = (e.to(tl.int64) * P + rows)[:, None]
     tl.store(out_ptr + out_rows * Q + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
@@ -161,7 +184,7 @@ def grouped_mxfp8(qa, qb, counts, out_dtype: torch.dtype = torch.float32, *, fp8
     if rows:
         bk = 32 if fp8 else BF16_BLOCK_K
         _mx_rows_kernel[(cmap.shape[1], triton.cdiv(nc, cfg.block_n))](
-            a, sa, b, sb, out, cmap, cmap.shape[1], nc, kr, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            a, sa, b, sb, out, cmap, cmap.shape[1], nc, kr, kr // 32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             FP8=fp8, BK=bk, INTERPRET=interpret(), EVEN_N=nc % cfg.block_n == 0, EVEN_K=kr % bk == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out.to(out_dtype)
@@ -186,7 +209,7 @@ def wgrad_mxfp8(qa, qb, padded_counts, out_dtype: torch.dtype = torch.float32, *
     seg = torch.cat([pc.new_zeros(1), torch.cumsum(pc, 0)]).to(torch.int32)
     out = torch.empty((groups, p, q), dtype=out_dtype, device=a.device)
     grid = (groups, triton.cdiv(p, config.block_m), triton.cdiv(q, config.block_n))
-    _mx_wgrad_kernel[grid](a, sa, b, sb, out, seg, p, q, rp, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+    _mx_wgrad_kernel[grid](a, sa, b, sb, out, seg, p, q, rp, rp // 32, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
                            FP8=fp8, BK=32 if fp8 else BF16_BLOCK_K, INTERPRET=interpret(), num_warps=config.num_warps,
                            num_stages=config.num_stages)
     return out

@@ -135,6 +135,18 @@ def _kernels():
                     n_chunks="i32")
     yield ("fused router top-k", rr._topk_kernel, topk_sig,
            dict(TOP_K=4, NORMALIZE=True, C=tl.float32, ROWS=16, BLOCK_E=32, K_PAD=4), 4)
+    from rl4bit.kernels import mxfp8_gemm_triton as mg
+
+    mx_sig = dict(a_ptr="*u8", sa_ptr="*u8", b_ptr="*u8", sb_ptr="*u8", out_ptr="*fp32", map_ptr="*i32",
+                  n_tiles="i32", NC="i32", KR="i32", KS="i32")
+    yield ("mxfp8 grouped GEMM (dgrad), BF16 path", mg._mx_rows_kernel, mx_sig,
+           dict(BLOCK_M=128, BLOCK_N=128, FP8=False, BK=64, INTERPRET=False, EVEN_N=True, EVEN_K=True), 4)
+    yield ("mxfp8 grouped GEMM (dgrad), FP8 cores", mg._mx_rows_kernel, mx_sig,
+           dict(BLOCK_M=128, BLOCK_N=64, FP8=True, BK=32, INTERPRET=False, EVEN_N=True, EVEN_K=True), 4)
+    wg_sig = dict(a_ptr="*u8", sa_ptr="*u8", b_ptr="*u8", sb_ptr="*u8", out_ptr="*fp32", seg_ptr="*i32", P="i32",
+                  Q="i32", RP="i32", RS="i32")
+    yield ("mxfp8 wgrad GEMM, BF16 path", mg._mx_wgrad_kernel, wg_sig,
+           dict(BLOCK_M=128, BLOCK_N=128, FP8=False, BK=64, INTERPRET=False), 8)
     dec_sig = dict(data_ptr="*i8", scale_ptr="*u8", out_ptr="*fp32", R="i32", K="i32", **seeds)
     yield "s2f6 decode + inverse rht", s2._s2f6_dequant_kernel, dec_sig, dict(BLOCK_R=4, BLOCK_K=1024, HAS_RHT=True), 4
 
@@ -171,7 +183,8 @@ def compile_all(count: bool = False) -> list[str]:
         full = dict(sig, **{k: "constexpr" for k in consts})
         # real launches specialize pointers, K/M and strides (multiples of 16) as 16-divisible
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                 if (a.endswith("_ptr") or a in ("K", "M") or a.startswith("s_")) and a not in consts
+                 if (a.endswith("_ptr") or a in ("K", "M", "KW", "KS", "KR", "NC", "RP", "RS") or a.startswith("s_"))
+                 and a not in consts
                  and a not in (fn.do_not_specialize or ())}
         src = ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": False})
