@@ -143,6 +143,12 @@ def decode_programs(rows: int, groups: int, n: int) -> int:
     return tiles * triton.cdiv(n, DECODE.block_n)
 
 
+def decode_rows(rows: int, groups: int) -> bool:
+    """Whether `pick_config` gives a call of this many rows over `groups` experts a DECODE-family config (16-row
+    tiles), whatever its K and N."""
+    return TWO_CONFIGS and (rows <= DECODE_MAX_ROWS or rows <= DECODE_MAX_ROWS_PER_GROUP * groups)
+
+
 def pick_config(rows: int, groups: int = 1, k: int = DECODE_LONG_K, n: int | None = None) -> Config:
     """DECODE for few rows (R <= DECODE_MAX_ROWS, or at most DECODE_MAX_ROWS_PER_GROUP rows an expert; its
     64-wide-step twin DECODE_SHORT_K below K = DECODE_LONG_K unless the call has at most SMALL_GRID
@@ -154,7 +160,7 @@ def pick_config(rows: int, groups: int = 1, k: int = DECODE_LONG_K, n: int | Non
     """
     if not TWO_CONFIGS:
         return TRAIN
-    if rows <= DECODE_MAX_ROWS or rows <= DECODE_MAX_ROWS_PER_GROUP * groups:
+    if decode_rows(rows, groups):
         if k >= DECODE_LONG_K or (n is not None and decode_programs(rows, groups, n) <= SMALL_GRID):
             return DECODE
         return DECODE_SHORT_K

@@ -18,6 +18,9 @@ which is what makes them agree. It runs the same loop as `rmsnorm_triton`, and o
 fused norm followed by HF's rotary ops bitwise for D = 64 and 128 (tested); by construction it need not
 (`tl.sum`'s tree is the compiler's layout choice for each kernel).
 
+Optionally (`cache=`) the key rows and their tokens' value rows also go into the engine's KV cache, rounded as
+`attention_triton.cache_write` rounds them (the decode step's cache write is no launch of its own).
+
 Leaves out: odd head dims, partial rotary (rotary dim < head dim), interleaved (GPT-J) rotation, a row of
 more than 1024 elements (one chunk).
 """
@@ -56,17 +59,43 @@ def _norm_rope_row(x_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, r, heads, s_t, D, eps,
     out_ty = y_ptr.dtype.element_ty
     y = round_to(round_to(h * c, out_ty) + round_to(rot * s, out_ty), out_ty)
     tl.store(y_ptr + r * D + offs, y.to(out_ty), mask=live)
+    return y, offs, live
 
 
-@triton.jit(do_not_specialize=["rows_q", "rows_k"])
+@triton.jit
+def _cache_row(y, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, r, heads, s_vt, s_cs, s_ch, s_cp, n_cache, D, offs, live):
+    """Key row r's value y (FP32 holding the key output's values) and the same token's value row, rounded to the
+    cache's dtype (`attention_triton._cache_write_kernel`'s rounding), into cache slot slot[t] at position
+    pos[t] (t = r // heads, for t < n_cache)."""
+    t = r // heads
+    if t < n_cache:
+        head = r - t * heads
+        slot = tl.load(slot_ptr + t)
+        pos = tl.load(pos_ptr + t)
+        dst = slot * s_cs + head * s_ch + pos * s_cp + offs
+        ty = kc_ptr.dtype.element_ty
+        tl.store(kc_ptr + dst, round_to(y, ty).to(ty), mask=live)
+        v = tl.load(v_ptr + t * s_vt + head * D + offs, mask=live, other=0.0).to(tl.float32)
+        tl.store(vc_ptr + dst, round_to(v, ty).to(ty), mask=live)
+
+
+@triton.jit(do_not_specialize=["rows_q", "rows_k", "n_cache", "s_cs", "s_ch", "s_cp"])
 def _qk_norm_rope_kernel(q_ptr, k_ptr, wq_ptr, wk_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, rows_q, rows_k, hq, hk,
-                         s_qt, s_kt, D, eps_q, eps_k, HQ_DTYPE: tl.constexpr, HK_DTYPE: tl.constexpr,
-                         ASM: tl.constexpr, BLOCK: tl.constexpr):
+                         s_qt, s_kt, D, eps_q, eps_k, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, s_vt, s_cs, s_ch, s_cp,
+                         n_cache, HQ_DTYPE: tl.constexpr, HK_DTYPE: tl.constexpr, ASM: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """Key rows of the first n_cache tokens (and their value rows) also go to the KV cache (`qk_norm_rope(cache=)`).
+    A run-time count, not a constexpr: with and without the cache it is one compiled kernel where the pointer
+    types agree, so the norm's sum tree (the compiler's layout choice) cannot differ between the engine's
+    calls and the trainer's."""
     r = tl.program_id(0).to(tl.int64)
     if r < rows_q:
         _norm_rope_row(q_ptr, wq_ptr, qo_ptr, cos_ptr, sin_ptr, r, hq, s_qt, D, eps_q, HQ_DTYPE, ASM, BLOCK)
     else:
-        _norm_rope_row(k_ptr, wk_ptr, ko_ptr, cos_ptr, sin_ptr, r - rows_q, hk, s_kt, D, eps_k, HK_DTYPE, ASM, BLOCK)
+        y, offs, live = _norm_rope_row(k_ptr, wk_ptr, ko_ptr, cos_ptr, sin_ptr, r - rows_q, hk, s_kt, D, eps_k,
+                                       HK_DTYPE, ASM, BLOCK)
+        _cache_row(y, v_ptr, kc_ptr, vc_ptr, slot_ptr, pos_ptr, r - rows_q, hk, s_vt, s_cs, s_ch, s_cp, n_cache, D,
+                   offs, live)
 
 
 def _token_rows(x: torch.Tensor) -> torch.Tensor:
@@ -78,9 +107,25 @@ def _token_rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
+_NO_ROWS: dict = {}
+
+
+def _no_rows(device) -> torch.Tensor:
+    """A one-element int64 tensor on `device`: the cache-less calls' slot / pos pointers (never read)."""
+    key = str(device)
+    if key not in _NO_ROWS:
+        _NO_ROWS[key] = torch.zeros(1, dtype=torch.int64, device=device)
+    return _NO_ROWS[key]
+
+
+def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin, cache: tuple | None = None):
     """q [B, T, Hq, D], k [B, T, Hkv, D], weights [D], cos/sin [B, T, D] (or broadcastable) ->
-    (q_out [B, T, Hq, D], k_out [B, T, Hkv, D]) in HF's dtypes (see module doc). ValueError on other shapes."""
+    (q_out [B, T, Hq, D], k_out [B, T, Hkv, D]) in HF's dtypes (see module doc). ValueError on other shapes.
+
+    cache = (v, kc, vc, slot, pos): also `attention_triton.cache_write(k_out[0, :n], v[0, :n], kc, vc, slot,
+    pos)` with n = len(slot), in the same launch (B = 1; v [1, T, Hkv, D] with a token's heads contiguous,
+    kc / vc [slots, Hkv, L, D], slot / pos int64 [n]): the same values in the cache, one launch fewer a layer.
+    """
     b, t, hq, d = q.shape
     hk = k.shape[2]
     floats = (torch.float32, torch.bfloat16, torch.float16)
@@ -96,11 +141,24 @@ def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin):
     qo = torch.empty(q.shape, dtype=torch.promote_types(hq_dt, cos.dtype), device=q.device)
     ko = torch.empty(k.shape, dtype=torch.promote_types(hk_dt, cos.dtype), device=k.device)
     rows_q, rows_k = b * t * hq, b * t * hk
+    if cache is None:  # nothing written (n_cache 0); the same pointer types as the engine's calls, whose cache
+        # holds k's dtype (the GEMM output's): one compiled kernel for both (see the kernel)
+        idx = _no_rows(k.device)
+        v, kc, vc, slot, pos = k, k, k, idx, idx
+    else:
+        v, kc, vc, slot, pos = cache
+        if (b != 1 or v.shape != k.shape or v.stride(3) != 1 or v.stride(2) != d or kc.shape != vc.shape
+                or kc.stride() != vc.stride() or kc.dim() != 4 or kc.shape[1] != hk or kc.shape[3] != d
+                or kc.stride(3) != 1 or slot.shape != pos.shape or slot.dim() != 1 or slot.numel() > t):
+            raise ValueError(f"qk_norm_rope cache: v {tuple(v.shape)}, caches {tuple(kc.shape)} / {tuple(vc.shape)}, "
+                             f"slot {tuple(slot.shape)}, pos {tuple(pos.shape)}: need B = 1, v like k with a token's "
+                             f"heads contiguous, [slots, Hkv, L, D] caches of one layout, int64 [n <= T] slot/pos")
     if rows_q + rows_k:
         with _on_device(q):
             _qk_norm_rope_kernel[(rows_q + rows_k,)](
                 q, k, wq.contiguous(), wk.contiguous(), qo, ko, cos, sin, rows_q, rows_k, hq, hk, q.stride(1),
-                k.stride(1), d,
-                float(eps_q), float(eps_k), HQ_DTYPE=FLOAT_TL[hq_dt], HK_DTYPE=FLOAT_TL[hk_dt], ASM=not interpret(),
+                k.stride(1), d, float(eps_q), float(eps_k), v, kc, vc, slot, pos, v.stride(1),
+                *(kc.stride()[:3] if cache is not None else (0, 0, 0)), slot.numel() if cache is not None else 0,
+                HQ_DTYPE=FLOAT_TL[hq_dt], HK_DTYPE=FLOAT_TL[hk_dt], ASM=not interpret(),
                 BLOCK=triton.next_power_of_2(d), num_warps=4, enable_fp_fusion=False)
     return qo, ko

@@ -39,7 +39,7 @@ MAX_ENTRIES = 4096
 
 @triton.jit
 def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, map_ptr, N, E, T, K: tl.constexpr,
-                  BLOCK: tl.constexpr, E_PAD: tl.constexpr, MAP_BLOCK_M: tl.constexpr, T_PAD: tl.constexpr):
+                  BLOCK: tl.constexpr, E_PAD: tl.constexpr, MAP_BLOCK_M: tl.constexpr, T_BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     live = offs < N
     e = tl.load(idx_ptr + offs, mask=live, other=E)
@@ -51,8 +51,10 @@ def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, map_ptr, N, 
     counts = tl.histogram(e, E_PAD)
     bins = tl.arange(0, E_PAD)
     tl.store(counts_ptr + bins, counts.to(tl.int32), mask=bins < E)
-    if MAP_BLOCK_M > 0:  # the grouped GEMMs' tile map of these counts (integers: `tile_map`'s values exactly)
-        map_tiles(tl.where(bins < E, counts, 0).to(tl.int32), bins, E, tl.arange(0, T_PAD), T, map_ptr, MAP_BLOCK_M)
+    if MAP_BLOCK_M > 0:  # the grouped GEMMs' tile map of these counts (integers: `tile_map`'s values exactly),
+        c = tl.where(bins < E, counts, 0).to(tl.int32)  # T_BLOCK tiles at a time: [T_BLOCK, E_PAD] intermediates
+        for t0 in range(0, T, T_BLOCK):
+            map_tiles(c, bins, E, t0 + tl.arange(0, T_BLOCK), T, map_ptr, MAP_BLOCK_M)
 
 
 def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int = 0):
@@ -73,6 +75,6 @@ def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int 
     with _on_device(flat):
         _route_kernel[(1,)](flat.contiguous(), order, tok, inv, counts, counts if cmap is None else cmap, n,
                             num_experts, n_tiles, K=k, BLOCK=block, E_PAD=triton.next_power_of_2(num_experts + 1),
-                            MAP_BLOCK_M=map_block_m, T_PAD=triton.next_power_of_2(max(n_tiles, 2)),
+                            MAP_BLOCK_M=map_block_m, T_BLOCK=min(64, triton.next_power_of_2(max(n_tiles, 2))),
                             num_warps=4 if block <= 1024 else 8)
     return order, tok, counts, inv, cmap

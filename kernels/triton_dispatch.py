@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import torch
 
 from rl4bit.kernels import mxfp8_triton, nvfp4_triton, s2f6_triton
-from rl4bit.kernels.checks import NonFiniteInputError, check_input, layout_problem
+from rl4bit.kernels.checks import NonFiniteInputError, _first_index, check_input, layout_problem
 from rl4bit.kernels.qtensor import BLOCK, QTensor
 from rl4bit.kernels.stochastic import check_seed
 
@@ -158,8 +158,10 @@ def quantize_nvfp4_rows(x: torch.Tensor, *, four_over_six: bool, decode: str | N
             flag.zero_()
             xr = x if rows is None else x[rows]
             check_input(xr, "nvfp4", BLOCK["nvfp4"], allow_nan=False)  # the rows' own NaN/Inf, named
-            raise NonFiniteInputError(f"nvfp4: rows of x {tuple(xr.shape)} overflow {cast} (x itself is finite); "
-                                      f"the values are out of that dtype's range")
+            over = ~torch.isfinite(xr.to(cast))
+            raise NonFiniteInputError(f"nvfp4: {int(over.sum())} value(s) of the rows {tuple(xr.shape)} overflow "
+                                      f"{cast} (they are finite in {x.dtype}), first at index {_first_index(over)}: "
+                                      f"find where the activations grow past {cast}'s range")
     elif not swiglu:
         _raise_if_flagged(flag, x, "nvfp4", allow_nan=False)
     elif not _DEFERRED[0] and int(flag.item()) != 0:

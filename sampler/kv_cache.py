@@ -173,10 +173,13 @@ def pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(*x.shape[:-2], rows - m, x.shape[-1])], dim=-2)
 
 
-def engine_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, rl4bit_step=None, **kwargs):
+def engine_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, rl4bit_step=None,
+                     rl4bit_kv_written=False, **kwargs):
     """Per-sequence attention over the full-length cache slot (see module docstring).
 
     query [1, Hq, T, D], key/value [1, Hkv, T, D] (post-RoPE, this step's tokens).
+    rl4bit_kv_written: the fused q/k-norm + RoPE kernel has written this step's keys and values into the cache
+    already (`trainer.fused_attention`, the kernel path only).
     Returns ([1, T, Hq, D], None) like HF's eager attention. Sequences with the
     same number of new tokens are stacked into one batched matmul: each
     (sequence, kv head) is its own matrix product of a fixed shape, so the
@@ -195,8 +198,9 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
     if fused_attention_ok(query, key, value, kc.dtype):  # the trainer's kernel too (trainer.actor.train_attention)
         from rl4bit.kernels.attention_triton import cache_write
 
-        cache_write(key[0, :, :n_real].transpose(0, 1), value[0, :, :n_real].transpose(0, 1), kc, vc,
-                    step.token_slot, step.token_pos)
+        if not rl4bit_kv_written:
+            cache_write(key[0, :, :n_real].transpose(0, 1), value[0, :, :n_real].transpose(0, 1), kc, vc,
+                        step.token_slot, step.token_pos)
         seqs, tiles, covered = step.attention_tables(g, dev)
         out = attend(query[0].transpose(0, 1), kc, vc, seqs, tiles, scaling, kc.dtype, covered=covered,
                      key_chunks=step.key_chunks())

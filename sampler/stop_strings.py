@@ -12,22 +12,27 @@ tokenizer trained in memory as in the tests, timed by hand), so at batch 64 a fe
 more than a GPU decode step: the engine's host loop, not the GPU, would set the throughput.
 
 Why the tail sees every new occurrence: the engine checks after every token, so an occurrence is new in the
-step whose token completes it, and it lies in the text of the last tokens: a stop string of b UTF-8 bytes
-spans at most b tokens of byte-level and byte-fallback tokenizers (every token is at least one byte), and
-the text of the tail's first tokens may differ from the whole decode's (a leading space a SentencePiece
-decoder drops, a character cut in two, clean-up rules that look one token back): WINDOW_MARGIN tokens cover
-that. Special tokens (removed by `skip_special_tokens`) are not counted in the window.
-tests/sampler/test_stop_strings.py checks the claim step by step on byte-level BPE, SentencePiece-style and
-character tokenizers: no step where the whole-text search finds a stop and the tail does not.
+step whose token completes it, and it ends within the last few characters of the text (clean-up rules that
+drop a space before punctuation look one token back). The tail is decoded from the last `window` tokens
+(the longest stop string's UTF-8 bytes plus WINDOW_MARGIN: enough for byte-level and byte-fallback
+tokenizers, whose tokens are at least one byte) and doubled until it decodes to at least CHAR_MARGIN
+characters more than the longest stop string, or is the whole completion: tokens that decode to nothing
+(special and added tokens `skip_special_tokens` drops, a lone space a clean-up rule removes) only make it
+reach further back. The tail's first characters may differ from the whole decode's (a leading space a
+SentencePiece decoder drops, a character cut in two): the margins cover them.
+tests/sampler/test_stop_strings.py checks the claim step by step on byte-level BPE, SentencePiece-style,
+WordPiece and character tokenizers, and on runs of tokens that decode to nothing: no step where the
+whole-text search finds a stop and the tail does not.
 
-Leaves out: incremental detokenization (vLLM's); tokenizers with tokens of no bytes other than specials.
+Leaves out: incremental detokenization (vLLM's).
 """
 
 from __future__ import annotations
 
 WINDOW_MARGIN = 8
-"""Tokens added to the longest stop string's byte length: the tail's first tokens may decode otherwise than
-within the whole text."""
+"""Tokens added to the longest stop string's byte length for the first tail decoded."""
+CHAR_MARGIN = 8
+"""Characters a decoded tail must hold beyond the longest stop string (else it takes twice the tokens)."""
 
 
 class StopStrings:
@@ -37,21 +42,23 @@ class StopStrings:
         self.tokenizer = tokenizer
         self.stops = list(stops)
         self.window = max(len(s.encode("utf-8")) for s in self.stops) + WINDOW_MARGIN if self.stops else 0
-        self.specials = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        self.chars = max(len(s) for s in self.stops) + CHAR_MARGIN if self.stops else 0
 
-    def _tail(self, ids: list[int]) -> list[int]:
-        """The last `window` ids that are not special tokens, and the special ones among them."""
-        i, kept = len(ids), 0
-        while i > 0 and kept < self.window:
-            i -= 1
-            kept += ids[i] not in self.specials
-        return ids[i:]
+    def _tail_text(self, ids: list[int]) -> str:
+        """The decoded text of the last tokens: `window` of them, doubled until it holds `chars` characters or
+        is the whole completion."""
+        n = self.window
+        while True:
+            text = self.tokenizer.decode(ids[-n:], skip_special_tokens=True)
+            if len(text) >= self.chars or n >= len(ids):
+                return text
+            n *= 2
 
     def check(self, ids: list[int]) -> str | None:
         """The decoded completion cut after the first stop string it holds, or None when it holds none."""
-        if not self.stops:
+        if not self.stops or not ids:
             return None
-        tail = self.tokenizer.decode(self._tail(ids), skip_special_tokens=True)
+        tail = self._tail_text(ids)
         if not any(stop in tail for stop in self.stops):
             return None
         return first_stop(self.tokenizer.decode(ids, skip_special_tokens=True), self.stops)

@@ -109,7 +109,8 @@ def _forward(module: nn.Module, orig_forward, eager, hidden_states, position_emb
         q, k, v = (p(hidden_states) for p in (module.q_proj, module.k_proj, module.v_proj))
     else:
         q, k, v = projections(module, hidden_states)
-    q, k, v = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape).transpose(1, 2)
+    q, k, v_rows = q.view(hidden_shape), k.view(hidden_shape), v.view(hidden_shape)
+    v = v_rows.transpose(1, 2)
     if use_reference:
         q, k = reference(q, k, module.q_norm, module.k_norm, cos, sin)
     else:
@@ -120,7 +121,10 @@ def _forward(module: nn.Module, orig_forward, eager, hidden_states, position_emb
         else:
             from rl4bit.kernels.qk_rope_triton import qk_norm_rope
 
-            q, k = qk_norm_rope(q, k, wq, wk, eq, ek, cos, sin)
+            cache = _engine_cache(module, kwargs.get("rl4bit_step"), q, k, v_rows)
+            q, k = qk_norm_rope(q, k, wq, wk, eq, ek, cos, sin, cache=cache)
+            if cache is not None:
+                kwargs["rl4bit_kv_written"] = True  # engine_attention skips its cache write
     kwargs.pop("past_key_values", None)
     kwargs.pop("cache", None)
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -130,6 +134,20 @@ def _forward(module: nn.Module, orig_forward, eager, hidden_states, position_emb
                              dropout=0.0 if not module.training else module.attention_dropout, scaling=module.scaling,
                              sliding_window=getattr(module, "sliding_window", None), **kwargs)
     return module.o_proj(out.reshape(*input_shape, -1).contiguous()), weights
+
+
+def _engine_cache(module: nn.Module, step, q, k, v_rows) -> tuple | None:
+    """(v, kc, vc, slot, pos) for `qk_norm_rope(cache=)` when this forward is the embedded engine's (its
+    `rl4bit_step` kwarg) and its attention takes the kernel path, which then skips its own cache write
+    (`sampler.kv_cache.engine_attention`); else None."""
+    if step is None or q.shape[0] != 1:
+        return None
+    from rl4bit.kernels.attention import fused_attention_ok
+
+    kc, vc = step.cache.k[module.layer_idx], step.cache.v[module.layer_idx]
+    if not fused_attention_ok(q.transpose(1, 2), k.transpose(1, 2), v_rows.transpose(1, 2), kc.dtype):
+        return None
+    return v_rows, kc, vc, step.token_slot, step.token_pos
 
 
 def _stackable(lins) -> bool:

@@ -433,19 +433,21 @@ def expert_grouping(flat_index: torch.Tensor, groups: int, k: int, maps: dict | 
     None from torch's path, where `trainer.combine` builds it only if its kernel runs).
     A decode step's small index takes one fused kernel (`kernels.route_triton`, the same integers) when the
     fused kernels are on (`kernels.fused`); given `maps` (the dict the layer's NVFP4 GEMMs share, see
-    `qgemm_triton.shared_tile_map`), that kernel also writes their tile map for DECODE's row tiles into it."""
+    `qgemm_triton.shared_tile_map`), that kernel also writes their tile map for DECODE's row tiles into it
+    when the GEMMs will take those tiles (`qgemm_triton.decode_rows`)."""
     if fused.enabled(flat_index.device.type):
         from rl4bit.kernels.route_triton import MAX_ENTRIES, expert_order  # triton is optional off the fused path
 
         if flat_index.numel() <= MAX_ENTRIES:
             block_m = 0
-            if maps is not None:
-                from rl4bit.kernels.qgemm_triton import DECODE
+            if maps is not None:  # only for the 16-row tiles the layer's GEMMs will run (else the map is unused)
+                from rl4bit.kernels.qgemm_triton import DECODE, decode_rows
 
-                block_m = DECODE.block_m
+                block_m = DECODE.block_m if decode_rows(flat_index.numel(), groups) else 0
             order, tok, counts, inv, cmap = expert_order(flat_index, groups, k, block_m)
-            if cmap is not None:
+            if maps is not None:  # a new routing: whatever the dict held belongs to another one
                 maps.clear()
+            if cmap is not None:
                 maps["counts"], maps[(flat_index.numel(), block_m)] = counts, cmap
             return order, tok, counts, inv
     order = torch.argsort(flat_index, stable=True)

@@ -201,7 +201,8 @@ def test_quantize_rows_rejects_bad_index_and_names_overflow():
     got = td.quantize_nvfp4_rows(x, four_over_six=True, rows=torch.tensor([0, 1], device=DEVICE),
                                  cast=torch.bfloat16)
     assert got is not None  # row 3 is not read
-    with pytest.raises(NonFiniteInputError, match="overflow"):
+    with pytest.raises(NonFiniteInputError, match=r"1 value\(s\) of the rows \(2, 32\) overflow torch.bfloat16 .* "
+                                                  r"first at index \(1, 5\)"):
         td.quantize_nvfp4_rows(x, four_over_six=True, rows=torch.tensor([0, 3], device=DEVICE), cast=torch.bfloat16)
     x[2, 0] = float("nan")
     with pytest.raises(NonFiniteInputError, match="NaN"):

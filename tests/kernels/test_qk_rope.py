@@ -89,6 +89,36 @@ def test_strided_token_rows_are_read_in_place():
         assert_bitwise_equal(g, x, f"{name} strided")
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32])
+def test_cache_rows_in_the_same_launch_equal_cache_write(cache_dtype):
+    """cache=: keys and values of the first n tokens land in their (slot, position) as `cache_write` puts them
+    (rounded to the cache's dtype), from q/k/v views of one stacked GEMM output; other cache rows and the
+    returned q/k are untouched by it; slot/pos of fewer tokens than T (padding rows) write nothing else."""
+    from rl4bit.kernels.attention_triton import cache_write
+
+    d, hq, hk, t, n = 32, 4, 2, 6, 5
+    qkv = _rand(1, t, (hq + 2 * hk) * d, dtype=torch.bfloat16, seed=41, scale=3.0)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k, v = q.view(1, t, hq, d), k.view(1, t, hk, d), v.view(1, t, hk, d)
+    w = _rand(d, seed=42)
+    cos, sin = _rope_inputs(1, t, d, torch.float32, 43)
+    slot = torch.tensor([2, 0, 2, 1, 2], device=DEVICE)
+    pos = torch.tensor([7, 3, 8, 0, 9], device=DEVICE)
+    noise = _rand(3, hk, 12, d, dtype=cache_dtype, seed=44)
+    kc, vc = noise.clone(), noise.clone() + 1
+    want_q, want_k = qk_norm_rope(q, k, w, w, 1e-6, 1e-6, cos, sin)
+    want_kc, want_vc = kc.clone(), vc.clone()
+    cache_write(want_k[0, :n], v[0, :n], want_kc, want_vc, slot, pos)
+    got_q, got_k = qk_norm_rope(q, k, w, w, 1e-6, 1e-6, cos, sin, cache=(v, kc, vc, slot, pos))
+    assert_bitwise_equal(got_q, want_q, "q")
+    assert_bitwise_equal(got_k, want_k, "k")
+    assert_bitwise_equal(kc, want_kc, "key cache")
+    assert_bitwise_equal(vc, want_vc, "value cache")
+    assert not torch.equal(kc, noise), "the test must write something"
+    with pytest.raises(ValueError, match="qk_norm_rope cache"):
+        qk_norm_rope(q, k, w, w, 1e-6, 1e-6, cos, sin, cache=(v, kc, vc[:, :1], slot, pos))
+
+
 def _tiny(family):
     from transformers import AutoConfig, AutoModelForCausalLM
 

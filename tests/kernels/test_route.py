@@ -108,3 +108,12 @@ def test_grouping_fills_the_layers_shared_maps():
     cmap = maps[(64, qg.DECODE.block_m)]
     assert qg.shared_tile_map(maps, counts, 16, 64, qg.DECODE.block_m, DEVICE) is cmap
     assert torch.equal(cmap, qg.tile_map(counts, 64, qg.DECODE.block_m))
+    many = torch.randint(0, 4, (512,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    assert not qg.decode_rows(512, 4)  # 128 rows an expert: MID / TRAIN tiles, so no 16-row map is made
+    fused.set_enabled(True, torch.device(DEVICE).type)
+    try:
+        maps = {"counts": "stale"}
+        expert_grouping(many, 4, 2, maps)
+    finally:
+        fused.set_enabled(True, "cuda")
+    assert maps == {}

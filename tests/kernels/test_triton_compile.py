@@ -96,8 +96,8 @@ def _kernels():
 
     rope_sig = dict(q_ptr="*bf16", k_ptr="*bf16", wq_ptr="*fp32", wk_ptr="*fp32", qo_ptr="*fp32", ko_ptr="*fp32",
                     cos_ptr="*fp32", sin_ptr="*fp32", rows_q="i32", rows_k="i32", hq="i32", hk="i32", s_qt="i32",
-                    s_kt="i32", D="i32",
-                    eps_q="fp32", eps_k="fp32")
+                    s_kt="i32", D="i32", eps_q="fp32", eps_k="fp32", v_ptr="*bf16", kc_ptr="*bf16", vc_ptr="*bf16",
+                    slot_ptr="*i64", pos_ptr="*i64", s_vt="i32", s_cs="i32", s_ch="i32", s_cp="i32", n_cache="i32")
     yield ("fused qk-norm + rope", qr._qk_norm_rope_kernel, rope_sig,
            dict(HQ_DTYPE=tl.float32, HK_DTYPE=tl.float32, ASM=True, BLOCK=128), 4)
     comb_sig = dict(o_ptr="*bf16", w_ptr="*fp32", idx_ptr="*i64", inv_ptr="*i64", out_ptr="*fp32", H="i32", E="i32")
@@ -105,9 +105,11 @@ def _kernels():
     route_sig = dict(idx_ptr="*i64", order_ptr="*i64", tok_ptr="*i64", inv_ptr="*i64", counts_ptr="*i32",
                      map_ptr="*i32", N="i32", E="i32", T="i32")
     yield "fused moe grouping", rt._route_kernel, route_sig, dict(K=4, BLOCK=1024, E_PAD=64, MAP_BLOCK_M=0,
-                                                                   T_PAD=2), 4
+                                                                   T_BLOCK=2), 4
     yield ("fused moe grouping + tile map", rt._route_kernel, route_sig,
-           dict(K=4, BLOCK=4, E_PAD=64, MAP_BLOCK_M=16, T_PAD=8), 4)  # a batch-1 step: 4 entries, 5 row tiles
+           dict(K=4, BLOCK=4, E_PAD=64, MAP_BLOCK_M=16, T_BLOCK=8), 4)  # a batch-1 step: 4 entries, 5 row tiles
+    yield ("fused moe grouping + tile map, 128 experts", rt._route_kernel, route_sig,
+           dict(K=8, BLOCK=2048, E_PAD=256, MAP_BLOCK_M=16, T_BLOCK=64), 8)  # 256 tokens x top-8: 256 row tiles
     from rl4bit.kernels import attention_triton as at
 
     strides = ("s_qt", "s_qh", "s_kh", "s_kp", "s_vh", "s_vp", "s_ot", "s_oh")

@@ -117,8 +117,8 @@ def test_no_whole_decode_until_the_tail_holds_a_stop():
     assert hit > 2 * checker.window, "the stop string must come late for the test to bite"
     for t in range(1, hit):
         assert checker.check(ids[:t]) is None
-    assert len(tok.lengths) == hit - 1
-    assert max(tok.lengths) <= checker.window + sum(i in checker.specials for i in ids)
+    assert len(tok.lengths) == hit - 1  # one tail decode a step
+    assert max(tok.lengths) <= checker.window  # the tails held enough characters: none had to grow
     cut = checker.check(ids[:hit])
     assert cut == first_stop(tok.tok.decode(ids[:hit], skip_special_tokens=True), stops) and cut.endswith("</answer>")
     assert tok.lengths[-2:] == [min(hit, tok.lengths[-2]), hit]  # the tail, then the whole completion once
@@ -137,3 +137,33 @@ def test_a_leading_space_the_tail_decode_drops_is_covered_by_the_margin():
     ids = [vocab["a"], vocab["\u2581"], vocab["x"]]
     assert tok.decode(ids) == "a x" and tok.decode(ids[1:]) == "x"
     assert StopStrings(tok, [" x"]).check(ids) == "a x"
+
+
+def test_runs_of_tokens_that_decode_to_nothing_widen_the_tail():
+    """Tokens the window counts but the text does not show: an added special token that `all_special_ids`
+    does not list (Llama-3's reserved tokens are such), and lone spaces a clean-up rule removes before '.'.
+    A stop string spread over more of them than the first window still ends the completion when the whole
+    text shows it."""
+    from tokenizers import AddedToken
+
+    tok = _byte_bpe()
+    tok.add_tokens([AddedToken("<|reserved|>", special=True)])
+    reserved = tok.convert_tokens_to_ids("<|reserved|>")
+    assert reserved not in tok.all_special_ids and tok.decode([reserved], skip_special_tokens=True) == ""
+    a, b = (tok(c, add_special_tokens=False)["input_ids"] for c in ("a", "b"))
+    ids = a + [reserved] * 40 + b
+    checker = StopStrings(tok, ["ab"])
+    assert 40 > checker.window
+    assert [checker.check(ids[:t]) for t in range(1, len(ids) + 1)] == [None] * (len(ids) - 1) + ["ab"]
+
+    uni = Tokenizer(models.Unigram([("<unk>", 0.0), ("<eos>", 0.0), ("\u2581", -1.0), (".", -1.0), ("a", -1.0)],
+                                   unk_id=0))  # a Unigram SentencePiece: transformers keeps its clean-up rules
+    uni.pre_tokenizer, uni.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    sp = PreTrainedTokenizerFast(tokenizer_object=uni, eos_token="<eos>", unk_token="<unk>",
+                                 clean_up_tokenization_spaces=True)
+    ids = [4] + [2, 3] * 12  # a, then (lone space, '.') pairs
+    assert sp.decode(ids) == "a" + "." * 12  # each " ." cleaned to "."
+    checker = StopStrings(sp, ["." * 12])
+    for t in range(1, len(ids) + 1):
+        assert checker.check(ids[:t]) == first_stop(sp.decode(ids[:t], skip_special_tokens=True), ["." * 12]), t
+    assert checker.check(ids) == "a" + "." * 12
