@@ -2,7 +2,8 @@
 # One device call's worth of GPU checks (the lent H200 image: torch, triton, transformers, no ray/vllm):
 # the GPU tests of the decode path's kernels, then `bench rollout` and the decode-step profile, each into
 # $OUT (or ./gpu-check-out). About 8 minutes on an H200; stops at nothing (every step's exit code is logged).
-#   source scripts/device_env.sh && bash scripts/gpu_check.sh [--quick]    # --quick: tests + batch-1 profile
+#   source scripts/device_env.sh && bash scripts/gpu_check.sh [--quick | --sweep]
+#   --quick: tests + batch-1 profile; --sweep: also the one-token decode GEMM sweep (~2 more minutes)
 set -uo pipefail
 out=${OUT:-gpu-check-out}
 mkdir -p "$out"
@@ -16,11 +17,16 @@ run() {  # run NAME CMD...: output to $out/NAME.txt, exit code to steps.txt
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
 run tests python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_qgemm_triton.py tests/kernels/test_swiglu.py \
     tests/kernels/test_qk_rope.py tests/kernels/test_fused_engine.py tests/kernels/test_triton_quantize.py \
-    tests/kernels/test_attention.py tests/kernels/test_router.py tests/sampler/test_decode_graph.py
+    tests/kernels/test_attention.py tests/kernels/test_router.py tests/kernels/test_route.py \
+    tests/sampler/test_decode_graph.py
 tail -3 "$out/tests.txt"
 run profile1 python3 -P scripts/profile_decode.py --batch 1 --new 128 --temperature 1.0 --rows 30
 grep -A 20 "GPU kernels" "$out/profile1.txt" | head -44
 if [[ "${1:-}" != "--quick" ]]; then
     run rollout python3 -P -m rl4bit.bench_rollout --device cuda
     tail -30 "$out/rollout.txt"
+fi
+if [[ "${1:-}" == "--sweep" ]]; then
+    run sweep python3 -P scripts/sweep_decode_gemm.py --one-token --out "$out"
+    grep -E "pick_config|DECODE|not bitwise" "$out/sweep.txt" | head -40
 fi
