@@ -149,7 +149,8 @@ def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin, cache: tupl
         v, kc, vc, slot, pos = cache
         if (b != 1 or v.shape != k.shape or v.stride(3) != 1 or v.stride(2) != d or kc.shape != vc.shape
                 or kc.stride() != vc.stride() or kc.dim() != 4 or kc.shape[1] != hk or kc.shape[3] != d
-                or kc.stride(3) != 1 or slot.shape != pos.shape or slot.dim() != 1 or slot.numel() > t):
+                or kc.stride(3) != 1 or slot.shape != pos.shape or slot.dim() != 1 or slot.numel() > t
+                or slot.dtype != torch.int64 or pos.dtype != torch.int64):
             raise ValueError(f"qk_norm_rope cache: v {tuple(v.shape)}, caches {tuple(kc.shape)} / {tuple(vc.shape)}, "
                              f"slot {tuple(slot.shape)}, pos {tuple(pos.shape)}: need B = 1, v like k with a token's "
                              f"heads contiguous, [slots, Hkv, L, D] caches of one layout, int64 [n <= T] slot/pos")

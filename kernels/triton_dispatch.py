@@ -158,7 +158,10 @@ def quantize_nvfp4_rows(x: torch.Tensor, *, four_over_six: bool, decode: str | N
             flag.zero_()
             xr = x if rows is None else x[rows]
             check_input(xr, "nvfp4", BLOCK["nvfp4"], allow_nan=False)  # the rows' own NaN/Inf, named
-            over = ~torch.isfinite(xr.to(cast))
+            over = ~torch.isfinite(xr.to(cast or x.dtype))
+            if not bool(over.any()):
+                raise NonFiniteInputError(f"nvfp4: rows {tuple(xr.shape)} of x raised the non-finite flag but hold "
+                                          f"no NaN/Inf after the cast to {cast}")
             raise NonFiniteInputError(f"nvfp4: {int(over.sum())} value(s) of the rows {tuple(xr.shape)} overflow "
                                       f"{cast} (they are finite in {x.dtype}), first at index {_first_index(over)}: "
                                       f"find where the activations grow past {cast}'s range")

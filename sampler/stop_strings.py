@@ -16,7 +16,8 @@ step whose token completes it, and it ends within the last few characters of the
 drop a space before punctuation look one token back). The tail is decoded from the last `window` tokens
 (the longest stop string's UTF-8 bytes plus WINDOW_MARGIN: enough for byte-level and byte-fallback
 tokenizers, whose tokens are at least one byte) and doubled until it decodes to at least CHAR_MARGIN
-characters more than the longest stop string, or is the whole completion: tokens that decode to nothing
+characters more than the longest stop string before the newest token's own text (which may be long), or
+is the whole completion: tokens that decode to nothing
 (special and added tokens `skip_special_tokens` drops, a lone space a clean-up rule removes) only make it
 reach further back. The tail's first characters may differ from the whole decode's (a leading space a
 SentencePiece decoder drops, a character cut in two): the margins cover them.
@@ -45,12 +46,14 @@ class StopStrings:
         self.chars = max(len(s) for s in self.stops) + CHAR_MARGIN if self.stops else 0
 
     def _tail_text(self, ids: list[int]) -> str:
-        """The decoded text of the last tokens: `window` of them, doubled until it holds `chars` characters or
-        is the whole completion."""
+        """The decoded text of the last tokens: `window` of them, doubled until it holds `chars` characters
+        before the newest token's own text (a new occurrence ends in that text, which may be long) or is the
+        whole completion."""
+        newest = len(self.tokenizer.decode(ids[-1:], skip_special_tokens=True))
         n = self.window
         while True:
             text = self.tokenizer.decode(ids[-n:], skip_special_tokens=True)
-            if len(text) >= self.chars or n >= len(ids):
+            if len(text) - newest >= self.chars or n >= len(ids):
                 return text
             n *= 2
 

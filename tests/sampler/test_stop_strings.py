@@ -117,11 +117,11 @@ def test_no_whole_decode_until_the_tail_holds_a_stop():
     assert hit > 2 * checker.window, "the stop string must come late for the test to bite"
     for t in range(1, hit):
         assert checker.check(ids[:t]) is None
-    assert len(tok.lengths) == hit - 1  # one tail decode a step
+    assert len(tok.lengths) == 2 * (hit - 1)  # a step: the newest token, then the tail
     assert max(tok.lengths) <= checker.window  # the tails held enough characters: none had to grow
     cut = checker.check(ids[:hit])
     assert cut == first_stop(tok.tok.decode(ids[:hit], skip_special_tokens=True), stops) and cut.endswith("</answer>")
-    assert tok.lengths[-2:] == [min(hit, tok.lengths[-2]), hit]  # the tail, then the whole completion once
+    assert tok.lengths[-3:] == [1, checker.window, hit]  # the newest token, the tail, then the whole completion
 
 
 def test_no_stop_strings_decode_nothing():
@@ -155,6 +155,11 @@ def test_runs_of_tokens_that_decode_to_nothing_widen_the_tail():
     checker = StopStrings(tok, ["ab"])
     assert 40 > checker.window
     assert [checker.check(ids[:t]) for t in range(1, len(ids) + 1)] == [None] * (len(ids) - 1) + ["ab"]
+    tok.add_tokens([AddedToken("b" + "x" * 19)])  # the completing token alone holds more than the margin
+    long_b = tok.convert_tokens_to_ids("b" + "x" * 19)
+    ids = a + [tok.pad_token_id] * 20 + [long_b]
+    assert tok.decode(ids, skip_special_tokens=True) == "ab" + "x" * 19
+    assert StopStrings(tok, ["ab"]).check(ids) == "ab"
 
     uni = Tokenizer(models.Unigram([("<unk>", 0.0), ("<eos>", 0.0), ("\u2581", -1.0), (".", -1.0), ("a", -1.0)],
                                    unk_id=0))  # a Unigram SentencePiece: transformers keeps its clean-up rules
