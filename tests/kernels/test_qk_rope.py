@@ -272,3 +272,40 @@ def test_engine_serves_packed_projections_and_takes_updates(on):
     rebuilt = EmbeddedEngine(reference, _Tok(), max_batch_size=2, device=DEVICE, max_seq_len=32, decode_graphs="off")
     assert after == rebuilt.generate(req)[0].completion_ids
     assert after != before
+
+
+def test_engine_writes_its_kv_cache_in_the_rope_kernel(on):
+    """With the fused kernels on, the engine's steps put keys and values into the cache from the q/k-norm +
+    RoPE kernel (`cache_write` never runs); tokens, logprobs and the cache (n = 2 samples: forked prefixes
+    too) equal those of the separate write."""
+    import contextlib
+
+    from rl4bit.kernels import attention_triton
+    from rl4bit.sampler.engine import EmbeddedEngine
+    from rl4bit.sampler.types import Request, SamplingParams
+    from rl4bit.trainer import fused_attention
+    from rl4bit.trainer.recipe import RecipeConfig
+    from rl4bit.trainer.surgery import convert_model
+
+    class _Tok:
+        eos_token_id = None
+
+        def decode(self, ids, **kw):
+            return " ".join(map(str, ids))
+
+    reqs = [Request("a", [3, 5, 7, 9], SamplingParams(temperature=0.0, max_new_tokens=5)),
+            Request("b", [4, 6], SamplingParams(temperature=1.0, seed=3, max_new_tokens=4, n=2))]
+    runs = []
+    for fused_write in (True, False):
+        model = _tiny("qwen3_moe")
+        convert_model(model, RecipeConfig(name="bf16"))
+        eng = EmbeddedEngine(model, _Tok(), max_batch_size=4, device=DEVICE, max_seq_len=32, decode_graphs="off")
+        writes = mock.patch.object(attention_triton, "cache_write", wraps=attention_triton.cache_write)
+        separate = mock.patch.object(fused_attention, "_engine_cache", return_value=None)
+        with writes as w, (contextlib.nullcontext() if fused_write else separate):
+            out = eng.generate(reqs)
+        assert (w.call_count == 0) == fused_write, w.call_count
+        runs.append(([(r.completion_ids, r.logprobs) for r in out], [c.clone() for c in eng.cache.k + eng.cache.v]))
+    assert runs[0][0] == runs[1][0]
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert_bitwise_equal(a, b, "KV cache")
