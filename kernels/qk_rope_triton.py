@@ -107,17 +107,6 @@ def _token_rows(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
-_NO_ROWS: dict = {}
-
-
-def _no_rows(device) -> torch.Tensor:
-    """A one-element int64 tensor on `device`: the cache-less calls' slot / pos pointers (never read)."""
-    key = str(device)
-    if key not in _NO_ROWS:
-        _NO_ROWS[key] = torch.zeros(1, dtype=torch.int64, device=device)
-    return _NO_ROWS[key]
-
-
 def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin, cache: tuple | None = None):
     """q [B, T, Hq, D], k [B, T, Hkv, D], weights [D], cos/sin [B, T, D] (or broadcastable) ->
     (q_out [B, T, Hq, D], k_out [B, T, Hkv, D]) in HF's dtypes (see module doc). ValueError on other shapes.
@@ -143,7 +132,7 @@ def qk_norm_rope(q, k, wq, wk, eps_q: float, eps_k: float, cos, sin, cache: tupl
     rows_q, rows_k = b * t * hq, b * t * hk
     if cache is None:  # nothing written (n_cache 0); the same pointer types as the engine's calls, whose cache
         # holds k's dtype (the GEMM output's): one compiled kernel for both (see the kernel)
-        idx = _no_rows(k.device)
+        idx = torch.empty(1, dtype=torch.int64, device=k.device)  # never read: no fill launch
         v, kc, vc, slot, pos = k, k, k, idx, idx
     else:
         v, kc, vc, slot, pos = cache

@@ -84,13 +84,31 @@ def check_deferred() -> None:
                 f"find the tensor")
 
 
+def _flagged(flag: torch.Tensor) -> bool:
+    """Whether a kernel set its non-finite flag (then reset): read now, unless the checks are deferred."""
+    if _DEFERRED[0] or int(flag.item()) == 0:
+        return False
+    flag.zero_()
+    return True
+
+
 def _raise_if_flagged(flag: torch.Tensor, x: torch.Tensor, fmt: str, allow_nan: bool) -> None:
-    if _DEFERRED[0]:
-        return
-    if int(flag.item()) != 0:
-        flag.zero_()
+    if _flagged(flag):
         check_input(x, fmt, BLOCK[fmt], allow_nan=allow_nan)  # raises the reference's message
         raise NonFiniteInputError(f"{fmt}: input of shape {tuple(x.shape)} has non-finite values")
+
+
+def _fused_overflow(x: torch.Tensor, swiglu: bool, cast: torch.dtype | None) -> str:
+    """What a flagged row quantize overflowed when its input x (the rows it read) is finite: the SwiGLU of a
+    gate-up product, or the cast to `cast`."""
+    if swiglu:
+        return (f"nvfp4: the SwiGLU of h {tuple(x.shape)} overflows {x.dtype} (h itself is finite): the gate-up "
+                f"product is out of range")
+    over = ~torch.isfinite(x.to(cast or x.dtype))
+    if not bool(over.any()):
+        return f"nvfp4: rows {tuple(x.shape)} of x raised the non-finite flag but hold no NaN/Inf after the cast"
+    return (f"nvfp4: {int(over.sum())} value(s) of the rows {tuple(x.shape)} overflow {cast} (they are finite in "
+            f"{x.dtype}), first at index {_first_index(over)}: find where the activations grow past {cast}'s range")
 
 
 def nvfp4_outer(outer_rows: torch.Tensor, shape: torch.Size, outer: str) -> torch.Tensor:
@@ -153,25 +171,10 @@ def quantize_nvfp4_rows(x: torch.Tensor, *, four_over_six: bool, decode: str | N
     data, scale, outer_rows, flag = nvfp4_triton.quantize_nvfp4(x, outer="row", four_over_six=four_over_six,
                                                                 decoded=xh, decode=decode, swiglu=swiglu,
                                                                 rows=rows, cast=cast)
-    if rows is not None or cast is not None:
-        if not _DEFERRED[0] and int(flag.item()) != 0:
-            flag.zero_()
-            xr = x if rows is None else x[rows]
-            check_input(xr, "nvfp4", BLOCK["nvfp4"], allow_nan=False)  # the rows' own NaN/Inf, named
-            over = ~torch.isfinite(xr.to(cast or x.dtype))
-            if not bool(over.any()):
-                raise NonFiniteInputError(f"nvfp4: rows {tuple(xr.shape)} of x raised the non-finite flag but hold "
-                                          f"no NaN/Inf after the cast to {cast}")
-            raise NonFiniteInputError(f"nvfp4: {int(over.sum())} value(s) of the rows {tuple(xr.shape)} overflow "
-                                      f"{cast} (they are finite in {x.dtype}), first at index {_first_index(over)}: "
-                                      f"find where the activations grow past {cast}'s range")
-    elif not swiglu:
-        _raise_if_flagged(flag, x, "nvfp4", allow_nan=False)
-    elif not _DEFERRED[0] and int(flag.item()) != 0:
-        flag.zero_()
-        check_input(x, "nvfp4", BLOCK["nvfp4"], allow_nan=False)  # h's own NaN/Inf, named as the reference does
-        raise NonFiniteInputError(f"nvfp4: the SwiGLU of h {tuple(x.shape)} overflows {x.dtype} (h itself is "
-                                  f"finite): the gate-up product is out of range")
+    if _flagged(flag):
+        xr = x if rows is None else x[rows]
+        check_input(xr, "nvfp4", BLOCK["nvfp4"], allow_nan=False)  # the input's own NaN/Inf, named as the reference
+        raise NonFiniteInputError(_fused_overflow(xr, swiglu, cast))
     shape = torch.Size((r, k))
     q = QTensor(data=data, scale=scale.view(torch.float8_e4m3fn), outer=nvfp4_outer(outer_rows, shape, "row"),
                 fmt="nvfp4", shape=shape)
