@@ -81,6 +81,48 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return kernel(x, weight, eps)  # no autograd node: the serving path's host cost is one launch
 
 
+class _FusedAddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        from rl4bit.kernels.rmsnorm_triton import add_rms_norm as kernel
+
+        ctx.save_for_backward(x, residual, weight)
+        ctx.eps = eps
+        return kernel(x, residual, weight, eps)
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        x, residual, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad[:3]
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(n) for t, n in zip((x, residual, weight), needs)]
+            s, y = add_reference(*leaves, ctx.eps)
+        outs = [(t, g) for t, g in ((s, ds), (y, dy)) if g is not None]
+        wanted = [t for t, n in zip(leaves, needs) if n]
+        grads = iter(torch.autograd.grad([t for t, _ in outs], wanted, [g for _, g in outs], allow_unused=True))
+        return tuple(next(grads) if n else None for n in needs) + (None,)
+
+
+def add_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """HF's decoder-layer residual add and the next RMSNorm as torch ops: (residual + x, reference(that))."""
+    s = residual + x
+    return s, reference(s, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(residual + x, HF's RMSNorm of it) in one kernel when enabled for x's device and the dtypes suit it, else
+    `add_reference`; the kernel is the plain norm's own (`rmsnorm_triton.add_rms_norm`)."""
+    floats = (torch.float32, torch.bfloat16, torch.float16)
+    if not enabled(x.device.type) or any(t.dtype not in floats for t in (x, residual, weight)) \
+            or x.shape != residual.shape or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
+        return add_reference(x, residual, weight, eps)
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+        return _FusedAddRMSNorm.apply(x, residual, weight, eps)
+    from rl4bit.kernels.rmsnorm_triton import add_rms_norm as kernel
+
+    return kernel(x, residual, weight, eps)
+
+
 def _fused_forward(module: nn.Module, orig_forward, hidden_states: torch.Tensor) -> torch.Tensor:
     if not enabled(hidden_states.device.type):
         return orig_forward(hidden_states)

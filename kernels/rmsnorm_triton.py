@@ -22,8 +22,12 @@ some rows; BF16 rows and the 128/1024/2048 lengths tried were equal). Under the
 interpreter (numpy sums) it is bitwise HF's forward in the invariant mode, which
 checks the elementwise formula; on the GPU it agrees with HF's forward to rounding.
 
+`add_rms_norm` takes a decoder layer's residual add too (the same kernel,
+HAS_R = 1): the sum rounded once to its dtype, as torch's add, stored and
+normalized; `trainer.fused_layer` calls it for the post-attention norm.
+
 Leaves out: the backward (`rmsnorm.py` recomputes HF's eager ops for it), rows
-whose elements are not contiguous (the caller copies), fused residual adds.
+whose elements are not contiguous (the caller copies).
 """
 
 from __future__ import annotations
@@ -88,21 +92,47 @@ def rsqrt_f32(v, ASM: tl.constexpr):
         return tl.math.rsqrt(v)
 
 
-@triton.jit(do_not_specialize=["C"])
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, C, eps, ASM: tl.constexpr, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["C", "HAS_R"])
+def _rms_norm_kernel(x_ptr, r_ptr, s_ptr, w_ptr, y_ptr, C, HAS_R, eps, ASM: tl.constexpr, BLOCK: tl.constexpr):
+    """y = RMSNorm of row v; v = x (HAS_R 0; s_ptr is x_ptr, r_ptr unused), or v = x + r rounded to s's dtype,
+    also stored at s (HAS_R 1). HAS_R is a run-time argument, never specialized: both modes are one compiled
+    kernel when the pointers' dtypes agree."""
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
+    s_ty = s_ptr.dtype.element_ty
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for c0 in range(0, C, BLOCK):
-        v = tl.load(x_ptr + r * C + c0 + offs, mask=c0 + offs < C, other=0.0).to(tl.float32)
+        m = c0 + offs < C
+        v = tl.load(x_ptr + r * C + c0 + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_R != 0:
+            v = round_to(v + tl.load(r_ptr + r * C + c0 + offs, mask=m, other=0.0).to(tl.float32), s_ty)
+            tl.store(s_ptr + r * C + c0 + offs, v.to(s_ty), mask=m)
         acc += square_rn(v, ASM)
     rstd = rsqrt_f32(tl.div_rn(tl.sum(acc, axis=0), C.to(tl.float32)) + eps, ASM)
     for c0 in range(0, C, BLOCK):
         m = c0 + offs < C
         v = tl.load(x_ptr + r * C + c0 + offs, mask=m, other=0.0).to(tl.float32)
-        h = round_to(v * rstd, x_ptr.dtype.element_ty)
+        if HAS_R != 0:  # the sum again from its operands (not read back from s: no dependence on the store)
+            v = round_to(v + tl.load(r_ptr + r * C + c0 + offs, mask=m, other=0.0).to(tl.float32), s_ty)
+        h = round_to(v * rstd, s_ty)
         w = tl.load(w_ptr + c0 + offs, mask=m, other=0.0).to(tl.float32)
         tl.store(y_ptr + r * C + c0 + offs, round_to(w * h, y_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=m)
+
+
+def _rows(t: torch.Tensor, c: int) -> torch.Tensor:
+    """t as contiguous rows of c (a copy only when its rows are not contiguous already)."""
+    t2 = t.reshape(-1, c)
+    if t2.numel() and (t2.stride(-1) != 1 or t2.stride(0) != c):
+        t2 = t2.contiguous()
+    return t2
+
+
+def _launch(x2, r2, s2, weight, y, has_r: bool, eps: float) -> None:
+    c = x2.shape[1]
+    block = min(1024, triton.next_power_of_2(c))
+    with _on_device(x2):
+        _rms_norm_kernel[(x2.shape[0],)](x2, r2, s2, weight.contiguous(), y, c, int(has_r), float(eps),
+                                         ASM=not interpret(), BLOCK=block, num_warps=4, enable_fp_fusion=False)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -112,13 +142,27 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     if c == 0 or x.numel() == 0:
         return torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    x2 = x.reshape(-1, c)
-    if x2.numel() and (x2.stride(-1) != 1 or x2.stride(0) != c):
-        x2 = x2.contiguous()
+    x2 = _rows(x, c)
     y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-    if x2.numel():
-        block = min(1024, triton.next_power_of_2(c))
-        with _on_device(x2):
-            _rms_norm_kernel[(x2.shape[0],)](x2, weight.contiguous(), y, c, float(eps), ASM=not interpret(),
-                                             BLOCK=block, num_warps=4, enable_fp_fusion=False)
+    _launch(x2, x2, x2, weight, y, False, eps)
     return y.reshape(x.shape)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, y): s = residual + x in torch's promoted dtype (one rounding of the FP32 sum, as torch's add), y =
+    `rms_norm(s, weight, eps)`, in one launch. x and residual of one shape; rows copied if not contiguous.
+    Bitwise the add followed by `rms_norm` when x, residual and s share a dtype (one compiled kernel); with
+    mixed dtypes (an FP32 residual stream, BF16 sublayer outputs) the kernel is another compilation, whose
+    sum-of-squares tree Triton may lay out otherwise: equal to rounding, and the same in every pass that
+    takes it."""
+    if x.shape != residual.shape:
+        raise ValueError(f"add_rms_norm: x {tuple(x.shape)} and residual {tuple(residual.shape)} differ; they "
+                         "must be one shape (the decoder layer's residual stream and its sublayer's output)")
+    c = x.shape[-1]
+    s_dtype = torch.promote_types(x.dtype, residual.dtype)
+    s = torch.empty(x.shape, dtype=s_dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, s_dtype), device=x.device)
+    if c and x.numel():
+        _launch(_rows(x, c), _rows(residual, c), s.view(-1, c), weight, y.view(-1, c), True, eps)
+    return s, y

@@ -221,8 +221,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     new_tokens: generated tokens a sequence (default: 512 on CUDA as issue 6 states, 128 on CPU, 32 quick).
     samples > 1: also n samples a prompt, shared prefill beside one prefill per sample (BF16 weights).
     compare_unfused: also the NVFP4-weights engine with the fused kernels off."""
-    from rl4bit.kernels.rmsnorm import fuse_norms
-    from rl4bit.trainer.fused_attention import fuse_attentions
+    from rl4bit.trainer.surgery import fuse_modules
     from rl4bit.trainer.fused_router import fuse_routers
 
     cuda = torch.device(device).type == "cuda"
@@ -234,8 +233,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     new = new_tokens or new
     dtype = torch.bfloat16
     model = build_model(name, p + new + 1, dtype, device)
-    fuse_norms(model)
-    fuse_attentions(model)  # as convert_model does for the trainer's and the samplers' models (nvfp4_model's copy too)
+    fuse_modules(model)  # as convert_model does for the trainer's and the samplers' models (nvfp4_model's copy too)
     fuse_routers(model)
     n_params = sum(t.numel() for t in model.parameters())
     from rl4bit.bench_gemm import copy_gbps

@@ -11,8 +11,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rl4bit.kernels.rmsnorm import fuse_norms
-from rl4bit.trainer.fused_attention import fuse_attentions
+from rl4bit.trainer.surgery import fuse_modules
 from rl4bit.trainer.fused_router import fuse_routers
 from rl4bit.bench_rollout import _NullTokenizer, build_model, nvfp4_model
 from rl4bit.sampler.engine import EmbeddedEngine
@@ -54,8 +53,7 @@ def main() -> None:
     a.add_argument("--temperature", type=float, default=0.0, help="0: greedy; RL samples at 1.0")
     args = a.parse_args()
     model = build_model(args.model, args.prompt + args.new + 1, torch.bfloat16, args.device)
-    fuse_norms(model)
-    fuse_attentions(model)  # as the trainer's and samplers' converted models run them
+    fuse_modules(model)  # as the trainer's and samplers' converted models run them
     fuse_routers(model)
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     reqs = [Request(str(i), r.tolist(), SamplingParams(temperature=args.temperature, max_new_tokens=args.new, seed=i)) for i, r in enumerate(prompts)]

@@ -17,7 +17,8 @@ quantization scope):
   lm_head) is left to transformers, except that
 - HF RMSNorms run one fused kernel on CUDA (`rl4bit.kernels.rmsnorm`), and Qwen3-style attention its
   q/k norms and rotary embedding in one more (`rl4bit.trainer.fused_attention`): trainer and samplers
-  alike, since both convert their model here.
+  alike, since both convert their model here; and pre-norm decoder layers add the attention's residual
+  inside the post-attention norm's kernel (`rl4bit.trainer.fused_layer`).
 Parameter names do not change, so `model.state_dict()` loads into a plain
 transformers model of the same config.
 
@@ -34,6 +35,7 @@ from torch import nn
 
 from rl4bit.kernels.rmsnorm import fuse_norms
 from rl4bit.trainer.fused_attention import fuse_attentions
+from rl4bit.trainer.fused_layer import fuse_layers
 from rl4bit.trainer.fused_router import fuse_router
 from rl4bit.trainer.modules import QuantExperts, QuantLinear
 from rl4bit.trainer.plan import _is_router, expert_weight_shapes, quant_plan
@@ -84,9 +86,16 @@ def convert_model(model: nn.Module, recipe: RecipeConfig, *, master_dtype=torch.
             continue
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
-    fuse_norms(model)
-    fuse_attentions(model)  # after the norms: its probe runs them
+    fuse_modules(model)
     return plan
+
+
+def fuse_modules(model: nn.Module) -> None:
+    """The fused forwards of norms, attentions and decoder layers, in the order their probes need (attention and
+    layer probes check for fused norms). Routers are fused by `convert_model` under their FP32 wrap."""
+    fuse_norms(model)
+    fuse_attentions(model)
+    fuse_layers(model)
 
 
 def quant_modules(model: nn.Module) -> dict[str, nn.Module]:

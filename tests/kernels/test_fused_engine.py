@@ -1,5 +1,5 @@
-"""The embedded engine with the fused kernels on (norms, q/k norm + RoPE, attention, router, MoE combine): still
-batch-invariant, its scoring pass, its static decode forward (the CUDA graphs' tables) and the trainer's logprob
+"""The embedded engine with the fused kernels on (norms, residual add + norm, q/k norm + RoPE, attention, router, MoE
+combine): still batch-invariant, its scoring pass, its static decode forward (the CUDA graphs' tables) and the trainer's logprob
 recompute (with and without gradients) give the sampled logprobs bitwise, and the kernels are in effect.
 
 CPU: TRITON_INTERPRET=1 (triton_setup) with the fused kernels enabled for CPU tensors; with CUDA the compiled
@@ -56,9 +56,10 @@ def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
         invariant.set_mode(True, "CUDA")
     spies = [mock.patch.object(m, n, wraps=getattr(m, n)) for m, n in
              ((rmsnorm_triton, "rms_norm"), (qk_rope_triton, "qk_norm_rope"), (combine_triton, "combine"),
-              (attention_triton, "attention"), (router_triton, "route_topk"))]
+              (attention_triton, "attention"), (router_triton, "route_topk"), (rmsnorm_triton, "add_rms_norm"))]
     try:
-        with spies[0] as norms, spies[1] as ropes, spies[2] as combines, spies[3] as attentions, spies[4] as routers:
+        with spies[0] as norms, spies[1] as ropes, spies[2] as combines, spies[3] as attentions, spies[4] as routers, \
+                spies[5] as add_norms:
             engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=4, autocast=torch.bfloat16,
                                     max_seq_len=32, device=DEVICE, decode_graphs="off")
             alone = [engine.generate([r])[0] for r in reqs]
@@ -73,7 +74,7 @@ def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
                 trained = sequence_logprobs(model, prompts, completions, 1.0, 32)[0]
             with mock.patch.object(attention, "reference", wraps=attention.reference) as backwards:
                 trained[0].sum().backward()  # through the fused attention's backward
-        assert all(s.call_count for s in (norms, ropes, combines, attentions, routers))
+        assert all(s.call_count for s in (norms, ropes, combines, attentions, routers, add_norms))
     finally:
         fused.set_enabled(saved is not None, saved or "cuda")
         if dev == "cuda" and not mode_was:

@@ -1,4 +1,4 @@
-"""Fused RMSNorm: the kernel is HF's RMSNorm to rounding and (interpreter) bitwise HF's forward in the invariant mode,
+"""Fused RMSNorm: the kernel is HF's RMSNorm to rounding, with the residual add it is the add followed by the norm, and (interpreter) bitwise HF's forward in the invariant mode,
 its rows do not depend on the row count, `fuse_norm` fuses HF's norms and only them, and the fused
 forward and backward follow HF's.
 
@@ -20,7 +20,7 @@ from rl4bit.kernels import invariant, rmsnorm
 import triton
 import triton.language as tl
 
-from rl4bit.kernels.rmsnorm_triton import rms_norm, round_to
+from rl4bit.kernels.rmsnorm_triton import add_rms_norm, rms_norm, round_to
 
 DEV_TYPE = torch.device(DEVICE).type
 KEY = "CUDA" if HAS_CUDA else "CPU"
@@ -206,3 +206,70 @@ def test_probe_uses_a_random_weight():
     x = _rand(4, 64, dtype=torch.bfloat16, seed=16)
     assert torch.equal(norm(x), rmsnorm.reference(x, norm.weight, 1e-6))  # at init the two formulas agree
     assert not rmsnorm.reproduces(norm) and not rmsnorm.fuse_norm(norm)
+
+
+# (x = sublayer output, residual, weight): the bench model's BF16 stream, an FP32 model, the trainer's FP32 residual
+# stream with BF16 sublayer outputs under autocast (mixed: another compilation, see rmsnorm_triton.add_rms_norm)
+ADD_CASES = [(torch.bfloat16, torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32, torch.float32),
+             (torch.bfloat16, torch.float32, torch.float32)]
+
+
+def _equal_but_nan_payloads(a, b, what):
+    """Bitwise equal, NaN where the other is NaN (a NaN's payload is the conversion's: torch's CPU BF16 add gives
+    0xFFFF, the kernel's rounding keeps the operand's)."""
+    nan = torch.isnan(b)
+    assert torch.equal(torch.isnan(a), nan), what
+    assert_bitwise_equal(a.masked_fill(nan, 0), b.masked_fill(nan, 0), what)
+
+
+@pytest.mark.parametrize("c", [16, 1100])
+@pytest.mark.parametrize("dtypes", ADD_CASES, ids=lambda d: "-".join(str(t)[6:] for t in d))
+def test_add_rms_norm_is_the_add_then_the_norm(c, dtypes):
+    """(residual + x, rms_norm of it) from one launch: the sum is torch's add (one rounding to the promoted dtype)
+    and the norm the plain kernel's, bitwise when the dtypes agree (one compiled kernel, on the GPU too); mixed
+    dtypes bitwise under the interpreter, to rounding on the GPU. A NaN stays in its row."""
+    xd, rd, wd = dtypes
+    x, res = _rand(3, 5, c, dtype=xd, seed=21, scale=3.0), _rand(3, 5, c, dtype=rd, seed=22, scale=3.0)
+    x[1, 2, 3] = float("nan")
+    w = _rand(c, dtype=wd, seed=23)
+    s, y = add_rms_norm(x, res, w, 1e-6)
+    want_s = res + x
+    assert s.dtype == want_s.dtype and s.shape == x.shape and y.dtype == torch.promote_types(wd, want_s.dtype)
+    _equal_but_nan_payloads(s, want_s, "sum")
+    want_y = rms_norm(want_s, w, 1e-6)
+    if HAS_CUDA and xd != rd:
+        torch.testing.assert_close(y, want_y, rtol=1e-6, atol=1e-6, equal_nan=True)
+    else:
+        _equal_but_nan_payloads(y, want_y, "norm")
+    assert torch.isnan(y[1, 2]).all() and torch.isfinite(y[[0, 2]]).all()
+
+
+def test_add_rms_norm_rows_strided_and_empty():
+    x, res, w = _rand(6, 64, seed=24), _rand(6, 128, seed=25)[:, ::2], _rand(64, seed=26)
+    s, y = add_rms_norm(x, res, w, 1e-5)
+    s2, y2 = add_rms_norm(x, res.contiguous(), w, 1e-5)
+    assert_bitwise_equal(s, s2, "strided sum") and assert_bitwise_equal(y, y2, "strided norm")
+    for lo, hi in ((0, 1), (2, 5)):
+        sp, yp = add_rms_norm(x[lo:hi], res[lo:hi], w, 1e-5)
+        assert_bitwise_equal(yp, y[lo:hi], f"rows {lo}:{hi}")
+    assert add_rms_norm(x[:0], res[:0], w, 1e-5)[1].shape == (0, 64)
+    with pytest.raises(ValueError, match="must be one shape"):
+        add_rms_norm(x, res[:3], w, 1e-5)
+
+
+def test_fused_add_norm_backward_follows_the_torch_ops(fused):
+    """`rmsnorm.add_rms_norm` under autograd (the training forward): kernel forward, the torch ops' gradients for x,
+    the residual and the weight, through both outputs."""
+    x = _rand(4, 96, dtype=torch.bfloat16, seed=27).requires_grad_()
+    res = _rand(4, 96, seed=28).requires_grad_()
+    w = _rand(96, seed=29).requires_grad_()
+    gs, gy = _rand(4, 96, seed=30), _rand(4, 96, seed=31)
+    grads = []
+    for fn in (rmsnorm.add_rms_norm, rmsnorm.add_reference):
+        s, y = fn(x, res, w, 1e-6)
+        grads.append(torch.autograd.grad([s, y], [x, res, w], [gs, gy]))
+        if fn is rmsnorm.add_rms_norm:
+            kernel = add_rms_norm(x.detach(), res.detach(), w.detach(), 1e-6)
+            assert_bitwise_equal(s, kernel[0], "sum") and assert_bitwise_equal(y, kernel[1], "norm")
+    for a, b, name in zip(*grads, ("x", "residual", "weight")):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)

@@ -90,9 +90,12 @@ def _kernels():
     from rl4bit.kernels import rmsnorm_triton as rn
     from rl4bit.kernels import route_triton as rt
 
-    for x in ("bf16", "fp32"):  # the norms of the residual stream (FP32 in the trainer) and of BF16 activations
-        yield (f"fused rmsnorm {x}", rn._rms_norm_kernel, dict(x_ptr=f"*{x}", w_ptr="*fp32", y_ptr="*fp32", C="i32",
-                                                                 eps="fp32"), dict(ASM=True, BLOCK=1024), 4)
+    # the norms of the residual stream (FP32 in the trainer) and of BF16 activations, and with the residual add
+    # (HAS_R: a run-time argument) of a BF16 stream and of the trainer's FP32 stream taking BF16 sublayer outputs
+    for x, r in (("bf16", "bf16"), ("fp32", "fp32"), ("bf16", "fp32")):
+        yield (f"fused rmsnorm x {x}, residual/sum {r}", rn._rms_norm_kernel,
+               dict(x_ptr=f"*{x}", r_ptr=f"*{r}", s_ptr=f"*{r}", w_ptr="*fp32", y_ptr="*fp32", C="i32", HAS_R="i32",
+                    eps="fp32"), dict(ASM=True, BLOCK=1024), 4)
 
     rope_sig = dict(q_ptr="*bf16", k_ptr="*bf16", wq_ptr="*fp32", wk_ptr="*fp32", qo_ptr="*fp32", ko_ptr="*fp32",
                     cos_ptr="*fp32", sin_ptr="*fp32", rows_q="i32", rows_k="i32", hq="i32", hk="i32", s_qt="i32",

@@ -1,0 +1,126 @@
+"""Pre-norm decoder layers with the attention's residual add inside the post-attention RMSNorm's kernel.
+
+    fuse_layer(layer)     # by `trainer.surgery.convert_model`, after the norms are fused; trainer and samplers alike
+
+HF's pre-norm decoder layer (Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE, Llama...) runs
+
+    h = x + self_attn(input_layernorm(x))[0]
+    return h + mlp(post_attention_layernorm(h))
+
+where each `+` is a launch of its own and the norm reads back the sum the add
+just wrote. The replacement forward computes the first sum and its norm in one
+kernel (`rmsnorm.add_rms_norm`: the plain norm's kernel with the residual
+operand on, so the sum and the norm are the same bits as the add followed by
+the fused norm when the dtypes agree) and leaves the rest as HF runs it: 16
+launches fewer a decode step of a 16-layer model. A forward that needs
+gradients runs the kernel too (its backward differentiates the torch ops), so
+trainer, logprob recompute and samplers take the same path.
+
+`fuse_layer` installs it only where the replacement reproduces the layer's own
+forward bitwise on a probe: a shallow copy of the layer whose attention and
+MLP are stand-ins (the norms are the layer's own), every kernel off, called
+with each named argument of the original forward set to a marker. The
+replacement must give the same output and hand the attention the same
+arguments; a layer of another shape (parallel attention and MLP, norms after
+the sublayers, an extra output) keeps its forward. The post-attention norm
+must be a fused HF RMSNorm (`rmsnorm.fuse_norm` checked its formula). At run
+time the replacement runs when the fused kernels are on for the input's device
+and the call passes only the hidden states positionally; else HF's forward.
+
+Leaves out: the MLP's residual add (a launch of its own, as in HF), the add
+before the next layer's input norm (it would need the model's layer loop).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+
+import torch
+from torch import nn
+
+from rl4bit.kernels import fused
+from rl4bit.kernels.rmsnorm import add_reference, add_rms_norm
+
+_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def _forward(module: nn.Module, orig_forward, hidden_states: torch.Tensor, *args, use_reference: bool = False,
+             **kwargs):
+    if args or not isinstance(hidden_states, torch.Tensor) or not fused.enabled(hidden_states.device.type) \
+            and not use_reference:
+        return orig_forward(hidden_states, *args, **kwargs)
+    post = module.post_attention_layernorm
+    add_norm = add_reference if use_reference else add_rms_norm
+    h = module.input_layernorm(hidden_states)
+    h, _ = module.self_attn(hidden_states=h, **kwargs)
+    x, h = add_norm(h, hidden_states, post.weight, post.variance_epsilon)
+    return x + module.mlp(h)
+
+
+class _ProbeAttention(nn.Module):
+    """Stand-in attention: records its arguments, returns a function of its input."""
+
+    def forward(self, hidden_states, **kwargs):
+        self.seen = kwargs
+        return hidden_states * 1.5 + 0.25, None
+
+
+class _ProbeMLP(nn.Module):
+    def forward(self, hidden_states):
+        return hidden_states * 0.75 - 0.5
+
+
+def reproduces(layer: nn.Module) -> bool:
+    """True when `_forward` equals the layer's own forward bitwise on a probe (see module doc)."""
+    if not all(isinstance(getattr(layer, p, None), nn.Module) for p in _PARTS):
+        return False
+    post = layer.post_attention_layernorm
+    if not getattr(post, "_rl4bit_fused_norm", False) or post.weight.device.type == "meta":
+        return False
+    try:
+        params = list(inspect.signature(type(layer).forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        return False
+    markers = {p.name: object() for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD or p.kind is p.KEYWORD_ONLY}
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        markers["rl4bit_probe"] = object()  # passed through **kwargs
+    runs = []
+    for attempt in ("layer", "replacement"):
+        probe = copy.copy(layer)
+        probe._modules = dict(layer._modules)  # the copy's own submodule table: the layer keeps its modules
+        probe.self_attn, probe.mlp = _ProbeAttention(), _ProbeMLP()
+        g = torch.Generator().manual_seed(0)
+        x = (torch.randn(2, 3, post.weight.shape[0], generator=g) * 2).to(post.weight.dtype).to(post.weight.device)
+        try:
+            with torch.no_grad(), fused.disabled():
+                if attempt == "layer":
+                    out = type(layer).forward(probe, x, **markers)
+                else:
+                    out = _forward(probe, None, x, use_reference=True, **markers)
+        except Exception:  # noqa: BLE001 - a forward of another signature is not the one this replaces
+            return False
+        runs.append((out, probe.self_attn.seen))
+    (want, seen_want), (got, seen_got) = runs
+    return (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and want.dtype == got.dtype
+            and torch.equal(want, got) and seen_want.keys() == seen_got.keys()
+            and all(seen_want[k] is seen_got[k] for k in seen_want))
+
+
+def fuse_layer(layer: nn.Module) -> bool:
+    """Route `layer`'s forward through `_forward` if it reproduces it (see `reproduces`); idempotent."""
+    if getattr(layer, "_rl4bit_fused_layer", False):
+        return True
+    if not type(layer).__name__.endswith("DecoderLayer") or not reproduces(layer):
+        return False
+    layer.forward = functools.partial(_forward, layer, layer.forward)
+    layer._rl4bit_fused_layer = True
+    return True
+
+
+def fuse_layers(model: nn.Module) -> list[str]:
+    """`fuse_layer` on every module of `model`; returns the names of the fused ones."""
+    return [name for name, m in model.named_modules() if fuse_layer(m)]
