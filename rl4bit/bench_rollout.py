@@ -18,9 +18,13 @@ Sizes: quick (CPU, ~a minute): a ~4M-parameter model, 32 prompt + 32 new
 tokens, batch 1/16/64. Full on CUDA: a ~1B Qwen3-MoE shape, 128 + 512, batch
 1/16/64/256; full on CPU uses the quick model with 128 + 128.
 
-NVFP4 weights: the same model converted by the trainer's nvfp4 recipe and
-frozen into serving mode (`rl4bit.trainer.surgery.load_quantized`), run by
-the same engine; its column is the ratio to the BF16-weights engine.
+Engine columns: the same model converted by the trainer's recipes as a
+sampler holds it (`served_model`): bf16 (BF16 experts) and nvfp4 (frozen
+into serving mode, `rl4bit.trainer.surgery.load_quantized`): the same
+modules and fused kernels, so their ratio is the weights' alone (before the
+thirteenth session the BF16 column ran HF's experts module through the
+engine's experts path: more launches a layer). HF `generate` runs the plain
+HF model.
 
 `--samples N`: also N samples a prompt (temperature 1), the engine sharing
 each prompt's prefill among its samples beside one prefill per sample.
@@ -153,8 +157,8 @@ EXPERT_BYTES = {"bf16": 2.0, "nvfp4": 0.5 + 1 / 16}
 def read_floor(name: str, batch: int, prompt: int, new: int, experts: str) -> dict:
     """What one decode step must read from memory at `batch`, and all the weights once, in bytes.
 
-    A step reads every non-expert weight (attention projections, norms, LM head; BF16), the router (FP32 in
-    the NVFP4 model, as the recipe keeps it), the experts the batch's tokens pick (`experts` format; expected
+    A step reads every non-expert weight (attention projections, norms, LM head; BF16), the router (FP32, as
+    both recipes keep it: `served_model`), the experts the batch's tokens pick (`experts` format; expected
     count E (1 - (1 - k/E)^batch) under uniform routing, which random routers approximate), one embedding row
     a token, and each sequence's K/V cache (BF16) at the mean context length of the decode, prompt + new / 2.
     "weights" is the whole model once (all experts, the embedding table): the issue's "time to read the
@@ -165,7 +169,7 @@ def read_floor(name: str, batch: int, prompt: int, new: int, experts: str) -> di
                           c["head_dim"])
     attn_params = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) + 2 * d + 2 * h  # q k v o, norms
     expert = 3 * h * c["moe_intermediate_size"] * EXPERT_BYTES[experts]
-    router = e * h * (4 if experts == "nvfp4" else 2)
+    router = e * h * 4
     table = c["vocab_size"] * h * 2  # the LM head, and the embedding table (same shape, untied)
     touched = e * (1 - (1 - k / e) ** batch)
     kv = layers * 2 * c["num_key_value_heads"] * d * 2 * (prompt + new / 2) * batch
@@ -180,30 +184,36 @@ def _figures(r: dict, b: int, p: int) -> dict:
                 ms_per_step=1e3 * r["decode_s"] / max(r["decode_steps"], 1), **r)
 
 
-def nvfp4_model(model):
-    """A copy of `model` serving NVFP4 weights through the trainer's quantized modules (scope: experts).
+def served_model(model, recipe: str):
+    """A copy of `model` as a sampler holds it under the trainer's `recipe` ("bf16" or "nvfp4"; scope: experts).
 
-    Converted by `rl4bit.trainer.surgery` with the nvfp4 recipe (no MXFP8 tail),
-    frozen into serving mode from the exact QTensors the trainer's forward
-    uses; the rest of the model in `model`'s dtype, routers in FP32 (as the
-    recipe keeps them). Returns None if the trainer has no serving mode.
+    Converted by `rl4bit.trainer.surgery` (no MXFP8 tail), so both columns of
+    the bench run the same modules and fused kernels and differ in the experts'
+    weights alone: BF16 experts through the bf16 recipe's grouped product,
+    NVFP4 ones frozen into serving mode from the exact QTensors the trainer's
+    forward uses. The rest of the model in `model`'s dtype, routers in FP32
+    (as the recipes keep them).
     """
     import copy
 
-    try:
-        from rl4bit.trainer.recipe import RecipeConfig
-        from rl4bit.trainer.surgery import convert_model, load_quantized, quantized_weights
-    except ImportError:
-        return None
+    from rl4bit.trainer.recipe import RecipeConfig
+    from rl4bit.trainer.surgery import convert_model, load_quantized, quantized_weights
+
     dtype = next(model.parameters()).dtype
     q = copy.deepcopy(model)
-    convert_model(q, RecipeConfig(name="nvfp4", high_precision_tail=0.0))
-    load_quantized(q, quantized_weights(q))
+    convert_model(q, RecipeConfig(name=recipe, high_precision_tail=0.0))
+    if recipe != "bf16":
+        load_quantized(q, quantized_weights(q))
     q.to(dtype)
     for name, mod in q.named_modules():
         if name.endswith("mlp.gate"):  # the recipe's FP32 router
             mod.float()
     return q
+
+
+def nvfp4_model(model):
+    """`served_model(model, "nvfp4")`."""
+    return served_model(model, "nvfp4")
 
 
 def unfused(fn, *args, **kwargs) -> dict:
@@ -221,8 +231,6 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     new_tokens: generated tokens a sequence (default: 512 on CUDA as issue 6 states, 128 on CPU, 32 quick).
     samples > 1: also n samples a prompt, shared prefill beside one prefill per sample (BF16 weights).
     compare_unfused: also the NVFP4-weights engine with the fused kernels off."""
-    from rl4bit.trainer.surgery import fuse_modules
-    from rl4bit.trainer.fused_router import fuse_routers
 
     cuda = torch.device(device).type == "cuda"
     if cuda and not quick:
@@ -233,32 +241,30 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     new = new_tokens or new
     dtype = torch.bfloat16
     model = build_model(name, p + new + 1, dtype, device)
-    fuse_modules(model)  # as convert_model does for the trainer's and the samplers' models (nvfp4_model's copy too)
-    fuse_routers(model)
     n_params = sum(t.numel() for t in model.parameters())
     from rl4bit.bench_gemm import copy_gbps
 
     gbps = copy_gbps(device, reps=20)
     gen = torch.Generator().manual_seed(0)
-    qmodel = nvfp4_model(model)
+    bmodel, qmodel = served_model(model, "bf16"), served_model(model, "nvfp4")
     rows = []
     for b in batches:
         prompts = torch.randint(1, MODELS[name]["vocab_size"], (b, p), generator=gen)
-        e = _figures(bench_engine(model, prompts, new, device), b, p)
+        e = _figures(bench_engine(bmodel, prompts, new, device), b, p)
         h = _figures(unfused(bench_hf, model, prompts, new, device), b, p)
-        q = _figures(bench_engine(qmodel, prompts, new, device), b, p) if qmodel is not None else None
+        q = _figures(bench_engine(qmodel, prompts, new, device), b, p)
         floor = {f: read_floor(name, b, p, new, f) for f in EXPERT_BYTES}
         for f in floor.values():
             f["step_ms"] = 1e3 * f["step_bytes"] / (gbps * 1e9)
         rows.append(dict(batch=b, engine=e, hf=h, engine_nvfp4=q, floor=floor))
-        if compare_unfused and qmodel is not None:
+        if compare_unfused:
             rows[-1]["engine_nvfp4_unfused"] = _figures(unfused(bench_engine, qmodel, prompts, new, device), b, p)
         print(f"batch {b}: engine {e['gen_tok_s']:.0f} tok/s, HF generate {h['gen_tok_s']:.0f} tok/s"
               + (f", engine NVFP4 weights {q['gen_tok_s']:.0f} tok/s" if q else "")
               + (f", NVFP4 unfused {u['gen_tok_s']:.0f} tok/s" if (u := rows[-1].get("engine_nvfp4_unfused"))
                  else ""), flush=True)
         if samples > 1:
-            sp = rows[-1]["shared_prefix"] = bench_shared_prefix(model, prompts, new, device, samples)
+            sp = rows[-1]["shared_prefix"] = bench_shared_prefix(bmodel, prompts, new, device, samples)
             print(f"batch {b} x {samples} samples: prefill {sp['shared']['prefill_s']:.3f} s shared / "
                   f"{sp['own']['prefill_s']:.3f} s one per sample ({sp['own']['prefill_s'] / sp['shared']['prefill_s']:.2f}x), "
                   f"whole generate {sp['shared']['total_s']:.3f} / {sp['own']['total_s']:.3f} s "
@@ -266,8 +272,8 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     results = dict(device=device, model=name, params=n_params, dtype=str(dtype), prompt_len=p, new_tokens=new,
                    threads=torch.get_num_threads(), copy_gbps=gbps, rows=rows,
                    nvfp4_weights=("trainer serving mode (surgery.load_quantized), experts NVFP4: the Triton grouped "
-                                  "GEMM decoding tiles in registers on CUDA, the reference on CPU") if qmodel is not None
-                   else "missing: no trainer serving mode (load_quantized) to run NVFP4 weights")
+                                  "GEMM decoding tiles in registers on CUDA, the reference on CPU; BF16 column: the "
+                                  "bf16 recipe's converted model, the same modules and fused kernels"))
     _print_table(results)
     if out:
         atomic_write_text(Path(out) / "results.json", json.dumps(results, indent=1))

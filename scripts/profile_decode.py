@@ -11,9 +11,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rl4bit.trainer.surgery import fuse_modules
-from rl4bit.trainer.fused_router import fuse_routers
-from rl4bit.bench_rollout import _NullTokenizer, build_model, nvfp4_model
+from rl4bit.bench_rollout import _NullTokenizer, build_model, served_model
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, SamplingParams
 
@@ -53,11 +51,9 @@ def main() -> None:
     a.add_argument("--temperature", type=float, default=0.0, help="0: greedy; RL samples at 1.0")
     args = a.parse_args()
     model = build_model(args.model, args.prompt + args.new + 1, torch.bfloat16, args.device)
-    fuse_modules(model)  # as the trainer's and samplers' converted models run them
-    fuse_routers(model)
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     reqs = [Request(str(i), r.tolist(), SamplingParams(temperature=args.temperature, max_new_tokens=args.new, seed=i)) for i, r in enumerate(prompts)]
-    for name, m in (("bf16", model), ("nvfp4", nvfp4_model(model))):
+    for name, m in (("bf16", served_model(model, "bf16")), ("nvfp4", served_model(model, "nvfp4"))):
         eng = EmbeddedEngine(m, _NullTokenizer(), max_batch_size=args.batch, device=args.device,
                              max_seq_len=args.prompt + args.new + 1, max_prefill_tokens=args.batch * args.prompt,
                              decode_graphs=args.graphs)

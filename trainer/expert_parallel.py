@@ -262,7 +262,9 @@ class ExpertParallelExperts(QuantExperts):
         return _Route(order=order, tok=order // k, send_splits=send.sum(1).tolist(), recv_splits=recv.sum(1).tolist(),
                       perm=perm, local_counts=recv.sum(0).tolist())
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """QuantExperts.forward's contract over the expert-parallel group (the residual added with torch here)."""
         if self.served is not None:
             raise ValueError("ExpertParallelExperts has no serving mode; serve from a gathered, unsharded model")
         route = self._route(top_k_index)
@@ -292,7 +294,7 @@ class ExpertParallelExperts(QuantExperts):
             out = combine(z, top_k_weights, top_k_index, route.order, route.tok, None, hidden_states,
                           self.global_num_experts)
         self.calls += 1
-        return out
+        return out if residual is None else residual + out
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, experts {self.first_expert}..{self.first_expert + self.num_experts - 1} "

@@ -11,10 +11,13 @@ where each `+` is a launch of its own and the norm reads back the sum the add
 just wrote. The replacement forward computes the first sum and its norm in one
 kernel (`rmsnorm.add_rms_norm`: the plain norm's kernel with the residual
 operand on, so the sum and the norm are the same bits as the add followed by
-the fused norm when the dtypes agree) and leaves the rest as HF runs it: 16
-launches fewer a decode step of a 16-layer model. A forward that needs
-gradients runs the kernel too (its backward differentiates the torch ops), so
-trainer, logprob recompute and samplers take the same path.
+the fused norm when the dtypes agree), and where the MLP is a sparse MoE block
+of `QuantExperts` (`residual_block`) it calls the block's gate and experts
+itself and the MoE combine adds the residual (`trainer.combine`, the same bits
+as the add apart). Two launches fewer a layer: 32 a decode step of a 16-layer
+MoE model. A forward that needs gradients runs the kernels too (their
+backwards differentiate the torch ops), so trainer, logprob recompute and
+samplers take the same path.
 
 `fuse_layer` installs it only where the replacement reproduces the layer's own
 forward bitwise on a probe: a shallow copy of the layer whose attention and
@@ -27,8 +30,9 @@ must be a fused HF RMSNorm (`rmsnorm.fuse_norm` checked its formula). At run
 time the replacement runs when the fused kernels are on for the input's device
 and the call passes only the hidden states positionally; else HF's forward.
 
-Leaves out: the MLP's residual add (a launch of its own, as in HF), the add
-before the next layer's input norm (it would need the model's layer loop).
+Leaves out: the MLP's residual add of dense MLPs and of other MoE blocks (a
+launch of its own, as in HF); fusing that add with the next layer's input norm
+instead (it would need the model's layer loop).
 """
 
 from __future__ import annotations
@@ -56,7 +60,16 @@ def _forward(module: nn.Module, orig_forward, hidden_states: torch.Tensor, *args
     h = module.input_layernorm(hidden_states)
     h, _ = module.self_attn(hidden_states=h, **kwargs)
     x, h = add_norm(h, hidden_states, post.weight, post.variance_epsilon)
+    if getattr(module.mlp, "_rl4bit_residual_block", False):
+        return _moe_block(module.mlp, h, x)
     return x + module.mlp(h)
+
+
+def _moe_block(block: nn.Module, hidden_states: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """residual + the sparse MoE block's forward on hidden_states, the add done by the experts' combine."""
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    _, weights, index = block.gate(flat)
+    return block.experts(flat, index, weights, residual=residual.reshape(flat.shape)).reshape(residual.shape)
 
 
 class _ProbeAttention(nn.Module):
@@ -110,6 +123,43 @@ def reproduces(layer: nn.Module) -> bool:
             and all(seen_want[k] is seen_got[k] for k in seen_want))
 
 
+class _ProbeGate(nn.Module):
+    def forward(self, hidden_states):
+        return None, torch.sigmoid(hidden_states[:, :2]), (hidden_states[:, 2:4] > 0).long()
+
+
+class _ProbeExperts(nn.Module):
+    def forward(self, hidden_states, top_k_index, top_k_weights, residual=None):
+        out = hidden_states * 2 + top_k_weights.sum(-1, keepdim=True) + top_k_index.sum(-1, keepdim=True)
+        return out if residual is None else residual + out
+
+
+def residual_block(block: nn.Module) -> bool:
+    """True when `block` is a sparse MoE block whose experts take `residual` (`QuantExperts`) and whose forward is
+    `experts(x, *gate(x)[:0:-1])` over the tokens' rows: `_moe_block` reproduces it on a probe (stand-in gate and
+    experts on a shallow copy, so a shared expert or any other term shows), and can hand the add to the combine."""
+    gate, experts = getattr(block, "gate", None), getattr(block, "experts", None)
+    if not isinstance(gate, nn.Module) or not isinstance(experts, nn.Module):
+        return False
+    try:
+        if "residual" not in inspect.signature(experts.forward).parameters:
+            return False
+    except (TypeError, ValueError):
+        return False
+    probe = copy.copy(block)
+    probe._modules = dict(block._modules)
+    probe.gate, probe.experts = _ProbeGate(), _ProbeExperts()
+    g = torch.Generator().manual_seed(1)
+    x, r = torch.randn(2, 3, 8, generator=g), torch.randn(2, 3, 8, generator=g)
+    try:
+        with torch.no_grad():
+            want = r + type(block).forward(probe, x)
+            got = _moe_block(probe, x, r)
+    except Exception:  # noqa: BLE001 - another block's forward (other arguments, other outputs)
+        return False
+    return isinstance(want, torch.Tensor) and want.shape == got.shape and torch.equal(want, got)
+
+
 def fuse_layer(layer: nn.Module) -> bool:
     """Route `layer`'s forward through `_forward` if it reproduces it (see `reproduces`); idempotent."""
     if getattr(layer, "_rl4bit_fused_layer", False):
@@ -118,6 +168,8 @@ def fuse_layer(layer: nn.Module) -> bool:
         return False
     layer.forward = functools.partial(_forward, layer, layer.forward)
     layer._rl4bit_fused_layer = True
+    if residual_block(layer.mlp):
+        layer.mlp._rl4bit_residual_block = True
     return True
 
 

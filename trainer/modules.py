@@ -84,7 +84,10 @@ class QuantExperts(_QuantMixin, nn.Module):
     def _weights3d(self) -> dict:
         return {"gate_up_proj": self.gate_up_proj, "down_proj": self.down_proj}
 
-    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The tokens' weighted expert outputs [T, H]; with `residual` [T, H], residual + that (the decoder layer's
+        add, done by the combine: `trainer.fused_layer`)."""
         n_tok, k = top_k_index.shape
         flat = top_k_index.reshape(-1)
         with torch.no_grad():
@@ -114,7 +117,7 @@ class QuantExperts(_QuantMixin, nn.Module):
                 o = served_product(h, self.served["down_proj"], counts, self.spec, h.dtype, maps, swiglu=True)
         else:
             o = self._gemm(swiglu(h, self.act_fn), "down_proj", counts, 1, maps)
-        out = combine(o, top_k_weights, top_k_index, order, tok, inv, hidden_states, self.num_experts)
+        out = combine(o, top_k_weights, top_k_index, order, tok, inv, hidden_states, self.num_experts, residual)
         if self.served is None:
             self.calls += 1
         return out

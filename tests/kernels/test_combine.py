@@ -1,4 +1,5 @@
-"""Fused MoE combine: bitwise the CPU's torch expression (weights cast to o's dtype, index_add_ in grouped order),
+"""Fused MoE combine: bitwise the CPU's torch expression (weights cast to o's dtype, index_add_ in grouped order;
+with a residual, torch's add of the two),
 expert-parallel sentinels add nothing, and `QuantExperts` gives the same output and gradients with it on or off.
 
 CPU: TRITON_INTERPRET=1 (triton_setup) with the fused kernels enabled for CPU tensors; CUDA: the compiled kernel
@@ -51,6 +52,35 @@ def test_kernel_is_the_cpu_expression_bitwise(dtypes, sentinel):
     inv = inverse_order(order, flat.numel())
     got = kernel(o.to(DEVICE), w.to(wd).to(DEVICE), idx.to(DEVICE), inv.to(DEVICE), hd, e)
     assert_bitwise_equal(got.cpu(), want, f"{dtypes} sentinel={sentinel}")
+    residual = (torch.randn(tokens, h, generator=g) * 4).to(hd)  # the decoder layer's add, in the same launch
+    got = kernel(o.to(DEVICE), w.to(wd).to(DEVICE), idx.to(DEVICE), inv.to(DEVICE), hd, e, residual.to(DEVICE))
+    assert_bitwise_equal(got.cpu(), residual + want, f"{dtypes} sentinel={sentinel} + residual")
+
+
+def test_residual_of_another_dtype_or_shape_is_refused_by_the_kernel_and_added_apart():
+    idx, w = _routing(5, 4, 2, 6)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    inv = inverse_order(order, flat.numel())
+    o = torch.randn(order.numel(), 32, generator=torch.Generator().manual_seed(7)).to(torch.bfloat16)
+    args = (o.to(DEVICE), w.to(DEVICE), idx.to(DEVICE), inv.to(DEVICE), torch.bfloat16, 4)
+    with pytest.raises(ValueError, match="residual"):
+        kernel(*args, torch.zeros(5, 32, device=DEVICE))  # FP32 residual, BF16 output
+    with pytest.raises(ValueError, match="residual"):
+        kernel(*args, torch.zeros(4, 32, dtype=torch.bfloat16, device=DEVICE))
+    from rl4bit.trainer.combine import combine
+
+    hidden = torch.zeros(5, 32, dtype=torch.bfloat16, device=DEVICE)
+    r32 = torch.randn(5, 32, generator=torch.Generator().manual_seed(8)).to(DEVICE)
+    fused.set_enabled(True, DEV_TYPE)
+    try:  # the module-level combine adds a mixed-dtype residual with torch, as the layer would
+        got = combine(o.to(DEVICE), w.to(DEVICE), idx.to(DEVICE), order.to(DEVICE), (order // 2).to(DEVICE), None,
+                      hidden, 4, r32)
+        want = r32 + combine(o.to(DEVICE), w.to(DEVICE), idx.to(DEVICE), order.to(DEVICE), (order // 2).to(DEVICE),
+                             None, hidden, 4)
+    finally:
+        fused.set_enabled(True, "cuda")
+    assert got.dtype == torch.float32 and torch.equal(got, want)
 
 
 def test_quant_experts_output_and_gradients_do_not_change():
@@ -74,14 +104,15 @@ def test_quant_experts_output_and_gradients_do_not_change():
         fused.set_enabled(on, DEV_TYPE)
         try:
             xs, ws = x.clone().requires_grad_(), w.to(DEVICE).clone().requires_grad_()
+            rs = (x * 0.5 + 1).requires_grad_()  # the layer's residual, added by the combine
             with torch.autocast(DEV_TYPE, torch.bfloat16):
-                out = experts(xs, idx.to(DEVICE), ws)
+                out = experts(xs, idx.to(DEVICE), ws, residual=rs)
             out.square().sum().backward()
-            results.append((out.detach(), xs.grad, ws.grad, experts.down_proj.grad.clone()))
+            results.append((out.detach(), xs.grad, ws.grad, experts.down_proj.grad.clone(), rs.grad))
             experts.zero_grad()
         finally:
             fused.set_enabled(True, "cuda")
-    for a, b, name in zip(results[0], results[1], ("out", "d hidden", "d router weights", "d down_proj")):
+    for a, b, name in zip(results[0], results[1], ("out", "d hidden", "d router weights", "d down_proj", "d residual")):
         assert_bitwise_equal(a, b, name)
 
 

@@ -1,6 +1,8 @@
-"""Decoder layers with the attention's residual add in the post-attention norm's kernel (`trainer.fused_layer`).
+"""Decoder layers with the attention's residual add in the post-attention norm's kernel and the MLP's in the MoE
+combine (`trainer.fused_layer`).
 
-`convert_model` fuses the pre-norm layers of every family it supports; the fused layer changes no bits of the
+`convert_model` fuses the pre-norm layers of every family it supports (the MoE combine's add where the block is a
+gate and `QuantExperts` alone); the fused layer changes no bits of the
 model's logits (interpreter; on a GPU the trainer's mixed FP32/BF16 stream is another compilation of the norm:
 to rounding); its training gradients follow HF's; layers of another shape keep their forward, and the probe leaves
 the layer it looks at untouched.
@@ -19,7 +21,7 @@ import torch
 from bitwise import assert_bitwise_equal
 from torch import nn
 
-from rl4bit.kernels import fused, rmsnorm, rmsnorm_triton
+from rl4bit.kernels import combine_triton, fused, rmsnorm, rmsnorm_triton
 from rl4bit.trainer import fused_layer
 from rl4bit.trainer.recipe import RecipeConfig
 from rl4bit.trainer.surgery import convert_model
@@ -31,8 +33,11 @@ FAMILIES = {  # tiny configs, every dimension a multiple of 32 so the recipes ap
     "olmoe": dict(num_hidden_layers=2, intermediate_size=32, num_experts=4, num_experts_per_tok=2, eos_token_id=0,
                   pad_token_id=1, bos_token_id=None),
     "mixtral": dict(num_hidden_layers=2, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_hidden_layers=2, intermediate_size=128, moe_intermediate_size=32, num_experts=4,
+                      num_experts_per_tok=2, shared_expert_intermediate_size=32),
     "llama": dict(num_hidden_layers=2, intermediate_size=128),
 }
+RESIDUAL_BLOCKS = {"qwen3_moe", "olmoe", "mixtral"}  # gate + QuantExperts only (Qwen2-MoE adds a shared expert)
 
 
 @pytest.fixture
@@ -66,6 +71,8 @@ def _layers(model):
 def test_convert_model_fuses_pre_norm_layers(family):
     layers = _layers(_converted(family))
     assert layers and all(getattr(m, "_rl4bit_fused_layer", False) for m in layers)
+    blocks = [getattr(m.mlp, "_rl4bit_residual_block", False) for m in layers]
+    assert blocks == [family in RESIDUAL_BLOCKS] * len(layers), blocks
 
 
 def _unfuse(model):
@@ -84,10 +91,12 @@ def test_fused_layers_change_no_bits_and_run_the_kernel(kernels_on):
     _unfuse(plain)
     ids = torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with torch.no_grad(), torch.autocast(DEV, torch.bfloat16):
-        with mock.patch.object(rmsnorm_triton, "add_rms_norm", wraps=rmsnorm_triton.add_rms_norm) as spy:
+        with mock.patch.object(rmsnorm_triton, "add_rms_norm", wraps=rmsnorm_triton.add_rms_norm) as spy, \
+                mock.patch.object(combine_triton, "combine", wraps=combine_triton.combine) as combines:
             got = model(input_ids=ids).logits
         want = plain(input_ids=ids).logits
     assert spy.call_count == len(_layers(model))
+    assert [c.args[6] is not None for c in combines.call_args_list] == [True] * len(_layers(model))  # residual
     if HAS_CUDA:  # FP32 residual + BF16 attention output: another compilation of the norm's kernel
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     else:
@@ -219,3 +228,31 @@ def test_probe_leaves_the_layer_untouched():
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     assert fused_layer.reproduces(layer)
     assert dict(layer._modules) == parts and all(torch.equal(state[k], v) for k, v in layer.state_dict().items())
+
+
+class _NoResidualExperts(nn.Module):
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return hidden_states
+
+
+class _Block(nn.Module):
+    def __init__(self, experts):
+        super().__init__()
+        self.gate, self.experts = nn.Linear(8, 4), experts
+
+    def forward(self, hidden_states):
+        flat = hidden_states.view(-1, hidden_states.shape[-1])
+        _, weights, index = self.gate(flat)
+        return self.experts(flat, index, weights).reshape(hidden_states.shape)
+
+
+class _ScaledBlock(_Block):  # another formula around the experts
+    def forward(self, hidden_states):
+        return super().forward(hidden_states) * 0.5
+
+
+def test_residual_block_needs_experts_taking_the_residual_and_the_plain_formula():
+    assert fused_layer.residual_block(_Block(fused_layer._ProbeExperts()))
+    assert not fused_layer.residual_block(_Block(_NoResidualExperts()))  # e.g. the expert-parallel layer
+    assert not fused_layer.residual_block(_ScaledBlock(fused_layer._ProbeExperts()))
+    assert not fused_layer.residual_block(nn.Linear(8, 8))

@@ -573,6 +573,7 @@ def test_gpu_rows_read_in_place_equal_gather_then_cast(rows, k):
                                                 cast=torch.bfloat16)
         assert_bitwise_equal(got_q.data, want_q.data, f"codes {decode}")
         assert_bitwise_equal(got_q.outer, want_q.outer, f"outer {decode}")
+        assert_bitwise_equal(got_q.scale, want_q.scale, f"scales {decode}")
         assert_bitwise_equal(got_y, want_y, f"y {decode}")
 
 

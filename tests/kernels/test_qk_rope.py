@@ -228,7 +228,11 @@ def test_stacked_projections_packed_equal_concatenated_and_follow_updates(on):
             assert_bitwise_equal(got, want, "packed vs cat")
             torch.testing.assert_close(got, sep, rtol=1e-5, atol=1e-5)  # three GEMMs: another kernel's rounding
         attn.k_proj.weight.copy_(attn.k_proj.weight * 2)  # what update_weights does: through the view
-        assert_bitwise_equal(projections(attn, x)[1], attn.k_proj(x), "after an in-place update")
+        stacked = torch.nn.functional.linear(x, torch.cat([attn.q_proj.weight, attn.k_proj.weight,
+                                                           attn.v_proj.weight]))  # one GEMM of the packed shape
+        q_rows, k_rows = attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0]
+        assert_bitwise_equal(projections(attn, x)[1], stacked[..., q_rows:q_rows + k_rows], "after an in-place update")
+        torch.testing.assert_close(projections(attn, x)[1], attn.k_proj(x), rtol=1e-5, atol=1e-5)  # another GEMM
         attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight * 3, requires_grad=False)  # no longer a view
         assert not _packed([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], attn._rl4bit_qkv[0])
         torch.testing.assert_close(projections(attn, x)[1], attn.k_proj(x), rtol=1e-5, atol=1e-5)

@@ -103,8 +103,10 @@ def _kernels():
                     slot_ptr="*i64", pos_ptr="*i64", s_vt="i32", s_cs="i32", s_ch="i32", s_cp="i32", n_cache="i32")
     yield ("fused qk-norm + rope", qr._qk_norm_rope_kernel, rope_sig,
            dict(HQ_DTYPE=tl.float32, HK_DTYPE=tl.float32, ASM=True, BLOCK=128), 4)
-    comb_sig = dict(o_ptr="*bf16", w_ptr="*fp32", idx_ptr="*i64", inv_ptr="*i64", out_ptr="*fp32", H="i32", E="i32")
-    yield "fused moe combine", cb._combine_kernel, comb_sig, dict(K=4, K_PAD=4, BLOCK_H=1024), 4
+    for out in ("fp32", "bf16"):  # the trainer's FP32 stream, the bench's BF16 one (HAS_R: the residual add)
+        comb_sig = dict(o_ptr="*bf16", w_ptr="*fp32", idx_ptr="*i64", inv_ptr="*i64", r_ptr=f"*{out}",
+                        out_ptr=f"*{out}", H="i32", E="i32", HAS_R="i32")
+        yield f"fused moe combine, {out} output", cb._combine_kernel, comb_sig, dict(K=4, K_PAD=4, BLOCK_H=1024), 4
     route_sig = dict(idx_ptr="*i64", order_ptr="*i64", tok_ptr="*i64", inv_ptr="*i64", counts_ptr="*i32",
                      map_ptr="*i32", N="i32", E="i32", T="i32")
     yield "fused moe grouping", rt._route_kernel, route_sig, dict(K=4, BLOCK=1024, E_PAD=64, MAP_BLOCK_M=0,

@@ -2,7 +2,7 @@
 
 `read_floor` derives a decode step's bytes from the model's shape; these tests
 check its all-weights total against the tensors of the models the benchmark
-builds (the BF16 model's parameters; the NVFP4 model's non-expert parameters
+builds (the bf16 recipe's model's parameters; the NVFP4 model's non-expert parameters
 plus its served expert codes and scales), and the per-step terms at the edges
 (one token picks exactly top-k experts; a large batch touches all of them).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl4bit.bench_rollout import MODELS, build_model, nvfp4_model, read_floor
+from rl4bit.bench_rollout import MODELS, build_model, read_floor, served_model
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -22,7 +22,7 @@ def _nbytes(t: torch.Tensor) -> int:
 @pytest.fixture(scope="module")
 def models():
     m = build_model("small", 80, torch.bfloat16, "cpu")
-    return m, nvfp4_model(m)
+    return served_model(m, "bf16"), served_model(m, "nvfp4")
 
 
 def test_weight_bytes_match_the_bf16_models_parameters(models):
@@ -32,7 +32,6 @@ def test_weight_bytes_match_the_bf16_models_parameters(models):
 
 def test_weight_bytes_match_the_nvfp4_models_tensors(models):
     _, q = models
-    assert q is not None, "the trainer's serving mode is missing"
     dense = sum(_nbytes(p) for n, p in q.named_parameters() if ".experts." not in n)
     served = [t for mod in q.modules() if hasattr(mod, "served") for t in mod.served.values()]
     assert served, "no served NVFP4 experts found"
