@@ -82,25 +82,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class _FusedAddRMSNorm(torch.autograd.Function):
+    """Saves the sum alone (what HF's add + norm would save): the backward differentiates `reference` at it, and
+    the add's gradient is the sum's, cast to each operand's dtype (as autograd does for torch's add)."""
+
     @staticmethod
     def forward(ctx, x, residual, weight, eps):
         from rl4bit.kernels.rmsnorm_triton import add_rms_norm as kernel
 
-        ctx.save_for_backward(x, residual, weight)
-        ctx.eps = eps
-        return kernel(x, residual, weight, eps)
+        s, y = kernel(x, residual, weight, eps)
+        ctx.save_for_backward(s, weight)
+        ctx.eps, ctx.dtypes = eps, (x.dtype, residual.dtype)
+        return s, y
 
     @staticmethod
     def backward(ctx, ds, dy):
-        x, residual, weight = ctx.saved_tensors
-        needs = ctx.needs_input_grad[:3]
+        s, weight = ctx.saved_tensors
+        need_x, need_r, need_w = ctx.needs_input_grad[:3]
         with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(n) for t, n in zip((x, residual, weight), needs)]
-            s, y = add_reference(*leaves, ctx.eps)
-        outs = [(t, g) for t, g in ((s, ds), (y, dy)) if g is not None]
-        wanted = [t for t, n in zip(leaves, needs) if n]
-        grads = iter(torch.autograd.grad([t for t, _ in outs], wanted, [g for _, g in outs], allow_unused=True))
-        return tuple(next(grads) if n else None for n in needs) + (None,)
+            sd, wd = s.detach().requires_grad_(), weight.detach().requires_grad_(need_w)
+            y = reference(sd, wd, ctx.eps)
+        g = torch.autograd.grad(y, [sd, wd] if need_w else [sd], dy)
+        d_sum = g[0] if ds is None else ds + g[0]
+        return (d_sum.to(ctx.dtypes[0]) if need_x else None, d_sum.to(ctx.dtypes[1]) if need_r else None,
+                g[1] if need_w else None, None)
 
 
 def add_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
