@@ -131,7 +131,8 @@ def test_training_gradients_follow_hf(kernels_on):
         loss.backward()
         losses.append(loss.detach())
         grads.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
-    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    tol = 1e-5 if HAS_CUDA else 0  # the mixed-dtype norm is another compilation on a GPU: to rounding there
+    torch.testing.assert_close(losses[0], losses[1], rtol=tol, atol=tol)
     assert grads[0].keys() == grads[1].keys() and any("post_attention_layernorm" in n for n in grads[0])
     for n in grads[0]:
         torch.testing.assert_close(grads[0][n], grads[1][n], rtol=1e-4, atol=1e-6, msg=n)
