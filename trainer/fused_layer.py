@@ -19,6 +19,11 @@ MoE model. A forward that needs gradients runs the kernels too (their
 backwards differentiate the torch ops), so trainer, logprob recompute and
 samplers take the same path.
 
+`trainer.recompute` checkpoints the installed forward (`layer_forward`);
+transformers' own gradient checkpointing (`gradient_checkpointing_enable`,
+which rl4bit does not use) wraps the class's forward, so a layer with it on
+runs HF's forward when training.
+
 `fuse_layer` installs it only where the replacement reproduces the layer's own
 forward bitwise on a probe: a shallow copy of the layer whose attention and
 MLP are stand-ins (the norms are the layer's own), every kernel off, called
@@ -52,8 +57,10 @@ _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 def _forward(module: nn.Module, orig_forward, hidden_states: torch.Tensor, *args, use_reference: bool = False,
              **kwargs):
-    if args or not isinstance(hidden_states, torch.Tensor) or not fused.enabled(hidden_states.device.type) \
-            and not use_reference:
+    hf_checkpointing = getattr(module, "gradient_checkpointing", False) and module.training \
+        and torch.is_grad_enabled()  # transformers' own checkpointing wraps the class's forward: leave it to it
+    if args or not isinstance(hidden_states, torch.Tensor) or hf_checkpointing \
+            or not fused.enabled(hidden_states.device.type) and not use_reference:
         return orig_forward(hidden_states, *args, **kwargs)
     post = module.post_attention_layernorm
     add_norm = add_reference if use_reference else add_rms_norm
@@ -171,6 +178,15 @@ def fuse_layer(layer: nn.Module) -> bool:
     if residual_block(layer.mlp):
         layer.mlp._rl4bit_residual_block = True
     return True
+
+
+def layer_forward(layer: nn.Module):
+    """`layer`'s forward as installed here (the fused one where `fuse_layer` took it, else the class's), bound
+    to `layer`: for wrappers that replace the instance's forward and call it themselves (`trainer.recompute`)."""
+    base = functools.partial(type(layer).forward, layer)
+    if getattr(layer, "_rl4bit_fused_layer", False):
+        return functools.partial(_forward, layer, base)
+    return base
 
 
 def fuse_layers(model: nn.Module) -> list[str]:

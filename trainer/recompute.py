@@ -38,12 +38,13 @@ offload of the layer inputs.
 from __future__ import annotations
 
 import contextlib
-import functools
 import types
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from rl4bit.trainer.fused_layer import layer_forward
 
 
 def _counters(model: nn.Module) -> list[nn.Module]:
@@ -102,7 +103,7 @@ def enable_recompute(model: nn.Module) -> int:
         return contextlib.nullcontext(), _Rewind(modules, config, _Rewind.state(modules, config))
 
     def checkpointed(self, *args, **kwargs):
-        forward = functools.partial(type(self).forward, self)  # the class's forward: right after a deepcopy too
+        forward = layer_forward(self)  # the class's (or the fused) forward of this layer: right after a deepcopy too
         if not torch.is_grad_enabled():
             return forward(*args, **kwargs)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn, **kwargs)

@@ -257,3 +257,27 @@ def test_residual_block_needs_experts_taking_the_residual_and_the_plain_formula(
     assert not fused_layer.residual_block(_Block(_NoResidualExperts()))  # e.g. the expert-parallel layer
     assert not fused_layer.residual_block(_ScaledBlock(fused_layer._ProbeExperts()))
     assert not fused_layer.residual_block(nn.Linear(8, 8))
+
+
+def test_recomputed_layers_run_the_fused_forward(kernels_on):
+    """`trainer.recompute` checkpoints the fused forward (not the class's): the kernel runs in the forward and in
+    the backward's re-run, and the gradients are the plain backward's, bit for bit."""
+    import copy
+
+    from rl4bit.trainer.recompute import enable_recompute
+
+    model = _converted("qwen3_moe")
+    plain = copy.deepcopy(model)
+    assert enable_recompute(model) == len(_layers(model))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    grads = []
+    for m in (model, plain):
+        with mock.patch.object(rmsnorm_triton, "add_rms_norm", wraps=rmsnorm_triton.add_rms_norm) as spy:
+            with torch.autocast(DEV, torch.bfloat16):
+                loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+        assert spy.call_count == len(_layers(m)) * (2 if m is model else 1)
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n in grads[0]:
+        assert_bitwise_equal(grads[0][n], grads[1][n], n)
