@@ -51,7 +51,7 @@ class _Combine(torch.autograd.Function):
             od, wd = o.detach().requires_grad_(need_o), w.detach().requires_grad_(need_w)
             y = reference(od, wd, order, tok, torch.empty(shape, dtype=dtype, device=o.device))
         wanted = [t for t, need in ((od, need_o), (wd, need_w)) if need]
-        grads = iter(torch.autograd.grad(y, wanted, dout))
+        grads = iter(torch.autograd.grad(y, wanted, dout) if wanted else ())
         d_residual = dout if ctx.needs_input_grad[8] else None  # d(residual + y) / d residual
         return (next(grads) if need_o else None), (next(grads) if need_w else None), None, None, None, None, None, \
             None, d_residual

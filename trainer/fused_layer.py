@@ -19,15 +19,16 @@ MoE model. A forward that needs gradients runs the kernels too (their
 backwards differentiate the torch ops), so trainer, logprob recompute and
 samplers take the same path.
 
-`trainer.recompute` checkpoints the installed forward (`layer_forward`);
-transformers' own gradient checkpointing (`gradient_checkpointing_enable`,
-which rl4bit does not use) wraps the class's forward, so a layer with it on
-runs HF's forward when training.
+`trainer.recompute` checkpoints the installed forward (`layer_forward`). A
+layer in training mode runs HF's forward: dropout, router jitter and
+transformers' own gradient checkpointing (which wraps the class's forward in
+5.24) live there; rl4bit's trainer and samplers run their models in eval mode.
 
 `fuse_layer` installs it only where the replacement reproduces the layer's own
 forward bitwise on a probe: a shallow copy of the layer whose attention and
-MLP are stand-ins (the norms are the layer's own), every kernel off, called
-with each named argument of the original forward set to a marker. The
+MLP are stand-ins (the norms are copies of the layer's own with distinct
+random weights), every kernel off, called with each named argument of the
+original forward set to a marker, and with none of them (HF's defaults). The
 replacement must give the same output and hand the attention the same
 arguments; a layer of another shape (parallel attention and MLP, norms after
 the sublayers, an extra output) keeps its forward. The post-attention norm
@@ -55,17 +56,37 @@ from rl4bit.kernels.rmsnorm import add_reference, add_rms_norm
 _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
+def _defaults(layer: nn.Module) -> dict | None:
+    """The named arguments of the layer's own forward with their defaults (HF passes each on to the attention,
+    given or not), or None when the signature is not one this replaces."""
+    return _class_defaults(type(layer))
+
+
+@functools.lru_cache(maxsize=None)
+def _class_defaults(cls) -> dict | None:
+    try:
+        params = list(inspect.signature(cls.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return None
+    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
+        return None
+    named = [p for p in params[1:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if any(p.default is p.empty for p in named):
+        return None
+    return {p.name: p.default for p in named}
+
+
 def _forward(module: nn.Module, orig_forward, hidden_states: torch.Tensor, *args, use_reference: bool = False,
              **kwargs):
-    hf_checkpointing = getattr(module, "gradient_checkpointing", False) and module.training \
-        and torch.is_grad_enabled()  # transformers' own checkpointing wraps the class's forward: leave it to it
-    if args or not isinstance(hidden_states, torch.Tensor) or hf_checkpointing \
+    if args or not isinstance(hidden_states, torch.Tensor) or module.training \
             or not fused.enabled(hidden_states.device.type) and not use_reference:
+        # training mode: dropout, router jitter and transformers' own checkpointing live in HF's forward (rl4bit's
+        # trainer and samplers run the model in eval mode)
         return orig_forward(hidden_states, *args, **kwargs)
     post = module.post_attention_layernorm
     add_norm = add_reference if use_reference else add_rms_norm
     h = module.input_layernorm(hidden_states)
-    h, _ = module.self_attn(hidden_states=h, **kwargs)
+    h, _ = module.self_attn(hidden_states=h, **{**_defaults(module), **kwargs})
     x, h = add_norm(h, hidden_states, post.weight, post.variance_epsilon)
     if getattr(module.mlp, "_rl4bit_residual_block", False):
         return _moe_block(module.mlp, h, x)
@@ -99,35 +120,43 @@ def reproduces(layer: nn.Module) -> bool:
     post = layer.post_attention_layernorm
     if not getattr(post, "_rl4bit_fused_norm", False) or post.weight.device.type == "meta":
         return False
-    try:
-        params = list(inspect.signature(type(layer).forward).parameters.values())[1:]
-    except (TypeError, ValueError):
+    defaults = _defaults(layer)
+    if defaults is None:
         return False
-    if not params or params[0].kind not in (params[0].POSITIONAL_ONLY, params[0].POSITIONAL_OR_KEYWORD):
-        return False
-    markers = {p.name: object() for p in params[1:] if p.kind is p.POSITIONAL_OR_KEYWORD or p.kind is p.KEYWORD_ONLY}
-    if any(p.kind is p.VAR_KEYWORD for p in params):
+    markers = {name: object() for name in defaults}
+    if any(p.kind is p.VAR_KEYWORD for p in inspect.signature(type(layer).forward).parameters.values()):
         markers["rl4bit_probe"] = object()  # passed through **kwargs
-    runs = []
-    for attempt in ("layer", "replacement"):
-        probe = copy.copy(layer)
-        probe._modules = dict(layer._modules)  # the copy's own submodule table: the layer keeps its modules
-        probe.self_attn, probe.mlp = _ProbeAttention(), _ProbeMLP()
-        g = torch.Generator().manual_seed(0)
-        x = (torch.randn(2, 3, post.weight.shape[0], generator=g) * 2).to(post.weight.dtype).to(post.weight.device)
-        try:
-            with torch.no_grad(), fused.disabled():
-                if attempt == "layer":
-                    out = type(layer).forward(probe, x, **markers)
-                else:
-                    out = _forward(probe, None, x, use_reference=True, **markers)
-        except Exception:  # noqa: BLE001 - a forward of another signature is not the one this replaces
+    g = torch.Generator().manual_seed(0)
+    norms = {}
+    for name in ("input_layernorm", "post_attention_layernorm"):  # distinct random weights: a layer that uses
+        norms[name] = copy.deepcopy(getattr(layer, name))  # one norm where the other belongs must show
+        with torch.no_grad():
+            norms[name].weight.copy_(torch.randn(norms[name].weight.shape, generator=g) + 1)
+    x = (torch.randn(2, 3, post.weight.shape[0], generator=g) * 2).to(post.weight.dtype).to(post.weight.device)
+    for given in (markers, {}):  # every named argument given, and none (HF's defaults passed on)
+        runs = []
+        for attempt in ("layer", "replacement"):
+            probe = copy.copy(layer)
+            probe._modules = dict(layer._modules)  # the copy's own submodule table: the layer keeps its modules
+            probe.self_attn, probe.mlp = _ProbeAttention(), _ProbeMLP()
+            probe.input_layernorm, probe.post_attention_layernorm = norms["input_layernorm"], \
+                norms["post_attention_layernorm"]
+            probe.eval()  # the replacement runs in eval mode only (`_forward`)
+            try:
+                with torch.no_grad(), fused.disabled():
+                    if attempt == "layer":
+                        out = type(layer).forward(probe, x, **given)
+                    else:
+                        out = _forward(probe, None, x, use_reference=True, **given)
+            except Exception:  # noqa: BLE001 - a forward of another signature is not the one this replaces
+                return False
+            runs.append((out, probe.self_attn.seen))
+        (want, seen_want), (got, seen_got) = runs
+        if not (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and want.dtype == got.dtype
+                and torch.equal(want, got) and seen_want.keys() == seen_got.keys()
+                and all(seen_want[k] is seen_got[k] for k in seen_want)):
             return False
-        runs.append((out, probe.self_attn.seen))
-    (want, seen_want), (got, seen_got) = runs
-    return (isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and want.dtype == got.dtype
-            and torch.equal(want, got) and seen_want.keys() == seen_got.keys()
-            and all(seen_want[k] is seen_got[k] for k in seen_want))
+    return True
 
 
 class _ProbeGate(nn.Module):

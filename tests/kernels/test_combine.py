@@ -132,3 +132,23 @@ def test_a_non_finite_expert_output_reaches_its_token_only():
         got = kernel(o.to(DEVICE), w.to(DEVICE), idx.to(DEVICE), inv.to(DEVICE), hd, 4).cpu()
         assert torch.equal(torch.isnan(got), torch.isnan(want)) and torch.isnan(want).sum() == 2, hd
         assert torch.equal(got.nan_to_num(), want.nan_to_num()), hd
+
+
+def test_gradient_reaches_a_residual_alone():
+    """Only the residual needs a gradient (expert outputs and router weights frozen): it gets the output's."""
+    from rl4bit.trainer.combine import combine
+
+    idx, w = _routing(5, 4, 2, 9)
+    flat = idx.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    o = torch.randn(order.numel(), 32, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    hidden = torch.zeros(5, 32, device=DEVICE)
+    r = torch.randn(5, 32, generator=torch.Generator().manual_seed(11)).to(DEVICE).requires_grad_()
+    fused.set_enabled(True, DEV_TYPE)
+    try:
+        out = combine(o, w.to(DEVICE), idx.to(DEVICE), order.to(DEVICE), (order // 2).to(DEVICE), None, hidden, 4, r)
+        dout = torch.randn_like(out)
+        (d_r,) = torch.autograd.grad(out, [r], dout)
+    finally:
+        fused.set_enabled(True, "cuda")
+    assert torch.equal(d_r, dout)

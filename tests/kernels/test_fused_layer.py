@@ -60,7 +60,7 @@ def _converted(family: str):
             if "norm" in n:
                 p.normal_(1.0, 0.5)
     convert_model(model, RecipeConfig(name="bf16"))
-    return model.to(DEVICE)
+    return model.to(DEVICE).eval()  # as the trainer and the samplers hold it (no dropout)
 
 
 def _layers(model):
@@ -86,7 +86,7 @@ def test_fused_layers_change_no_bits_and_run_the_kernel(kernels_on):
     logits of the same model with HF's layer forward (the fused norms, attention and router in both)."""
     import copy
 
-    model = _converted("qwen3_moe").eval()
+    model = _converted("qwen3_moe")
     plain = copy.deepcopy(model)
     _unfuse(plain)
     ids = torch.randint(0, 128, (3, 9), generator=torch.Generator().manual_seed(1)).to(DEVICE)
@@ -106,7 +106,7 @@ def test_fused_layers_change_no_bits_and_run_the_kernel(kernels_on):
 def test_bf16_stream_on_the_device_is_bitwise(kernels_on):
     """A BF16 model (the bench's serving stream): sum and sublayer output share a dtype, so the fused layer is the
     same compiled kernel as the add and the norm apart, on the GPU too."""
-    model = _converted("llama").to(torch.bfloat16).eval()
+    model = _converted("llama").to(torch.bfloat16)
     layer = _layers(model)[0]
     x = torch.randn(2, 7, 64, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).to(DEVICE)
     pos = torch.arange(7, device=DEVICE)[None].expand(2, -1)
@@ -139,7 +139,7 @@ def test_training_gradients_follow_hf(kernels_on):
 
 
 def test_kernels_off_runs_hf_forward():
-    model = _converted("qwen3_moe").eval()
+    model = _converted("qwen3_moe")
     layer = _layers(model)[0]
     x = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(4)).to(DEVICE)
     pos = torch.arange(5, device=DEVICE)[None]
@@ -208,6 +208,12 @@ class RenamingDecoderLayer(_Base):  # hands the attention another argument than 
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class SharedNormDecoderLayer(_Base):  # the input norm before the MLP too: equal to the pre-norm form at HF's init
+    def forward(self, hidden_states, position_ids=None, **kwargs):
+        h = hidden_states + self.self_attn(self.input_layernorm(hidden_states), position_ids=position_ids, **kwargs)[0]
+        return h + self.mlp(self.input_layernorm(h))
+
+
 class TupleDecoderLayer(PreNormDecoderLayer):  # returns (hidden, extras) as older HF layers did
     def forward(self, hidden_states, **kwargs):
         return super().forward(hidden_states, **kwargs), None
@@ -215,7 +221,8 @@ class TupleDecoderLayer(PreNormDecoderLayer):  # returns (hidden, extras) as old
 
 def test_only_pre_norm_layers_are_fused():
     assert fused_layer.fuse_layer(PreNormDecoderLayer())
-    for cls in (ParallelDecoderLayer, PostNormDecoderLayer, RenamingDecoderLayer, TupleDecoderLayer):
+    for cls in (ParallelDecoderLayer, PostNormDecoderLayer, RenamingDecoderLayer, TupleDecoderLayer,
+                SharedNormDecoderLayer):
         layer = cls()
         assert not fused_layer.fuse_layer(layer) and "forward" not in vars(layer), cls.__name__
     unfused_norm = PreNormDecoderLayer()
@@ -281,3 +288,23 @@ def test_recomputed_layers_run_the_fused_forward(kernels_on):
     assert grads[0].keys() == grads[1].keys()
     for n in grads[0]:
         assert_bitwise_equal(grads[0][n], grads[1][n], n)
+
+
+def test_training_mode_and_missing_arguments(kernels_on):
+    """A layer in training mode runs HF's forward (dropout, router jitter and transformers' checkpointing live
+    there); arguments the caller leaves out reach the attention with HF's defaults, as HF passes them."""
+    model = _converted("qwen3_moe")
+    layer = _layers(model)[0]
+    x = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(6)).to(DEVICE)
+    emb = model.model.rotary_emb(x, torch.arange(4, device=DEVICE)[None])
+    with torch.no_grad(), mock.patch.object(rmsnorm_triton, "add_rms_norm", wraps=rmsnorm_triton.add_rms_norm) as spy:
+        got = layer(x, position_embeddings=emb)  # no attention_mask, position_ids, cache: HF's defaults
+        assert spy.call_count == 1
+        want = type(layer).forward(layer, x, position_embeddings=emb)
+        layer.train()
+        layer(x, position_embeddings=emb)
+        assert spy.call_count == 1  # HF's forward in training mode
+    if HAS_CUDA:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        assert_bitwise_equal(got, want, "defaults")
