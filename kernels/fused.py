@@ -16,6 +16,7 @@ A/B of whole jobs (`RL4BIT_FUSED=0 rl4bit bench step ...`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 
@@ -60,3 +61,16 @@ def disabled():
         yield
     finally:
         _STATE["device_type"] = saved
+
+
+def install(module, flag: str, suffix: str, reproduces, forward) -> bool:
+    """Route `module.forward` through `functools.partial(forward, module, <its own forward>)` when its class name
+    ends with `suffix` and `reproduces(module)` holds (the caller's probe of the replacement); the attribute
+    `flag` marks it, so a second call changes nothing. Returns whether the module runs the replacement."""
+    if getattr(module, flag, False):
+        return True
+    if not type(module).__name__.endswith(suffix) or not reproduces(module):
+        return False
+    module.forward = functools.partial(forward, module, module.forward)
+    setattr(module, flag, True)
+    return True

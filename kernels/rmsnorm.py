@@ -28,12 +28,11 @@ adds outside the norm), vLLM (its own kernels).
 
 from __future__ import annotations
 
-import functools
 
 import torch
 from torch import nn
 
-from rl4bit.kernels.fused import enabled
+from rl4bit.kernels.fused import enabled, install
 
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm forward (Qwen3-MoE 5.x), op for op."""
@@ -161,13 +160,7 @@ def reproduces(module: nn.Module) -> bool:
 def fuse_norm(module: nn.Module) -> bool:
     """Route `module`'s forward through `rms_norm` if it reproduces HF's RMSNorm (see `reproduces`); idempotent.
     Returns whether the module is fused."""
-    if getattr(module, "_rl4bit_fused_norm", False):
-        return True
-    if not type(module).__name__.endswith("RMSNorm") or not reproduces(module):
-        return False
-    module.forward = functools.partial(_fused_forward, module, module.forward)
-    module._rl4bit_fused_norm = True
-    return True
+    return install(module, "_rl4bit_fused_norm", "RMSNorm", reproduces, _fused_forward)
 
 
 def fuse_norms(model: nn.Module) -> list[str]:

@@ -200,10 +200,8 @@ def fuse_layer(layer: nn.Module) -> bool:
     """Route `layer`'s forward through `_forward` if it reproduces it (see `reproduces`); idempotent."""
     if getattr(layer, "_rl4bit_fused_layer", False):
         return True
-    if not type(layer).__name__.endswith("DecoderLayer") or not reproduces(layer):
+    if not fused.install(layer, "_rl4bit_fused_layer", "DecoderLayer", reproduces, _forward):
         return False
-    layer.forward = functools.partial(_forward, layer, layer.forward)
-    layer._rl4bit_fused_layer = True
     if residual_block(layer.mlp):
         layer.mlp._rl4bit_residual_block = True
     return True
