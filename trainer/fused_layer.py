@@ -141,7 +141,7 @@ def reproduces(layer: nn.Module) -> bool:
             probe.self_attn, probe.mlp = _ProbeAttention(), _ProbeMLP()
             probe.input_layernorm, probe.post_attention_layernorm = norms["input_layernorm"], \
                 norms["post_attention_layernorm"]
-            probe.eval()  # the replacement runs in eval mode only (`_forward`)
+            probe.training = False  # the replacement runs in eval mode only (`_forward`); the copy's flag alone
             try:
                 with torch.no_grad(), fused.disabled():
                     if attempt == "layer":

@@ -232,10 +232,12 @@ def test_only_pre_norm_layers_are_fused():
 
 def test_probe_leaves_the_layer_untouched():
     layer = PreNormDecoderLayer()
+    layer.resid_dropout = nn.Dropout(0.0)  # a child the probe shares with the layer: its mode must not change
     parts = dict(layer._modules)
     state = {k: v.clone() for k, v in layer.state_dict().items()}
     assert fused_layer.reproduces(layer)
     assert dict(layer._modules) == parts and all(torch.equal(state[k], v) for k, v in layer.state_dict().items())
+    assert layer.training and layer.resid_dropout.training
 
 
 class _NoResidualExperts(nn.Module):
