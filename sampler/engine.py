@@ -72,6 +72,7 @@ from rl4bit.kernels import deferred_checks
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.sampler.decode_graph import DecodeGraphs
 from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_implementations, pad_rows
+from rl4bit.sampler.rope_table import rope_tables
 from rl4bit.sampler.sampling import policy_logprobs, rows_to_lists, sample_rows, sample_rows_tensors
 from rl4bit.sampler.serving_dtype import precast
 from rl4bit.sampler.stop_strings import StopStrings
@@ -149,6 +150,7 @@ class EmbeddedEngine:
         self.device = torch.device(device)
         cfg = model.config
         self.max_seq_len = int(max_seq_len or cfg.max_position_embeddings)
+        rope_tables(self.model, self.max_seq_len)  # rotary cos/sin gathered from tables (rope_table.py)
         self.max_batch_size = max_batch_size
         self.max_prefill_tokens = max_prefill_tokens
         self.min_rows = min_rows
