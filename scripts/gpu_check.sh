@@ -19,7 +19,7 @@ run tests python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_qgemm_t
     tests/kernels/test_qk_rope.py tests/kernels/test_fused_engine.py tests/kernels/test_triton_quantize.py \
     tests/kernels/test_attention.py tests/kernels/test_router.py tests/kernels/test_route.py \
     tests/kernels/test_rmsnorm.py tests/kernels/test_combine.py tests/kernels/test_fused_layer.py \
-    tests/sampler/test_decode_graph.py
+    tests/sampler/test_decode_graph.py tests/sampler/test_rope_table.py
 tail -3 "$out/tests.txt"
 run profile1 python3 -P scripts/profile_decode.py --batch 1 --new 128 --temperature 1.0 --rows 30
 grep -A 20 "GPU kernels" "$out/profile1.txt" | head -44

@@ -38,16 +38,21 @@ def _model(**rope):
     return model
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tables_give_the_modules_cos_and_sin(dtype):
-    model = _model().to(dtype)
+def test_tables_give_the_modules_cos_and_sin(dtype, device):
+    """On each device the tables hold the module's own bits there (the install probe checks the same)."""
+    model = _model().to(dtype).to(device)
     plain = copy.deepcopy(model.model.rotary_emb)
     assert rope_table.rope_tables(model, 40) and rope_table.rope_tables(model, 40)  # idempotent
-    x = torch.zeros(2, 7, 64, dtype=dtype)
-    pos = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(1))
+    x = torch.zeros(2, 7, 64, dtype=dtype, device=device)
+    pos = torch.randint(0, 40, (2, 7), generator=torch.Generator().manual_seed(1)).to(device)
     for got, want in zip(model.model.rotary_emb(x, pos), plain(x, pos)):
         assert got.dtype == want.dtype and torch.equal(got, want)
-    other = torch.zeros(1, 1, 64, dtype=torch.float16)  # a dtype without a table: the module's own forward
+    other = torch.zeros(1, 1, 64, dtype=torch.float16, device=device)  # no table: the module's own forward
     for got, want in zip(model.model.rotary_emb(other, pos[:1]), plain(other, pos[:1])):
         assert got.dtype == torch.float16 and torch.equal(got, want)
 
