@@ -22,12 +22,13 @@ own gradient up to the rounding of the recomputed rstd): correct, not fused.
 `rl4bit.kernels.fused` holds the switch (process-global; off sends every
 fused norm back to HF's forward).
 
-Leaves out: LayerNorm, norms fused with the residual add (HF's decoder layer
-adds outside the norm), vLLM (its own kernels).
+`add_rms_norm` is the same kernel with a decoder layer's residual add in it
+(`trainer.fused_layer` calls it for the post-attention norm).
+
+Leaves out: LayerNorm, vLLM (its own kernels).
 """
 
 from __future__ import annotations
-
 
 import torch
 from torch import nn

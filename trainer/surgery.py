@@ -18,7 +18,8 @@ quantization scope):
 - HF RMSNorms run one fused kernel on CUDA (`rl4bit.kernels.rmsnorm`), and Qwen3-style attention its
   q/k norms and rotary embedding in one more (`rl4bit.trainer.fused_attention`): trainer and samplers
   alike, since both convert their model here; and pre-norm decoder layers add the attention's residual
-  inside the post-attention norm's kernel (`rl4bit.trainer.fused_layer`).
+  inside the post-attention norm's kernel and, over `QuantExperts`, the MoE block's inside the combine
+  (`rl4bit.trainer.fused_layer`).
 Parameter names do not change, so `model.state_dict()` loads into a plain
 transformers model of the same config.
 
