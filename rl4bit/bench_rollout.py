@@ -211,11 +211,6 @@ def served_model(model, recipe: str):
     return q
 
 
-def nvfp4_model(model):
-    """`served_model(model, "nvfp4")`."""
-    return served_model(model, "nvfp4")
-
-
 def unfused(fn, *args, **kwargs) -> dict:
     """`fn(*args, **kwargs)` with rl4bit's fused kernels off (`rl4bit.kernels.fused`): HF's own norms."""
     from rl4bit.kernels import fused

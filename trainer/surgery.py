@@ -87,16 +87,10 @@ def convert_model(model: nn.Module, recipe: RecipeConfig, *, master_dtype=torch.
             continue
         parent_name, _, child = name.rpartition(".")
         setattr(modules[parent_name] if parent_name else model, child, new)
-    fuse_modules(model)
-    return plan
-
-
-def fuse_modules(model: nn.Module) -> None:
-    """The fused forwards of norms, attentions and decoder layers, in the order their probes need (attention and
-    layer probes check for fused norms). Routers are fused by `convert_model` under their FP32 wrap."""
     fuse_norms(model)
-    fuse_attentions(model)
+    fuse_attentions(model)  # after the norms: its probe and the layers' check for fused norms
     fuse_layers(model)
+    return plan
 
 
 def quant_modules(model: nn.Module) -> dict[str, nn.Module]:
