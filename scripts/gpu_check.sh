@@ -4,6 +4,7 @@
 # $OUT (or ./gpu-check-out). About 8 minutes on an H200; stops at nothing (every step's exit code is logged).
 #   source scripts/device_env.sh && bash scripts/gpu_check.sh [--quick | --sweep]
 #   --quick: tests + batch-1 profile; --sweep: also the one-token decode GEMM sweep (~2 more minutes)
+#   --rl: instead, RL parity (2 steps, invariant kernels on and off) and `bench_step` (~8 minutes)
 set -uo pipefail
 out=${OUT:-gpu-check-out}
 mkdir -p "$out"
@@ -15,6 +16,19 @@ run() {  # run NAME CMD...: output to $out/NAME.txt, exit code to steps.txt
     log "end $name rc=$?"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
+if [[ "${1:-}" == "--rl" ]]; then
+    for mode in true false; do
+        run parity-$mode timeout 170 python3 -P -m rl4bit.cli train configs/gpu-h200.yaml \
+            -o model.invariant_kernels=$mode -o rl.steps=2 -o sampler.max_new_tokens=32 \
+            -o sampler.ignore_eos=true -o run.warmup_sft_steps=0 -o data.eval_size=8 \
+            --out /tmp/rl-$mode
+        cp /tmp/rl-$mode/metrics.jsonl "$out/metrics-$mode.jsonl"
+        grep -oE '"(step|mismatch/k3|mismatch/max_abs|time/[a-z_]+)": [-0-9.e]+' "$out/metrics-$mode.jsonl" | head -24
+    done
+    run step timeout 240 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128
+    tail -30 "$out/step.txt"
+    exit 0
+fi
 run tests python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_qgemm_triton.py tests/kernels/test_swiglu.py \
     tests/kernels/test_qk_rope.py tests/kernels/test_fused_engine.py tests/kernels/test_triton_quantize.py \
     tests/kernels/test_attention.py tests/kernels/test_router.py tests/kernels/test_route.py \
