@@ -23,41 +23,56 @@ from .conftest import QUICKSTART, cli_args, finish, learned, start
 STEPS = 3
 
 
-def _tagged(tag: str):
-    """(pid, process title) of every process carrying RL4BIT_TEST_TAG=tag in its environment."""
-    needle = f"RL4BIT_TEST_TAG={tag}".encode()
+def _title(pid: int) -> str | None:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return None
+
+
+def _tagged(tag: str) -> list[int]:
+    """Pids of every process carrying RL4BIT_TEST_TAG=tag in its environment."""
+    needle, found = f"RL4BIT_TEST_TAG={tag}".encode(), []
     for name in os.listdir("/proc"):
         if not name.isdigit():
             continue
         try:
             with open(f"/proc/{name}/environ", "rb") as f:
-                if needle not in f.read():
-                    continue
-            with open(f"/proc/{name}/cmdline", "rb") as f:
-                title = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+                if needle in f.read():
+                    found.append(int(name))
         except OSError:
             continue
-        yield int(name), title
+    return found
 
 
 class Killer(threading.Thread):
-    """Kills, in order, the first process titled like each `(title prefix, ready())` once ready() holds."""
+    """Kills, in order, the first process titled like each `(title prefix, ready())` once ready() holds.
+
+    A step's generate on the tiny model is short, so the titles of the tagged processes are polled every
+    few milliseconds from a cached pid list (a scan of /proc, slow on a loaded machine, refreshes it twice
+    a second): a scan per poll could miss a whole generate under load.
+    """
 
     def __init__(self, tag, plan):
         super().__init__(daemon=True)
         self.tag, self.plan, self.killed, self.stop = tag, list(plan), [], False
 
     def run(self):
+        pids, scanned = [], 0.0
         while self.plan and not self.stop:
+            if time.monotonic() - scanned > 0.5:
+                pids, scanned = _tagged(self.tag), time.monotonic()
             prefix, ready = self.plan[0]
             if ready():
-                for pid, title in _tagged(self.tag):
-                    if title.startswith(prefix):
+                for pid in pids:
+                    title = _title(pid)
+                    if title is not None and title.startswith(prefix):
                         os.kill(pid, signal.SIGKILL)
                         self.killed.append((prefix, pid))
                         self.plan.pop(0)
                         break
-            time.sleep(0.02)
+            time.sleep(0.005)
 
 
 def _lines(path):
@@ -75,7 +90,8 @@ def _checkpointed(run_dir, step):
 @pytest.mark.slow
 def test_sampler_killed_mid_rollout_then_trainer_killed_then_resume(tmp_path, small, deadline):
     pytest.importorskip("ray")
-    cfg = small + [f"rl.steps={STEPS}", "data.eval_every=10"]
+    # 16 tokens a completion, no early stop: step 1's generate lasts long enough for the killer to see it
+    cfg = small + [f"rl.steps={STEPS}", "data.eval_every=10", "sampler.max_new_tokens=16", "sampler.ignore_eos=true"]
     killed_dir, tag = tmp_path / "killed", uuid.uuid4().hex
     proc = start(cli_args("train", QUICKSTART, "--out", str(killed_dir),
                           overrides=cfg + ["ray.mode=ray", "ray.num_cpus=2"]),
