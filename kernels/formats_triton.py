@@ -49,6 +49,13 @@ def nonfinite_flag(device) -> torch.Tensor:
 
 
 @triton.jit
+def negate(x):
+    """-x for FP32 x by flipping its sign bit: torch's and IEEE's negation (-(+0) = -0) on every Triton version.
+    Triton 3.6 (the H200 image's) lowers unary minus on floats to 0 - x, which gives +0 for +0; 3.9 emits fneg."""
+    return (x.to(tl.int32, bitcast=True) ^ -2147483648).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def pow2(e):
     """2**e as fp32 for an int32 tensor e in [-149, 127], subnormals included (exact, from the bits)."""
     sub = 1 << tl.minimum(tl.maximum(e + 149, 0), 22)

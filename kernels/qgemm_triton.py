@@ -58,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rl4bit.kernels.formats_triton import e2m1_value, e4m3_value
+from rl4bit.kernels.formats_triton import e2m1_value, e4m3_value, negate
 
 BLOCK_K = 64
 """Default K step of a loop iteration. The bits do not depend on it: each output element is one chain of k16
@@ -326,7 +326,7 @@ def _decode_tile(words, scales, R: tl.constexpr, BK: tl.constexpr, DECODE: tl.co
         shift = (j // 2) * 4 + (j % 2) * 16
         c = tl.reshape((words[:, :, None] >> shift[None, None, :]) & 15, [R, BK // 16, 16])
         mag = e2m1_value(c & 7) * e4m3_value(s)[:, :, None]
-        v = tl.reshape(tl.where((c & 8) != 0, -mag, mag).to(tl.float16), [R, BK])
+        v = tl.reshape(tl.where((c & 8) != 0, negate(mag), mag).to(tl.float16), [R, BK])  # code 8: -0
     else:
         sv = (s << 7).to(tl.int16).to(tl.float16, bitcast=True) * 256.0  # E4M3 code << 7 = value * 2**-8 in FP16
         if DECODE == 0:

@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rl4bit.kernels.formats_triton import negate
 from rl4bit.kernels.invariant_triton import _on_device
 from rl4bit.kernels.qgemm_triton import interpret
 from rl4bit.kernels.rmsnorm_triton import FLOAT_TL, round_to, rsqrt_f32, square_rn
@@ -53,7 +54,7 @@ def _norm_rope_row(x_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, r, heads, s_t, D, eps,
     xp = tl.load(x_row + p, mask=live, other=0.0).to(tl.float32)
     wp = tl.load(w_ptr + p, mask=live, other=0.0).to(tl.float32)
     hp = round_to(wp * round_to(xp * rstd, x_ptr.dtype.element_ty), H_DTYPE)
-    rot = tl.where(low, -hp, hp)
+    rot = tl.where(low, negate(hp), hp)  # HF's cat(-x2, x1): -(+0) = -0
     c = tl.load(cos_ptr + bt * D + offs, mask=live, other=0.0).to(tl.float32)
     s = tl.load(sin_ptr + bt * D + offs, mask=live, other=0.0).to(tl.float32)
     out_ty = y_ptr.dtype.element_ty

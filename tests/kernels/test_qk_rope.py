@@ -63,6 +63,20 @@ def test_kernel_is_fused_norm_then_hf_rotary_bitwise(d, dtypes):
         assert_bitwise_equal(g, w, f"{name} {dtypes}")
 
 
+def test_zero_heads_keep_hf_signed_zeros():
+    """All-zero heads normalize to signed zeros and rotate to -0 where HF's rotate_half negates a +0 and cos < 0
+    (positions 3..9 rad): the kernel negates by the sign bit, as torch does (Triton 3.6's unary minus, 0 - x,
+    gives +0 there)."""
+    q, k = _rand(2, 7, 4, 64, dtype=torch.bfloat16, seed=1), _rand(2, 7, 2, 64, dtype=torch.bfloat16, seed=2)
+    q[:, :, 1], k[:, :, 0] = 0, 0
+    wq, wk = _rand(64, seed=3).abs(), _rand(64, seed=4).abs()
+    cos, sin = _rope_inputs(2, 7, 64, torch.float32, 5)
+    got, want = qk_norm_rope(q, k, wq, wk, 1e-6, 1e-6, cos, sin), _separate(q, k, wq, wk, cos, sin)
+    assert torch.signbit(want[0][:, :, 1]).any(), "the case needs HF outputs of -0"
+    for g, w, name in zip(got, want, "qk"):
+        assert_bitwise_equal(g, w, name)
+
+
 def test_rows_do_not_depend_on_the_row_count():
     q, k = _rand(1, 40, 4, 64, dtype=torch.bfloat16, seed=6), _rand(1, 40, 2, 64, dtype=torch.bfloat16, seed=7)
     w = _rand(64, seed=8)
