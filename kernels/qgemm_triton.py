@@ -126,14 +126,14 @@ configs, all bitwise equal to TRAIN), the GPU job's batch-256 decode shapes: gat
 MID_MAX_ROWS_PER_GROUP = 64
 
 
-SMALL_GRID = 264
+SMALL_GRID = 1024
 """Programs (row tiles holding rows x column tiles) up to which a DECODE call keeps the 256-wide K step at
-K < DECODE_LONG_K. With few programs, one an SM or two (a batch-1 MoE step: four experts), a program's K
-loop is the call's latency and fewer, larger steps keep more bytes in flight: the tenth session's
-`sweep_decode_gemm.py --one-token` on the H200 found DECODE fastest of 66 configs, DECODE_SHORT_K among
-them, on the 1B model's down projection (K=768, 4 experts x 32 column tiles: 128 programs). With thousands
-(Qwen3-30B-A3B's down at 16 tokens) the 64-wide step won (59.6 against 62.8 µs). 2 x the H200's 132 SMs:
-between the two measured points, not swept itself."""
+K < DECODE_LONG_K. With few programs a program's K loop is the call's latency and fewer, larger steps keep
+more bytes in flight. The fourteenth session's `sweep_decode_gemm.py --one-token` on the H200 (66 configs, all
+bitwise equal to TRAIN), the 1B model's down projection (K=768, N=2048, 32 experts), DECODE against
+DECODE_SHORT_K: 128 programs (1 token) 9.3 vs 11.2 µs, 224 (2 tokens) 11.2 vs 12.6, 448 (4) 13.0 vs 15.7, 736
+(8) 16.3 vs 19.1. With thousands (Qwen3-30B-A3B's down at 16 tokens: 4096) the 64-wide step won (59.6 against
+62.8 µs, ninth session). The crossover between 736 and 4096 is not swept: 1024 is a guess inside it."""
 
 
 def decode_programs(rows: int, groups: int, n: int) -> int:

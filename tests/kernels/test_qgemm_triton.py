@@ -331,7 +331,8 @@ def test_pick_config_routes_by_rows_per_expert_and_k():
     # x 32 column tiles), the 64-wide one past SMALL_GRID; without n, by K alone
     assert qg.pick_config(4, 32, 768, 2048) is qg.DECODE and qg.pick_config(4, 32, 768) is qg.DECODE_SHORT_K
     assert qg.decode_programs(4, 32, 2048) == 128 and qg.decode_programs(64, 32, 2048) == 1024
-    assert qg.pick_config(64, 32, 768, 2048) is qg.DECODE_SHORT_K  # batch 16
+    assert qg.pick_config(64, 32, 768, 2048) is qg.DECODE  # batch 16 (1024 programs)
+    assert qg.pick_config(65, 33, 768, 2048) is qg.DECODE_SHORT_K  # 33 x 32 programs
     assert qg.pick_config(128, 128, 768, 2048) is qg.DECODE_SHORT_K  # Qwen3-30B-A3B down, 16 tokens
     assert qg.pick_config(1, 1, 768, 64 * (qg.SMALL_GRID + 1)) is qg.DECODE_SHORT_K
     assert qg.pick_config(1, 1, 768, 64 * qg.SMALL_GRID) is qg.DECODE
