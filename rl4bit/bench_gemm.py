@@ -211,8 +211,9 @@ def train_cases(device: str, rows: int, experts: int, shapes, reps: int, mxfp8: 
     return out
 
 
-def run(device: str = "cuda", quick: bool = False, out: str | None = None) -> list[dict]:
-    """Time every case, print one table, return the rows (and write out/bench_gemm.json if `out`)."""
+def run(device: str = "cuda", quick: bool = False, out: str | None = None, decode_only: bool = False) -> list[dict]:
+    """Time every case (decode_only: the decode cases alone), print one table, return the rows (and write
+    out/bench_gemm.json if `out`)."""
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("bench_gemm: --device cuda but CUDA is not available here; use --device cpu --quick")
     if device == "cpu" and not quick:
@@ -226,7 +227,8 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None) -> li
         train_shapes = [("gate_up", HIDDEN, 2 * INTER), ("down", INTER, HIDDEN)]
     gbps = copy_gbps(device, reps, 2**24 if quick else 2**30)
     rows = decode_cases(device, shapes, ms, exp, top_k, gbps, reps)
-    rows += train_cases(device, train_rows, experts, train_shapes, reps)
+    if not decode_only:
+        rows += train_cases(device, train_rows, experts, train_shapes, reps)
     _print_table(rows, device, gbps)
     if out:
         from rl4bit.atomic import atomic_write_text
@@ -261,8 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--quick", action="store_true", help="tiny shapes (on CPU: the reference path), for smoke runs")
     p.add_argument("--out", help="directory for bench_gemm.json")
+    p.add_argument("--decode", action="store_true", help="the decode cases alone (NVFP4 against cuBLAS BF16)")
     args = p.parse_args(argv)
-    run(device=args.device, quick=args.quick, out=args.out)
+    run(device=args.device, quick=args.quick, out=args.out, decode_only=args.decode)
     return 0
 
 
