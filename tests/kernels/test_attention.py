@@ -227,3 +227,18 @@ def test_decode_graph_tables_are_the_host_tables(g):
     host, dev = StepLayout(**fields).attention_tables(g, DEVICE), DecodeLayout(**fields).attention_tables(g, DEVICE)
     assert torch.equal(host[0].cpu(), dev[0].cpu()) and torch.equal(host[1].cpu(), dev[1].cpu())
     assert host[0][3].tolist() == [s * 2 * 24 for s in slots]  # a slot's first row: slot x kv heads x max_len
+
+
+def test_sweep_attention_script_checks_split_against_unsplit_bits():
+    """`scripts/sweep_attention.py --quick` (the split-vs-unsplit timing the engine's SPLIT_MAX_ROWS is chosen
+    from) runs its cases, finds every split output bitwise equal to the unsplit one, and exits 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-P", str(root / "scripts" / "sweep_attention.py"), "--device", DEVICE,
+                          "--quick"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    table = [line.split() for line in run.stdout.splitlines() if line.split() and line.split()[0].isdigit()]
+    assert len(table) == 6 and all(row[-1] == "True" for row in table), run.stdout

@@ -1,0 +1,96 @@
+"""Decode attention split over key chunks against unsplit (GPU): µs a call in CUDA graphs, and whether the bits agree.
+
+    source scripts/device_env.sh && python3 -P scripts/sweep_attention.py [--out DIR]
+    TRITON_INTERPRET=1 python3 -P scripts/sweep_attention.py --device cpu --quick   # tiny sizes: the bits only
+
+Decode steps of B rows (B sequences, one token each, all at context L) over a BF16 cache of `--max-len`
+positions, bench rollout's 1B attention shape (16 query heads, 4 kv heads, head dim 128). The split call passes
+cdiv(max_len, KEY_CHUNK) key chunks, as the engine's decode graphs do (`DecodeLayout.key_chunks`), so its time
+includes the merge kernel. Each case first checks split and unsplit outputs bitwise (they are one compiled
+kernel: `attention_triton`'s docstring), then times each over rotating cache copies (beyond the L2, as a step's
+16 layers are), CUDA graphs, median.
+
+What it is for: `sampler/decode_graph.SPLIT_MAX_ROWS` (rows up to which a decode step splits) and whether a
+split pays at short contexts. The H200 profile of the fourteenth session measured the merge kernel at 4.7 µs a
+layer at batch 1 for contexts up to 256. The choice is made by hand from the table; it cannot change a bit.
+
+Exit status 1 if any case's split and unsplit outputs differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from rl4bit.bench_gemm import _copies, _time_us
+from rl4bit.kernels.attention_triton import KEY_CHUNK, attention, seq_table, tile_table
+from rl4bit.sampler.decode_graph import SPLIT_MAX_ROWS
+
+SHAPE = dict(hq=16, hkv=4, d=128)
+"""bench rollout's "1b" model's attention (`bench_rollout.MODELS`)."""
+
+
+def case(b: int, ctx: int, max_len: int, device: str, reps: int, hq: int, hkv: int, d: int) -> dict:
+    """One (batch, context) case: split and unsplit µs and whether their outputs are bitwise equal."""
+    c = torch.bfloat16
+    g = torch.Generator().manual_seed(1000 * b + ctx)
+
+    def cache(i):
+        kv = torch.randn(2, b, hkv, max_len, d, generator=g).to(c)
+        return kv[0].to(device), kv[1].to(device)
+
+    caches = _copies(cache, 2 * b * hkv * max_len * d * 2, device)
+    q = torch.randn(b, hq, d, generator=g).to(c).to(device)
+    seqs = seq_table(list(range(b)), [1] * b, [ctx - 1] * b, [s * hkv * max_len for s in range(b)], device)
+    tiles = tile_table([1] * b, hq // hkv, device)
+    chunks = -(-max_len // KEY_CHUNK)
+    whole, split = torch.empty_like(q), torch.empty_like(q)
+    k0, v0 = caches[0]
+    attention(q, k0, v0, seqs, tiles, d ** -0.5, c, whole)
+    attention(q, k0, v0, seqs, tiles, d ** -0.5, c, split, key_chunks=chunks)
+    same = bool(torch.equal(whole.view(torch.int16), split.view(torch.int16)))
+    us = {}
+    for name, n in (("unsplit", 0), ("split", chunks)):
+        out = torch.empty_like(q)
+        us[name] = _time_us([lambda k=k, v=v, n=n: attention(q, k, v, seqs, tiles, d ** -0.5, c, out, key_chunks=n)
+                             for k, v in caches], device, reps)
+    return dict(batch=b, context=ctx, max_len=max_len, chunks=chunks, unsplit_us=us["unsplit"], split_us=us["split"],
+                bitwise=same)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--quick", action="store_true", help="tiny sizes (CPU under TRITON_INTERPRET=1: the bits only)")
+    p.add_argument("--max-len", type=int, default=2176, help="cache positions (the engine's max_seq_len)")
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--out", help="directory for sweep_attention.json")
+    args = p.parse_args()
+    if args.quick:
+        shape, batches, contexts, max_len, reps = dict(hq=4, hkv=2, d=16), (1, 3), (5, 130, 300), 320, 1
+    else:
+        shape, batches, contexts, max_len, reps = SHAPE, (1, 4, 16, 64, 128), (128, 256, 512, 1024, 2048), \
+            args.max_len, args.reps
+    rows = [case(b, L, max_len, args.device, reps, **shape) for b in batches for L in contexts if L <= max_len]
+    print(f"decode attention, {shape}, cache of {max_len} positions ({rows[0]['chunks']} key chunks when split); "
+          f"the engine splits steps of <= {SPLIT_MAX_ROWS} rows")
+    print(f"{'batch':>6} {'context':>8} {'unsplit µs':>11} {'split µs':>9} {'split/unsplit':>14}  bitwise")
+    for r in rows:
+        print(f"{r['batch']:>6} {r['context']:>8} {r['unsplit_us']:>11.1f} {r['split_us']:>9.1f} "
+              f"{r['split_us'] / r['unsplit_us']:>14.2f}  {r['bitwise']}")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "sweep_attention.json"), "w") as f:
+            json.dump(rows, f, indent=1)
+    bad = [r for r in rows if not r["bitwise"]]
+    if bad:
+        print(f"split and unsplit outputs differ in {len(bad)} cases", file=sys.stderr)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
