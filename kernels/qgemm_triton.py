@@ -80,6 +80,14 @@ class Config:
     of an mma.sync program would otherwise re-decode the whole x tile."""
     block_k: int = BLOCK_K
     """K loaded per loop iteration (a multiple of 16); the k16 MMA chain, hence the bits, is the same for any."""
+    w_first: bool = False
+    """Multiply as (W x^T)^T: the decoded weights are the MMA's A operand, x its B, the accumulator transposed once
+    in the epilogue. Each output is the same k16 MMA chain over the same products (the same bits, as DECODE and
+    TRAIN are). For mma.sync tiles only (<= 2 warps or block_n <= 32; 64 x 4 warps compiles to wgmma, worse). Why:
+    with x as A, every k16 step gathers x's A fragment from four 128-bit shared loads into a register quad (~90
+    register moves a 256-wide K step, DECODE's sm_90 SASS); as B, x's fragment is a pair from one load. sm_90
+    SASS (Triton 3.6), thread instructions a weight element in the K loop: DECODE (16 x 64, 4 warps) 4.45,
+    w_first 16 x 64 with 2 warps 3.92, 16 x 32 with 2 warps 4.22. A sweep candidate, not timed yet."""
 
 
 DECODE = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=True, block_k=256)
@@ -365,7 +373,8 @@ def _predecode_kernel(xd_ptr, xs_ptr, xh_ptr, R, K, BLOCK_R: tl.constexpr, BLOCK
 @triton.jit(do_not_specialize=['n_tiles'])  # see formats_triton.NO_SPECIALIZE
 def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr, y_ptr, map_ptr, n_tiles, N, K,
                           KW, KS, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          DECODE: tl.constexpr, X_F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+                          DECODE: tl.constexpr, X_F16: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                          W_FIRST: tl.constexpr):
     """One (row tile, BLOCK_N columns) program. KW, KS = K // 8 words and K // 16 scales a row, passed in so that
     Triton sees them as multiples of 16 when they are: the scale loads then vectorize and the software pipeline
     makes them asynchronous like the words (computed here from K, the scale loads stayed synchronous: one memory
@@ -384,7 +393,10 @@ def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr
         w_rows = (e.to(tl.int64) * N + cols)[:, None]
         ox = tl.load(xo_ptr + rows, mask=rmask, other=1.0)  # the epilogue's scales, loaded before the K loop:
         ow = tl.load(wo_ptr + e)  # their latency hides behind it instead of following it
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if W_FIRST:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             kwm = ((k0 // 8 + kw) < K // 8) | EVEN_K  # EVEN_N / EVEN_K: N, K are multiples of the tile (no masks)
             ksm = ((k0 // 16 + ks) < K // 16) | EVEN_K
@@ -400,7 +412,12 @@ def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr
                 xs = tl.load(xs_ptr + x_rows * KS + (k0 // 16 + ks)[None, :], mask=rmask[:, None] & ksm[None, :], other=0)
                 xv = _decode_tile(xp, xs, BLOCK_M, BLOCK_K, DECODE)
             wv = _decode_tile(wp, ws, BLOCK_N, BLOCK_K, DECODE)
-            acc = tl.dot(xv, tl.trans(wv), acc)
+            if W_FIRST:
+                acc = tl.dot(wv, tl.trans(xv), acc)
+            else:
+                acc = tl.dot(xv, tl.trans(wv), acc)
+        if W_FIRST:
+            acc = tl.trans(acc)
         if DECODE != 2:
             acc = acc * 268435456.0  # 2**28: the two operands' 2**-14, exact
         y = (acc * ox[:, None]) * ow
@@ -504,6 +521,7 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
         _words(qw.data), qw.scale.contiguous().view(torch.uint8), group_outer(qw.outer, groups),
         y, cmap, n_tiles, n, k, k // 8, k // 16, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DECODE=DECODES[decode], X_F16=cfg.predecode_x, EVEN_N=n % cfg.block_n == 0, EVEN_K=k % cfg.block_k == 0,
+        W_FIRST=cfg.w_first,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.to(out_dtype)
 

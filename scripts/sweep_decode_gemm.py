@@ -55,6 +55,8 @@ def candidates() -> list[qg.Config]:
         if warps > 1 and bn // warps < 16 and bn < 32:
             continue
         out.append(qg.Config(16, bn, warps, stages, True, block_k=bk))
+    for bn, warps, stages in itertools.product((32, 64), (1, 2), (3, 5)):  # W-first: mma.sync tiles only
+        out.append(qg.Config(16, bn, warps, stages, True, block_k=256, w_first=True))
     return out
 
 

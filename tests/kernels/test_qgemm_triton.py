@@ -89,9 +89,25 @@ def test_nvfp4_grouped_matches_exact_product(f32_decode):
     counts = [9, 0, 21, 7]  # an empty expert; K = 80 leaves a partial K tile, N = 40 a partial N tile
     qx, qw = _nvfp4_operands(sum(counts), 80, 40, len(counts), seed=1)
     for cfg in (qg.DECODE, qg.Config(block_m=16, block_n=32, num_warps=1, num_stages=1),
-                qg.Config(block_m=32, block_n=16, num_warps=4, num_stages=1)):
+                qg.Config(block_m=32, block_n=16, num_warps=4, num_stages=1),
+                qg.Config(16, 32, 2, 3, True, block_k=64, w_first=True)):
         y = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=cfg, decode="f32" if f32_decode else "bits")
         _check_nvfp4(qx, qw, counts, y, f"nvfp4 {cfg} f32_decode={f32_decode}")
+
+
+def test_w_first_product_equals_x_first_bitwise():
+    """The W-first product (decoded weights as the MMA's A operand, the accumulator transposed in the epilogue)
+    gives the x-first one's bits: with a 16-wide K step each dot is one 16-block (exact products, exact sum) added
+    to the accumulator once, under the interpreter too; partial K and N tiles, an empty expert, x pre-decoded or
+    not. On the GPU `test_gpu_configs_and_decodes_bitwise_equal` checks the 256-wide steps."""
+    counts = [9, 0, 21, 7]
+    qx, qw = _nvfp4_operands(sum(counts), 80, 40, len(counts), seed=3)
+    for pre in (True, False):
+        want = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=qg.Config(16, 32, 2, 1, pre, block_k=16),
+                                decode="bits")
+        got = qg.grouped_nvfp4(qx, qw, counts, torch.float32,
+                               config=qg.Config(16, 32, 2, 1, pre, block_k=16, w_first=True), decode="bits")
+        assert_bitwise_equal(got, want, f"w_first predecode_x={pre}")
 
 
 def test_nvfp4_matches_trainer_reference_and_dtype(monkeypatch):
@@ -521,7 +537,8 @@ def _configs_bitwise_equal(qx, qw, counts):
     ref = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=qg.TRAIN)
     for cfg in (qg.DECODE, qg.DECODE_SHORT_K, qg.MID, qg.Config(16, 32, 4, 4), qg.Config(64, 64, 4, 3), qg.TRAIN,
                 qg.Config(16, 16, 1, 8, True, block_k=256), qg.Config(16, 64, 2, 4, True, block_k=128),
-                qg.Config(128, 128, 8, 3, block_k=128)):
+                qg.Config(128, 128, 8, 3, block_k=128), qg.Config(16, 64, 2, 3, True, block_k=256, w_first=True),
+                qg.Config(16, 32, 2, 3, True, block_k=256, w_first=True), qg.Config(16, 32, 1, 3, False, w_first=True)):
         for decode in qg.DECODES:
             got = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=cfg, decode=decode)
             assert_bitwise_equal(got, ref, f"{cfg} decode={decode} vs TRAIN asm")

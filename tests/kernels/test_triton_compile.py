@@ -53,11 +53,11 @@ def _kernels():
 
     gemm_sig = dict(xd_ptr="*i32", xs_ptr="*u8", xh_ptr="*fp16", xo_ptr="*fp32", wd_ptr="*i32", ws_ptr="*u8",
                     wo_ptr="*fp32", y_ptr="*bf16", map_ptr="*i32", n_tiles="i32", N="i32", K="i32", KW="i32", KS="i32")
-    for cfg in ("DECODE", "TRAIN"):
-        c = getattr(qg, cfg)
-        yield (f"nvfp4 grouped GEMM {cfg}", qg._nvfp4_grouped_kernel, gemm_sig,
+    for name, c in (("DECODE", qg.DECODE), ("TRAIN", qg.TRAIN),
+                    ("w_first 16x64 2 warps", qg.Config(16, 64, 2, 3, True, block_k=256, w_first=True))):
+        yield (f"nvfp4 grouped GEMM {name}", qg._nvfp4_grouped_kernel, gemm_sig,
                dict(BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, DECODE=0, X_F16=c.predecode_x,
-                    EVEN_N=True, EVEN_K=True), c.num_warps)
+                    EVEN_N=True, EVEN_K=True, W_FIRST=c.w_first), c.num_warps)
     rows_sig = dict(x_ptr="*bf16", data_ptr="*u8", scale_ptr="*u8", flag_ptr="*i32", M="i32", K="i32", **seeds)
     for sr in (False, True):
         yield f"mxfp8 rows sr={sr}", mx._mxfp8_rows_kernel, rows_sig, dict(BLOCK_M=16, BLOCK_K=256, STOCHASTIC=sr), 4
@@ -200,7 +200,8 @@ def compile_all(count: bool = False) -> list[str]:
                and p not in (allowed[0] if allowed else ())]
         print(f"{name}: {len(ptx.splitlines())} PTX lines" + (f", found {bad}" if bad else ""))
         if count:
-            rows, cols = consts.get("BLOCK_R", consts.get("BLOCK_M", 1)), consts.get("BLOCK_K", consts.get("BLOCK"))
+            rows = consts.get("BLOCK_R", consts.get("BLOCK_M", 1))
+            cols = next((consts[c] for c in ("BLOCK_K", "BLOCK", "BLOCK_D", "BLOCK_H", "BLOCK_E") if c in consts), 1)
             print(f"    {sass_stats(k.asm['cubin'], rows * cols / (32 * warps))}")
         if bad:
             problems.append(f"{name}: PTX contains {bad}")
