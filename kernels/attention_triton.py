@@ -278,6 +278,13 @@ def tile_table(n: list[int], group: int, device) -> torch.Tensor:
     return torch.tensor([seq, row0], dtype=torch.int64).to(device)
 
 
+def split_fits(n_tiles: int, hkv: int, key_chunks: int, d: int) -> bool:
+    """Whether a split over key_chunks keeps its chunk states within SPLIT_MAX_BYTES (else `attention` runs the
+    call unsplit: the same bits)."""
+    bd = max(16, triton.next_power_of_2(d))
+    return n_tiles * hkv * key_chunks * BLOCK_M * (bd + 2) * 4 <= SPLIT_MAX_BYTES
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Tensor, tiles: torch.Tensor,
               scaling: float, compute_dtype: torch.dtype, out: torch.Tensor, key_chunks: int = 0) -> torch.Tensor:
     """Write into `out` [T, Hq, D] (q's dtype) the attention of q [T, Hq, D] (see module docstring).
@@ -312,7 +319,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
     if n_tiles == 0:
         return out
     bd = max(16, triton.next_power_of_2(d))
-    if n_tiles * hkv * key_chunks * BLOCK_M * (bd + 2) * 4 > SPLIT_MAX_BYTES:
+    if not split_fits(n_tiles, hkv, key_chunks, d):
         key_chunks = 0  # the states would not fit the budget: unsplit, the same bits
     chunks = max(key_chunks, 1)
     if key_chunks:  # the chunks' softmax states (max, sum, accumulator) for the merge

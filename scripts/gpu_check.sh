@@ -3,24 +3,26 @@
 # under the 10-minute call limit; fourteenth-session times), outputs into $OUT (or ./gpu-check-out), at most 8
 # files a mode (what the device tool brings back). Stops at nothing: every step's exit code is in steps.txt.
 #   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | rl | all]
-#   tests (default: all): the GPU tests of the decode path's kernels (~5.5 min)
+#   tests: the GPU tests of the decode path's kernels (~5.5 min)
 #   perf: the batch-1 decode profile, `bench rollout`, `bench gemm --decode`, the one-token decode GEMM sweep and
 #         the attention split sweep (~7 min)
 #   rl:   RL parity (2 steps, invariant kernels on and off) and `bench step` (~6.5 min)
-#   all:  tests, then the profile and `bench rollout` (~9.7 min: at the limit; the fourteenth session's first call)
+#   all (the default): tests, then the profile and `bench rollout` (~9.7 min: at the limit; the fourteenth
+#         session's first call)
+# Every step runs under `timeout` so that one slow step cannot take the call's later output with it.
 set -uo pipefail
 out=${OUT:-gpu-check-out}
 mode=${1:-all}
 mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.txt"; }
-run() {  # run NAME CMD...: output to $out/NAME.txt, exit code to steps.txt
-    local name=$1; shift
+run() {  # run NAME SECONDS CMD...: output to $out/NAME.txt, exit code to steps.txt (124: timed out)
+    local name=$1 limit=$2; shift 2
     log "start $name"
-    "$@" > "$out/$name.txt" 2>&1
+    timeout "$limit" "$@" > "$out/$name.txt" 2>&1
     log "end $name rc=$?"
 }
 tests() {
-    run tests python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_qgemm_triton.py \
+    run tests 360 python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_qgemm_triton.py \
         tests/kernels/test_swiglu.py tests/kernels/test_qk_rope.py tests/kernels/test_fused_engine.py \
         tests/kernels/test_triton_quantize.py tests/kernels/test_attention.py tests/kernels/test_router.py \
         tests/kernels/test_route.py tests/kernels/test_rmsnorm.py tests/kernels/test_combine.py \
@@ -28,9 +30,9 @@ tests() {
     tail -3 "$out/tests.txt"
 }
 profile_and_rollout() {
-    run profile1 python3 -P scripts/profile_decode.py --batch 1 --new 128 --temperature 1.0 --rows 30
+    run profile1 90 python3 -P scripts/profile_decode.py --batch 1 --new 128 --temperature 1.0 --rows 30
     grep -A 20 "GPU kernels" "$out/profile1.txt" | head -44
-    run rollout python3 -P -m rl4bit.bench_rollout --device cuda
+    run rollout 240 python3 -P -m rl4bit.bench_rollout --device cuda
     tail -30 "$out/rollout.txt"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
@@ -39,22 +41,23 @@ case "$mode" in
     all) tests; profile_and_rollout ;;
     perf)
         profile_and_rollout
-        run gemm python3 -P -m rl4bit.bench_gemm --decode
+        run gemm 60 python3 -P -m rl4bit.bench_gemm --decode
         tail -20 "$out/gemm.txt"
-        run sweep python3 -P scripts/sweep_decode_gemm.py --one-token
+        run sweep 100 python3 -P scripts/sweep_decode_gemm.py --one-token
         grep -E "pick_config|not bitwise" "$out/sweep.txt" | head -20
-        run attention python3 -P scripts/sweep_attention.py
+        run attention 90 python3 -P scripts/sweep_attention.py
         cat "$out/attention.txt" ;;
     rl)
         for invariant in true false; do
-            run parity-$invariant timeout 170 python3 -P -m rl4bit.cli train configs/gpu-h200.yaml \
+            rm -rf /tmp/rl-$invariant  # a second call on a warm machine: no stale run dir
+            run parity-$invariant 160 python3 -P -m rl4bit.cli train configs/gpu-h200.yaml \
                 -o model.invariant_kernels=$invariant -o rl.steps=2 -o sampler.max_new_tokens=32 \
                 -o sampler.ignore_eos=true -o run.warmup_sft_steps=0 -o data.eval_size=8 --out /tmp/rl-$invariant
-            cp /tmp/rl-$invariant/metrics.jsonl "$out/metrics-$invariant.jsonl"
+            cp /tmp/rl-$invariant/metrics.jsonl "$out/metrics-$invariant.jsonl" 2>/dev/null
             grep -oE '"(step|mismatch/k3|mismatch/max_abs|time/[a-z_]+)": [-0-9.e]+' \
                 "$out/metrics-$invariant.jsonl" | head -24
         done
-        run step timeout 240 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128
+        run step 230 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128
         tail -30 "$out/step.txt" ;;
     *) echo "usage: bash scripts/gpu_check.sh [tests | perf | rl | all]" >&2; exit 2 ;;
 esac

@@ -6,9 +6,10 @@
 Decode steps of B rows (B sequences, one token each, all at context L) over a BF16 cache of `--max-len`
 positions, bench rollout's 1B attention shape (16 query heads, 4 kv heads, head dim 128). The split call passes
 cdiv(max_len, KEY_CHUNK) key chunks, as the engine's decode graphs do (`DecodeLayout.key_chunks`), so its time
-includes the merge kernel. Each case first checks split and unsplit outputs bitwise (they are one compiled
-kernel: `attention_triton`'s docstring), then times each over rotating cache copies (beyond the L2, as a step's
-16 layers are), CUDA graphs, median.
+includes the merge kernel (a row says when the chunk states would pass `SPLIT_MAX_BYTES`, where `attention`
+runs unsplit). Each case first checks split and unsplit outputs bitwise (they are one compiled kernel:
+`attention_triton`'s docstring), then times each over rotating slots of one cache, as many as keep the bytes
+the calls read past the L2 (a step's 16 layers are), CUDA graphs, median.
 
 What it is for: `sampler/decode_graph.SPLIT_MAX_ROWS` (rows up to which a decode step splits) and whether a
 split pays at short contexts. The H200 profile of the fourteenth session measured the merge kernel at 4.7 µs a
@@ -26,40 +27,46 @@ import sys
 
 import torch
 
-from rl4bit.bench_gemm import _copies, _time_us
-from rl4bit.kernels.attention_triton import KEY_CHUNK, attention, seq_table, tile_table
+from rl4bit.bench_gemm import ROTATE_BYTES, _time_us
+from rl4bit.kernels.attention_triton import KEY_CHUNK, attention, seq_table, split_fits, tile_table
 from rl4bit.sampler.decode_graph import SPLIT_MAX_ROWS
 
 SHAPE = dict(hq=16, hkv=4, d=128)
 """bench rollout's "1b" model's attention (`bench_rollout.MODELS`)."""
 
 
-def case(b: int, ctx: int, max_len: int, device: str, reps: int, hq: int, hkv: int, d: int) -> dict:
+def caches(b: int, max_len: int, device: str, hkv: int, d: int, min_ctx: int):
+    """(k, v, copies): one BF16 cache of b x copies slots, enough copies that cycling through them reads past the
+    L2 at the shortest context (`bench_gemm.ROTATE_BYTES` of the keys and values a call touches; 1 on CPU)."""
+    touched = 2 * b * hkv * min_ctx * d * 2
+    copies = 1 if device == "cpu" else min(4096, max(2, -(-ROTATE_BYTES // touched)))
+    g = torch.Generator(device=device).manual_seed(b)
+    k, v = (torch.randn(b * copies, hkv, max_len, d, generator=g, device=device).to(torch.bfloat16) for _ in "kv")
+    return k, v, copies
+
+
+def case(b: int, ctx: int, kv, device: str, reps: int, hq: int, hkv: int, d: int) -> dict:
     """One (batch, context) case: split and unsplit µs and whether their outputs are bitwise equal."""
-    c = torch.bfloat16
+    k, v, copies = kv
+    c, max_len = torch.bfloat16, k.shape[-2]
     g = torch.Generator().manual_seed(1000 * b + ctx)
-
-    def cache(i):
-        kv = torch.randn(2, b, hkv, max_len, d, generator=g).to(c)
-        return kv[0].to(device), kv[1].to(device)
-
-    caches = _copies(cache, 2 * b * hkv * max_len * d * 2, device)
     q = torch.randn(b, hq, d, generator=g).to(c).to(device)
-    seqs = seq_table(list(range(b)), [1] * b, [ctx - 1] * b, [s * hkv * max_len for s in range(b)], device)
     tiles = tile_table([1] * b, hq // hkv, device)
+    seqs = [seq_table(list(range(b)), [1] * b, [ctx - 1] * b, [(i * b + s) * hkv * max_len for s in range(b)], device)
+            for i in range(copies)]  # copy i: slots i*b .. i*b + b - 1
     chunks = -(-max_len // KEY_CHUNK)
+    splits = split_fits(tiles.shape[1], hkv, chunks, d)
     whole, split = torch.empty_like(q), torch.empty_like(q)
-    k0, v0 = caches[0]
-    attention(q, k0, v0, seqs, tiles, d ** -0.5, c, whole)
-    attention(q, k0, v0, seqs, tiles, d ** -0.5, c, split, key_chunks=chunks)
+    attention(q, k, v, seqs[0], tiles, d ** -0.5, c, whole)
+    attention(q, k, v, seqs[0], tiles, d ** -0.5, c, split, key_chunks=chunks)
     same = bool(torch.equal(whole.view(torch.int16), split.view(torch.int16)))
     us = {}
     for name, n in (("unsplit", 0), ("split", chunks)):
         out = torch.empty_like(q)
-        us[name] = _time_us([lambda k=k, v=v, n=n: attention(q, k, v, seqs, tiles, d ** -0.5, c, out, key_chunks=n)
-                             for k, v in caches], device, reps)
-    return dict(batch=b, context=ctx, max_len=max_len, chunks=chunks, unsplit_us=us["unsplit"], split_us=us["split"],
-                bitwise=same)
+        us[name] = _time_us([lambda st=st, n=n: attention(q, k, v, st, tiles, d ** -0.5, c, out, key_chunks=n)
+                             for st in seqs], device, reps)
+    return dict(batch=b, context=ctx, max_len=max_len, chunks=chunks, split_runs=splits, unsplit_us=us["unsplit"],
+                split_us=us["split"], bitwise=same, copies=copies)
 
 
 def main() -> int:
@@ -75,13 +82,18 @@ def main() -> int:
     else:
         shape, batches, contexts, max_len, reps = SHAPE, (1, 4, 16, 64, 128), (128, 256, 512, 1024, 2048), \
             args.max_len, args.reps
-    rows = [case(b, L, max_len, args.device, reps, **shape) for b in batches for L in contexts if L <= max_len]
+    rows = []
+    for b in batches:
+        kv = caches(b, max_len, args.device, shape["hkv"], shape["d"], min(contexts))
+        rows += [case(b, L, kv, args.device, reps, **shape) for L in contexts if L <= max_len]
+        del kv
     print(f"decode attention, {shape}, cache of {max_len} positions ({rows[0]['chunks']} key chunks when split); "
           f"the engine splits steps of <= {SPLIT_MAX_ROWS} rows")
     print(f"{'batch':>6} {'context':>8} {'unsplit µs':>11} {'split µs':>9} {'split/unsplit':>14}  bitwise")
     for r in rows:
         print(f"{r['batch']:>6} {r['context']:>8} {r['unsplit_us']:>11.1f} {r['split_us']:>9.1f} "
-              f"{r['split_us'] / r['unsplit_us']:>14.2f}  {r['bitwise']}")
+              f"{r['split_us'] / r['unsplit_us']:>14.2f}  {r['bitwise']}"
+              + ("" if r["split_runs"] else "  (split over SPLIT_MAX_BYTES: ran unsplit)"))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "sweep_attention.json"), "w") as f:
