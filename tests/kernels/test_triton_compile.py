@@ -201,7 +201,8 @@ def compile_all(count: bool = False) -> list[str]:
         print(f"{name}: {len(ptx.splitlines())} PTX lines" + (f", found {bad}" if bad else ""))
         if count:
             rows = consts.get("BLOCK_R", consts.get("BLOCK_M", 1))
-            cols = next((consts[c] for c in ("BLOCK_K", "BK", "BLOCK_I", "BLOCK", "BLOCK_D", "BLOCK_H", "BLOCK_E") if c in consts), 1)
+            tile_k = ("BLOCK_K", "BK", "BLOCK_I", "BLOCK", "BLOCK_D", "BLOCK_H", "BLOCK_E")
+            cols = next((consts[c] for c in tile_k if c in consts), 1)
             print(f"    {sass_stats(k.asm['cubin'], rows * cols / (32 * warps))}")
         if bad:
             problems.append(f"{name}: PTX contains {bad}")
