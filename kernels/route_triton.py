@@ -1,6 +1,6 @@
 """The MoE grouping of a small batch in one Triton kernel: stable order by expert, token of each entry, counts.
 
-    order, tok, counts, inv, _ = expert_order(top_k_index.reshape(-1), num_experts, k)
+    order, tok, counts, inv, _, offs = expert_order(top_k_index.reshape(-1), num_experts, k)
 
 is, for a flat index of at most MAX_ENTRIES entries (a decode step's routing),
 
@@ -15,6 +15,8 @@ by value, and negative ones first); never an out-of-bounds write.
     inv[order] = arange(n)                  int64: each entry's place in the grouped order (the combine's)
     tile map (optional)                     int32 [3, T]: `qgemm_triton.tile_map(counts, n, block_m)`, for the
                                             grouped GEMMs that follow (one launch fewer a layer)
+    offs = cumsum(counts)                   int32 [E]: each expert's end row, `torch._grouped_mm`'s offs (the
+                                            BF16 experts' two GEMMs: their two cumsums, four launches, gone)
 
 in one program: a bitonic sort (`tl.sort`) of the unique keys `expert * BLOCK + entry` and a histogram.
 Integers only, so the results are exactly torch's (tested against `argsort` / `bincount`); what it saves
@@ -38,7 +40,7 @@ MAX_ENTRIES = 4096
 
 
 @triton.jit
-def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, map_ptr, N, E, T, K: tl.constexpr,
+def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, offs_ptr, map_ptr, N, E, T, K: tl.constexpr,
                   BLOCK: tl.constexpr, E_PAD: tl.constexpr, MAP_BLOCK_M: tl.constexpr, T_BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     live = offs < N
@@ -51,6 +53,7 @@ def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, map_ptr, N, 
     counts = tl.histogram(e, E_PAD)
     bins = tl.arange(0, E_PAD)
     tl.store(counts_ptr + bins, counts.to(tl.int32), mask=bins < E)
+    tl.store(offs_ptr + bins, tl.cumsum(tl.where(bins < E, counts, 0).to(tl.int32), 0), mask=bins < E)
     if MAP_BLOCK_M > 0:  # the grouped GEMMs' tile map of these counts (integers: `tile_map`'s values exactly),
         c = tl.where(bins < E, counts, 0).to(tl.int32)  # T_BLOCK tiles at a time: [T_BLOCK, E_PAD] intermediates
         for t0 in range(0, T, T_BLOCK):
@@ -58,9 +61,10 @@ def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, map_ptr, N, 
 
 
 def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int = 0):
-    """(order int64, tok int64, counts int32 [E], inv int64, tile map or None) of a flat int index of <= MAX_ENTRIES
-    entries (see module doc); map_block_m > 0: also the grouped GEMMs' tile map of the counts for row tiles of
-    that many rows (`qgemm_triton.tile_map(counts, N, map_block_m)`'s int32 [3, T]), in the same launch."""
+    """(order int64, tok int64, counts int32 [E], inv int64, tile map or None, offs int32 [E]) of a flat int index
+    of <= MAX_ENTRIES entries (see module doc); map_block_m > 0: also the grouped GEMMs' tile map of the counts for
+    row tiles of that many rows (`qgemm_triton.tile_map(counts, N, map_block_m)`'s int32 [3, T]), in the same
+    launch."""
     n = flat.numel()
     if n > MAX_ENTRIES or flat.dim() != 1 or flat.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"expert_order: a 1-D int index of <= {MAX_ENTRIES} entries, got {tuple(flat.shape)} "
@@ -69,12 +73,13 @@ def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int 
     tok = torch.empty(n, dtype=torch.int64, device=flat.device)
     inv = torch.empty(n, dtype=torch.int64, device=flat.device)
     counts = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
+    offs = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
     n_tiles = n_row_tiles(n, num_experts, map_block_m) if map_block_m > 0 else 0
     cmap = torch.empty((3, n_tiles), dtype=torch.int32, device=flat.device) if map_block_m > 0 else None
     block = triton.next_power_of_2(max(n, 2))
     with _on_device(flat):
-        _route_kernel[(1,)](flat.contiguous(), order, tok, inv, counts, counts if cmap is None else cmap, n,
+        _route_kernel[(1,)](flat.contiguous(), order, tok, inv, counts, offs, counts if cmap is None else cmap, n,
                             num_experts, n_tiles, K=k, BLOCK=block, E_PAD=triton.next_power_of_2(num_experts + 1),
                             MAP_BLOCK_M=map_block_m, T_BLOCK=min(64, triton.next_power_of_2(max(n_tiles, 2))),
                             num_warps=4 if block <= 1024 else 8)
-    return order, tok, counts, inv, cmap
+    return order, tok, counts, inv, cmap, offs

@@ -92,14 +92,14 @@ class QuantExperts(_QuantMixin, nn.Module):
         flat = top_k_index.reshape(-1)
         with torch.no_grad():
             serving = self.served is not None or (self.spec.fmt == "bf16" and torch.is_inference_mode_enabled())
-            maps: dict = {}  # serving: one tile map for both GEMMs (same counts), written by the routing kernel
+            maps: dict = {}  # serving: one tile map / group offsets for both GEMMs, written by the routing kernel
             if flat.is_cuda and serving:
                 # Serving on CUDA (quantized modules in serving mode; bf16 ones under inference mode, which only
                 # the engine uses: the trainer's passes run under no_grad): counts stay on the device (the Triton
                 # GEMM or torch._grouped_mm reads them there), so the step makes no host sync here and can be
                 # captured in a CUDA graph; the engine never runs expert parallelism (no EP sentinel index).
                 nvfp4 = self.served is not None and self.spec.fmt == "nvfp4"
-                order, tok, counts, inv = expert_grouping(flat, self.num_experts, k, maps if nvfp4 else None)
+                order, tok, counts, inv = expert_grouping(flat, self.num_experts, k, maps, tile_map=nvfp4)
             else:
                 order, inv = torch.argsort(flat, stable=True), None
                 counts = torch.bincount(flat, minlength=self.num_experts + 1)[: self.num_experts].tolist()
@@ -127,7 +127,7 @@ class QuantExperts(_QuantMixin, nn.Module):
             with torch.no_grad():
                 return served_product(x, self.served[name], counts, self.spec, x.dtype, maps)
         if isinstance(counts, torch.Tensor):  # bf16 serving (see forward): no autograd, same product as training
-            return bf16_grouped(x, getattr(self, name).to(x.dtype), counts)
+            return bf16_grouped(x, getattr(self, name).to(x.dtype), counts, maps.get("offs"))
         return grouped_gemm(x, getattr(self, name), counts, self.spec, self._keys(gemm))
 
     def extra_repr(self) -> str:

@@ -361,7 +361,7 @@ class GroupedQGemm(torch.autograd.Function):
         return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None
 
 
-def bf16_grouped(x: torch.Tensor, wc: torch.Tensor, counts) -> torch.Tensor:
+def bf16_grouped(x: torch.Tensor, wc: torch.Tensor, counts, offs: torch.Tensor | None = None) -> torch.Tensor:
     """The `bf16` recipe's grouped product x [R, K] @ wc[e]ᵀ per expert's rows -> [R, N], in x's dtype.
 
     BF16 on CUDA: one `torch._grouped_mm` with the group offsets on the device,
@@ -376,7 +376,8 @@ def bf16_grouped(x: torch.Tensor, wc: torch.Tensor, counts) -> torch.Tensor:
     micro-batch and a decode step can run different kernels; row results were
     checked to be independent of the row counts only at small sizes
     (tests/trainer/test_bf16_grouped.py); in the invariant mode (`model.invariant_kernels`) they are by
-    construction (`invariant_triton.grouped_mm`). counts: a list of ints or an int tensor [E].
+    construction (`invariant_triton.grouped_mm`). counts: a list of ints or an int tensor [E]; offs: their int32
+    cumsum on x's device when the caller has it (the routing kernel's, `expert_grouping`), else computed here.
     """
     if x.is_cuda and invariant.enabled():  # fixed-order grouped kernel: rows independent of the counts
         from rl4bit.kernels.invariant_triton import grouped_mm
@@ -391,7 +392,7 @@ def bf16_grouped(x: torch.Tensor, wc: torch.Tensor, counts) -> torch.Tensor:
                 y[start : start + m] = rowblock_mm(x[start : start + m], wc[e].t())
             start += m
         return y
-    return torch._grouped_mm(x, wc.transpose(1, 2), offs=_group_offsets(counts, x.device))
+    return torch._grouped_mm(x, wc.transpose(1, 2), offs=_group_offsets(counts, x.device) if offs is None else offs)
 
 
 def bf16_grouped_backward(dy: torch.Tensor, x: torch.Tensor, wc: torch.Tensor, counts: list[int]):
@@ -427,28 +428,30 @@ def _group_offsets(counts, device) -> torch.Tensor:
     return to_device(torch.tensor(counts, dtype=torch.int32).cumsum(0, dtype=torch.int32), device)
 
 
-def expert_grouping(flat_index: torch.Tensor, groups: int, k: int, maps: dict | None = None):
+def expert_grouping(flat_index: torch.Tensor, groups: int, k: int, maps: dict | None = None, tile_map: bool = True):
     """(order, tok, counts, inv) of a flat top-k index on its device, no host read: `argsort(stable)`,
     `order // k`, `device_counts`, and inv (inv[order] = arange: each entry's place in the grouped order;
     None from torch's path, where `trainer.combine` builds it only if its kernel runs).
     A decode step's small index takes one fused kernel (`kernels.route_triton`, the same integers) when the
-    fused kernels are on (`kernels.fused`); given `maps` (the dict the layer's NVFP4 GEMMs share, see
-    `qgemm_triton.shared_tile_map`), that kernel also writes their tile map for DECODE's row tiles into it
-    when the GEMMs will take those tiles (`qgemm_triton.decode_rows`)."""
+    fused kernels are on (`kernels.fused`); given `maps` (the dict the layer's GEMMs share), that kernel's
+    group offsets go into it as maps["offs"] (`bf16_grouped`'s, so the BF16 GEMMs compute no cumsum), and with
+    `tile_map` (NVFP4 GEMMs, see `qgemm_triton.shared_tile_map`) their tile map for DECODE's row tiles too when
+    the GEMMs will take those tiles (`qgemm_triton.decode_rows`)."""
     if fused.enabled(flat_index.device.type):
         from rl4bit.kernels.route_triton import MAX_ENTRIES, expert_order  # triton is optional off the fused path
 
         if flat_index.numel() <= MAX_ENTRIES:
             block_m = 0
-            if maps is not None:  # only for the 16-row tiles the layer's GEMMs will run (else the map is unused)
+            if maps is not None and tile_map:  # only for the 16-row tiles the layer's GEMMs will run
                 from rl4bit.kernels.qgemm_triton import DECODE, decode_rows
 
                 block_m = DECODE.block_m if decode_rows(flat_index.numel(), groups) else 0
-            order, tok, counts, inv, cmap = expert_order(flat_index, groups, k, block_m)
+            order, tok, counts, inv, cmap, offs = expert_order(flat_index, groups, k, block_m)
             if maps is not None:  # a new routing: whatever the dict held belongs to another one
                 maps.clear()
+                maps["counts"], maps["offs"] = counts, offs
             if cmap is not None:
-                maps["counts"], maps[(flat_index.numel(), block_m)] = counts, cmap
+                maps[(flat_index.numel(), block_m)] = cmap
             return order, tok, counts, inv
     order = torch.argsort(flat_index, stable=True)
     return order, order // k, device_counts(flat_index, groups), None  # inv: combine() makes it if it needs it

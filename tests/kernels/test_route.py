@@ -29,8 +29,11 @@ def test_matches_argsort_and_bincount(tokens, e, k):
     flat = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).reshape(-1) if tokens else \
         torch.zeros(0, dtype=torch.int64)
     flat = flat.to(DEVICE)
-    for got, want, what in zip(expert_order(flat, e, k), _want(flat, e, k), ("order", "tok", "counts", "inv")):
+    out = expert_order(flat, e, k)
+    for got, want, what in zip(out, _want(flat, e, k), ("order", "tok", "counts", "inv")):
         assert got.dtype == want.dtype and torch.equal(got, want), what
+    offs = out[5]  # torch._grouped_mm's group ends, as `qgemm._group_offsets` computes them
+    assert offs.dtype == torch.int32 and torch.equal(offs, out[2].cumsum(0, dtype=torch.int32))
 
 
 def test_skewed_routing_and_the_ep_sentinel_sort_last():
@@ -39,7 +42,7 @@ def test_skewed_routing_and_the_ep_sentinel_sort_last():
     got, want = expert_order(flat, 4, 2), _want(flat, 4, 2)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     counts = got[2]
-    assert counts.tolist() == [41, 0, 0, 41]
+    assert counts.tolist() == [41, 0, 0, 41] and got[5].tolist() == [41, 41, 41, 82]  # the sentinel in no group
 
 
 def test_grouping_takes_the_kernel_only_when_fused_and_small():
@@ -66,8 +69,8 @@ def test_bad_input_names_the_limit():
 def test_out_of_range_indices_are_the_sentinel_never_a_stray_write():
     """Negative or > E indices count as the sentinel: sorted last in entry order, uncounted, inv still a permutation."""
     flat = torch.tensor([2, -1, 0, 1, 3, 2, 9], device=DEVICE)
-    order, tok, counts, inv, cmap = expert_order(flat, 4, 1)
-    assert cmap is None  # none asked for
+    order, tok, counts, inv, cmap, offs = expert_order(flat, 4, 1)
+    assert cmap is None and offs.tolist() == [1, 2, 4, 5]  # no map asked for
     assert order.tolist() == [2, 3, 0, 5, 4, 1, 6] and counts.tolist() == [1, 1, 2, 1]
     assert torch.equal(inv[order].cpu(), torch.arange(7)) and torch.equal(tok, order)
 
@@ -84,7 +87,7 @@ def test_tile_map_in_the_same_launch_equals_tile_map(tokens, e, k, block_m):
     flat[: flat.numel() // 3] = 1  # one expert holds a third of the rows: several tiles
     flat[-1] = e  # the sentinel: not counted, still a row of the bound
     flat = flat.to(DEVICE)
-    order, tok, counts, inv, cmap = expert_order(flat, e, k, block_m)
+    order, tok, counts, inv, cmap, _ = expert_order(flat, e, k, block_m)
     for a, b in zip((order, tok, counts, inv), _want(flat, e, k)):
         assert torch.equal(a, b)
     n = flat.numel()
@@ -104,7 +107,8 @@ def test_grouping_fills_the_layers_shared_maps():
         order, tok, counts, inv = expert_grouping(flat, 16, 4, maps)
     finally:
         fused.set_enabled(True, "cuda")
-    assert maps["counts"] is counts and set(maps) == {"counts", (64, qg.DECODE.block_m)}
+    assert maps["counts"] is counts and set(maps) == {"counts", "offs", (64, qg.DECODE.block_m)}
+    assert torch.equal(maps["offs"], counts.cumsum(0, dtype=torch.int32))
     cmap = maps[(64, qg.DECODE.block_m)]
     assert qg.shared_tile_map(maps, counts, 16, 64, qg.DECODE.block_m, DEVICE) is cmap
     assert torch.equal(cmap, qg.tile_map(counts, 64, qg.DECODE.block_m))
@@ -114,6 +118,9 @@ def test_grouping_fills_the_layers_shared_maps():
     try:
         maps = {"counts": "stale"}
         expert_grouping(many, 4, 2, maps)
+        bf16 = {}
+        expert_grouping(flat, 16, 4, bf16, tile_map=False)  # the BF16 experts: group offsets, no tile map
     finally:
         fused.set_enabled(True, "cuda")
-    assert maps == {}
+    assert set(maps) == {"counts", "offs"}  # no 16-row map; a dict, so nothing stale stays
+    assert set(bf16) == {"counts", "offs"}

@@ -108,7 +108,7 @@ def _kernels():
                         out_ptr=f"*{out}", H="i32", E="i32", HAS_R="i32")
         yield f"fused moe combine, {out} output", cb._combine_kernel, comb_sig, dict(K=4, K_PAD=4, BLOCK_H=1024), 4
     route_sig = dict(idx_ptr="*i64", order_ptr="*i64", tok_ptr="*i64", inv_ptr="*i64", counts_ptr="*i32",
-                     map_ptr="*i32", N="i32", E="i32", T="i32")
+                     offs_ptr="*i32", map_ptr="*i32", N="i32", E="i32", T="i32")
     yield "fused moe grouping", rt._route_kernel, route_sig, dict(K=4, BLOCK=1024, E_PAD=64, MAP_BLOCK_M=0,
                                                                    T_BLOCK=2), 4
     yield ("fused moe grouping + tile map", rt._route_kernel, route_sig,

@@ -85,3 +85,20 @@ def test_cuda_grouped_kernels_match_the_loop():
         err = float((got.float() - ref).norm() / ref.norm())
         assert err < 1e-2, f"{name}: relative error {err:.2e} against the FP32 loop"
     assert not wg.grad[1].any() and not wg.grad[5].any()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_offsets_from_the_routing_kernel_are_the_cumsum_bitwise():
+    """bf16_grouped with the routing kernel's group offsets (`expert_grouping(maps=)`, the engine's BF16 experts)
+    = with the cumsum it computes itself, bitwise."""
+    from rl4bit.kernels import fused
+    from rl4bit.trainer.qgemm import expert_grouping
+
+    g = torch.Generator().manual_seed(5)
+    flat = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(64)]).reshape(-1).cuda()
+    fused.set_enabled(True, "cuda")
+    maps: dict = {}
+    _, _, counts, _ = expert_grouping(flat, 8, 2, maps, tile_map=False)
+    x, w, _ = _operands(torch.bfloat16, "cuda", counts=counts.tolist(), k=256, n=128)
+    assert torch.equal(bf16_grouped(x, w, counts, maps["offs"]), bf16_grouped(x, w, counts))
