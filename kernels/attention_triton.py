@@ -278,11 +278,15 @@ def tile_table(n: list[int], group: int, device) -> torch.Tensor:
     return torch.tensor([seq, row0], dtype=torch.int64).to(device)
 
 
+def _block_d(d: int) -> int:
+    """The kernels' head-dim block for head dim d."""
+    return max(16, triton.next_power_of_2(d))
+
+
 def split_fits(n_tiles: int, hkv: int, key_chunks: int, d: int) -> bool:
     """Whether a split over key_chunks keeps its chunk states within SPLIT_MAX_BYTES (else `attention` runs the
     call unsplit: the same bits)."""
-    bd = max(16, triton.next_power_of_2(d))
-    return n_tiles * hkv * key_chunks * BLOCK_M * (bd + 2) * 4 <= SPLIT_MAX_BYTES
+    return n_tiles * hkv * key_chunks * BLOCK_M * (_block_d(d) + 2) * 4 <= SPLIT_MAX_BYTES
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Tensor, tiles: torch.Tensor,
@@ -318,7 +322,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
     n_tiles = tiles.shape[1]
     if n_tiles == 0:
         return out
-    bd = max(16, triton.next_power_of_2(d))
+    bd = _block_d(d)
     if not split_fits(n_tiles, hkv, key_chunks, d):
         key_chunks = 0  # the states would not fit the budget: unsplit, the same bits
     chunks = max(key_chunks, 1)

@@ -52,11 +52,11 @@ def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, offs_ptr, ma
     tl.store(inv_ptr + order, offs.to(tl.int64), mask=live)  # order maps live places onto live entries
     counts = tl.histogram(e, E_PAD)
     bins = tl.arange(0, E_PAD)
-    tl.store(counts_ptr + bins, counts.to(tl.int32), mask=bins < E)
-    tl.store(offs_ptr + bins, tl.cumsum(tl.where(bins < E, counts, 0).to(tl.int32), 0), mask=bins < E)
+    c = tl.where(bins < E, counts, 0).to(tl.int32)  # the experts' counts, the sentinel's bin zeroed
+    tl.store(counts_ptr + bins, c, mask=bins < E)
+    tl.store(offs_ptr + bins, tl.cumsum(c, 0), mask=bins < E)
     if MAP_BLOCK_M > 0:  # the grouped GEMMs' tile map of these counts (integers: `tile_map`'s values exactly),
-        c = tl.where(bins < E, counts, 0).to(tl.int32)  # T_BLOCK tiles at a time: [T_BLOCK, E_PAD] intermediates
-        for t0 in range(0, T, T_BLOCK):
+        for t0 in range(0, T, T_BLOCK):  # T_BLOCK tiles at a time: [T_BLOCK, E_PAD] intermediates
             map_tiles(c, bins, E, t0 + tl.arange(0, T_BLOCK), T, map_ptr, MAP_BLOCK_M)
 
 
