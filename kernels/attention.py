@@ -96,21 +96,22 @@ class _Attention(torch.autograd.Function):
 
 
 def attend(q, k, v, seqs, tiles, scaling: float, dtype: torch.dtype, groups: list | None = None,
-           covered: bool = False, key_chunks: int = 0) -> torch.Tensor:
+           covered: bool = False, key_chunks: int = 0, counters: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel's attention of q [T, Hq, D]: a new [T, Hq, D] tensor in q's dtype (`attention_triton`).
 
     groups None: k / v are in the kernel's layout ([..., Hkv, positions, D], a cache) and nothing is
     differentiated. With `groups` (the packed row's sequences by length): k / v are the packed row [T, Hkv, D],
     and when gradients are on the call is differentiable (`_Attention`). Rows no sequence covers are zero;
     `covered` says there are none (the output is then not cleared first: one launch less). key_chunks (cache
-    layout only): split the keys over that many programs a row tile (`attention_triton.attention`: same bits).
+    layout only): split the keys over that many programs a row tile (`attention_triton.attention`: same bits),
+    with `counters` (`attention_triton.split_counters`) for the chunks' hand-off.
     """
     from rl4bit.kernels.attention_triton import attention
 
     q = q if q.stride(-1) == 1 else q.contiguous()
     if groups is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format) if covered else q.new_zeros(q.shape)
-        return attention(q, k, v, seqs, tiles, scaling, dtype, out, key_chunks=key_chunks)
+        return attention(q, k, v, seqs, tiles, scaling, dtype, out, key_chunks=key_chunks, counters=counters)
     if k.stride() != v.stride() or k.stride(-1) != 1:
         k, v = k.contiguous(), v.contiguous()
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):

@@ -19,9 +19,14 @@ Numerics, per query row (C = `compute_dtype`, what the matmuls run in: the autoc
     the chunks' (m, l, acc) folded in order (`_fold`: both rescaled to the larger max, FP32)
     out = C(acc / l)                         (IEEE division), stored in the output's dtype (q's)
 
-A decode step of few rows takes its chunks in separate programs and folds them in a second kernel
-(`_merge_kernel`, the same `_fold` in the same order; `attention(key_chunks=)`); one compiled kernel computes
-a chunk either way (whether it splits is a run-time argument), so split and unsplit give the same bits.
+A decode step of few rows takes its chunks in separate programs (`attention(key_chunks=)`): each stores its
+chunk's softmax state and counts itself done on its (row tile, kv head)'s counter, and the program that counts
+last folds the stored states in chunk order with the same `_fold` and stores the output (`_merge_states`; the
+counter goes back to 0 for the next call). One compiled kernel computes a chunk either way (whether it splits is
+a run-time argument), so split and unsplit give the same bits, and no second launch merges. The hand-off is
+CUTLASS's split-K semaphore: a CTA barrier, then one thread's acq_rel atomic at GPU scope (Triton performs a
+scalar atomic in one thread and broadcasts its result through shared memory behind a barrier), and the merging
+program reads the states from L2 (`.cg`).
 
 The same roundings as the engine's torch path (`kv_cache.engine_attention`: scores and products in C, softmax
 in FP32, probabilities in C), but another softmax algorithm and summation order, so not its bits: within a
@@ -122,15 +127,34 @@ def _store_out(o_ptr, q_start, t, head, live, d, d_ok, l_all, a_all, s_ot, s_oh,
     tl.store(o, out.to(o_ptr.dtype.element_ty), mask=live[:, None] & d_ok[None, :])
 
 
+@triton.jit
+def _merge_states(o_ptr, st_m_ptr, st_l_ptr, st_a_ptr, first, q_start, t, head, live, last, d, d_ok, s_ot, s_oh,
+                  C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
+    """The chunk states of one (row tile, kv head), stored from `first` (its chunk 0) on, folded in chunk order,
+    then the output: what the unsplit kernel computes in registers. Loads from L2 (`.cg`): other programs
+    wrote them."""
+    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
+    a_all = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for c in range(0, last // CHUNK + 1):
+        at = (first + c) * BLOCK_M + tl.arange(0, BLOCK_M)
+        m = tl.load(st_m_ptr + at, cache_modifier=".cg")
+        l_sum = tl.load(st_l_ptr + at, cache_modifier=".cg")
+        acc = tl.load(st_a_ptr + at[:, None] * BLOCK_D + d[None, :], cache_modifier=".cg")
+        m_all, l_all, a_all = _fold(m_all, l_all, a_all, m, l_sum, acc)
+    _store_out(o_ptr, q_start, t, head, live, d, d_ok, l_all, a_all, s_ot, s_oh, C)
+
+
 @triton.jit(do_not_specialize=["n_seqs", "n_tiles", "split", "n_chunks"])  # strides specialize (vector loads)
-def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, st_m_ptr, st_l_ptr, st_a_ptr, seq_ptr, tile_ptr, n_seqs, n_tiles,
-                      split, n_chunks, s_qt, s_qh, s_kh, s_kp, s_vh, s_vp, s_ot, s_oh, D, scaling, G: tl.constexpr,
-                      C: tl.constexpr, KV_IS_C: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK: tl.constexpr):
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, st_m_ptr, st_l_ptr, st_a_ptr, cnt_ptr, seq_ptr, tile_ptr, n_seqs,
+                      n_tiles, split, n_chunks, s_qt, s_qh, s_kh, s_kp, s_vh, s_vp, s_ot, s_oh, D, scaling,
+                      G: tl.constexpr, C: tl.constexpr, KV_IS_C: tl.constexpr, IEEE: tl.constexpr,
+                      UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                      CHUNK: tl.constexpr):
     """split 0: all of a row's keys, chunk by chunk, folded here and stored as the output. split 1: program z
-    takes chunk z only and stores its softmax state for `_merge_kernel`, which folds the chunks in the same
-    order with the same `_fold`. One compiled kernel for both (split is a run-time argument), so a chunk's
-    state is the same arithmetic either way."""
+    takes chunk z only and stores its softmax state; the (row tile, kv head)'s last chunk program to finish
+    folds them all in chunk order with the same `_fold` (`_merge_states`). One compiled kernel for both (split
+    is a run-time argument), so a chunk's state is the same arithmetic either way."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1).to(tl.int64)
     chunk = tl.program_id(2).to(tl.int64)
@@ -192,37 +216,20 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, st_m_ptr, st_l_ptr, st_a_ptr, 
         m = tl.where(active, m_new, m)
     if split != 0:
         if lo <= last:  # the chunk's state at [tile, kv head, chunk, row] (x head dim), FP32: exact
-            at = ((tile * tl.num_programs(1) + kvh) * n_chunks + chunk) * BLOCK_M + tl.arange(0, BLOCK_M)
+            pair = tile * tl.num_programs(1) + kvh
+            at = (pair * n_chunks + chunk) * BLOCK_M + tl.arange(0, BLOCK_M)
             tl.store(st_m_ptr + at, m)
             tl.store(st_l_ptr + at, l_sum)
             tl.store(st_a_ptr + at[:, None] * BLOCK_D + d[None, :], acc)
+            tl.debug_barrier()  # every thread's stores, then one thread's release (CUTLASS's semaphore arrive)
+            done = tl.atomic_add(cnt_ptr + pair, 1, sem="acq_rel", scope="gpu")  # chunks finished before this
+            if done == last // CHUNK:  # the last of the tile's chunks with keys: fold them all
+                tl.atomic_xchg(cnt_ptr + pair, 0, sem="relaxed", scope="gpu")  # 0 again for the next call
+                _merge_states(o_ptr, st_m_ptr, st_l_ptr, st_a_ptr, pair * n_chunks, q_start, t, head, live, last,
+                              d, d_ok, s_ot, s_oh, C, BLOCK_M, BLOCK_D, CHUNK)
     else:
         m_all, l_all, a_all = _fold(m_all, l_all, a_all, m, l_sum, acc)
         _store_out(o_ptr, q_start, t, head, live, d, d_ok, l_all, a_all, s_ot, s_oh, C)
-
-
-@triton.jit(do_not_specialize=["n_seqs", "n_tiles", "n_chunks"])
-def _merge_kernel(o_ptr, st_m_ptr, st_l_ptr, st_a_ptr, seq_ptr, tile_ptr, n_seqs, n_tiles, n_chunks, s_ot, s_oh, D,
-                  G: tl.constexpr, C: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                  CHUNK: tl.constexpr):
-    """The split kernel's chunk states of one (row tile, kv head) folded in chunk order, then the output: what
-    the unsplit kernel computes in registers."""
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1).to(tl.int64)
-    q_start, kv_row, t, head, live, limit, last = _tile_rows(seq_ptr, tile_ptr, n_seqs, n_tiles, tile, kvh, G,
-                                                             BLOCK_M)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_all = tl.zeros([BLOCK_M], dtype=tl.float32)
-    a_all = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for c in range(0, last // CHUNK + 1):
-        at = ((tile * tl.num_programs(1) + kvh) * n_chunks + c) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m = tl.load(st_m_ptr + at)
-        l_sum = tl.load(st_l_ptr + at)
-        acc = tl.load(st_a_ptr + at[:, None] * BLOCK_D + d[None, :])
-        m_all, l_all, a_all = _fold(m_all, l_all, a_all, m, l_sum, acc)
-    _store_out(o_ptr, q_start, t, head, live, d, d_ok, l_all, a_all, s_ot, s_oh, C)
 
 
 @triton.jit(do_not_specialize=["s_kt", "s_kh", "s_vt", "s_vh", "s_cs", "s_ch", "s_cp"])
@@ -289,14 +296,24 @@ def split_fits(n_tiles: int, hkv: int, key_chunks: int, d: int) -> bool:
     return n_tiles * hkv * key_chunks * BLOCK_M * (_block_d(d) + 2) * 4 <= SPLIT_MAX_BYTES
 
 
+def split_counters(n_tiles: int, hkv: int, device) -> torch.Tensor:
+    """Zeroed chunk counters for split calls of up to n_tiles row tiles over hkv kv heads (`attention(counters=)`):
+    every call leaves them zero again, so the calls of one stream can share them."""
+    return torch.zeros(n_tiles * hkv, dtype=torch.int32, device=device)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Tensor, tiles: torch.Tensor,
-              scaling: float, compute_dtype: torch.dtype, out: torch.Tensor, key_chunks: int = 0) -> torch.Tensor:
+              scaling: float, compute_dtype: torch.dtype, out: torch.Tensor, key_chunks: int = 0,
+              counters: torch.Tensor | None = None) -> torch.Tensor:
     """Write into `out` [T, Hq, D] (q's dtype) the attention of q [T, Hq, D] (see module docstring).
 
     key_chunks > 0: split each row tile's keys over that many programs, KEY_CHUNK positions each (enough for
-    every position of k: the engine's decode steps pass cdiv(cache length, KEY_CHUNK); fewer is a ValueError),
-    then merge the chunks in order (`_merge_kernel`): the same bits as key_chunks = 0, more programs for few
-    rows over long contexts. Unsplit where the chunk states would pass SPLIT_MAX_BYTES.
+    every position of k: the engine's decode steps pass cdiv(cache length, KEY_CHUNK); fewer is a ValueError);
+    each tile's last chunk to finish folds the chunks in order: the same bits as key_chunks = 0, more programs
+    for few rows over long contexts. Unsplit where the chunk states would pass SPLIT_MAX_BYTES. `counters`:
+    `split_counters` of at least this call's tiles and kv heads, zero, on q's device, which the call leaves
+    zero (the engine's decode step shares one across its layers: no launch to clear them); None: a fresh one.
+    Calls sharing counters must not run concurrently (one stream).
 
     k / v: any tensors whose last dim is the head dim (contiguous) and whose rows for (kv head h, position j)
     sit at (seqs' kv_row + j) * s_p + h * s_h, with (s_h, s_p) = k.stride()[-3:-1]: a cache [slots, Hkv, L, D]
@@ -330,18 +347,21 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
         st_m = torch.empty((n_tiles, hkv, chunks, BLOCK_M), dtype=torch.float32, device=q.device)
         st_l = torch.empty_like(st_m)
         st_a = torch.empty((n_tiles, hkv, chunks, BLOCK_M, bd), dtype=torch.float32, device=q.device)
+        if counters is None:
+            counters = split_counters(n_tiles, hkv, q.device)
+        elif counters.dtype != torch.int32 or counters.numel() < n_tiles * hkv or counters.device != q.device:
+            raise ValueError(f"attention: counters {counters.dtype} [{counters.numel()}] on {counters.device}: need "
+                             f"int32 zeros, at least {n_tiles} tiles x {hkv} kv heads, on {q.device} "
+                             f"(`split_counters`)")
     else:  # unused; FP32 like the split's states, so both modes run one compiled kernel (pointer types are
         st_m = st_l = st_a = torch.empty(1, dtype=torch.float32, device=q.device)  # part of its signature)
+        counters = torch.empty(1, dtype=torch.int32, device=q.device)
     common = dict(G=hq // hkv, C=FLOAT_TL[compute_dtype], BLOCK_M=BLOCK_M, BLOCK_D=bd, CHUNK=KEY_CHUNK)
     with _on_device(q):
         _attention_kernel[(n_tiles, hkv, chunks)](
-            q, k, v, out, st_m, st_l, st_a, seqs, tiles, seqs.shape[1], n_tiles, int(key_chunks > 0), chunks,
-            q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), v.stride(-3), v.stride(-2), out.stride(0),
+            q, k, v, out, st_m, st_l, st_a, counters, seqs, tiles, seqs.shape[1], n_tiles, int(key_chunks > 0),
+            chunks, q.stride(0), q.stride(1), k.stride(-3), k.stride(-2), v.stride(-3), v.stride(-2), out.stride(0),
             out.stride(1), d, float(scaling), KV_IS_C=k.dtype == v.dtype == compute_dtype,
             IEEE=compute_dtype == torch.float32, UPCAST=interpret(), BLOCK_N=block_n(d), num_warps=4,
             enable_fp_fusion=False, **common)
-        if key_chunks:
-            _merge_kernel[(n_tiles, hkv)](out, st_m, st_l, st_a, seqs, tiles, seqs.shape[1], n_tiles, chunks,
-                                          out.stride(0), out.stride(1), d, num_warps=4, enable_fp_fusion=False,
-                                          **common)
     return out

@@ -119,11 +119,27 @@ class StepLayout:
     """Per group size g (query heads per kv head): the step's index tensors, built once and shared by every layer."""
     _tables: dict | None = None
     """Per group size g: the fused attention kernel's (seqs, tiles, covered), built once and shared by every layer."""
+    _counters: dict | None = None
+    """Per (g, kv heads): a split attention's chunk counters (`split_counters`), zeroed once a step, shared by every
+    layer (each call leaves them zero)."""
 
     def key_chunks(self) -> int:
         """Programs a row tile's keys are split over in the attention kernel (0: one program; the bits are the
         same either way): op-by-op steps keep one (prefill tiles are many already)."""
         return 0
+
+    def split_counters(self, g: int, hkv: int, device) -> torch.Tensor | None:
+        """The chunk counters a split attention call of this step takes (`attention_triton.split_counters`: one
+        zeroing a step, not a launch a layer); None while `key_chunks` is 0."""
+        if not self.key_chunks():
+            return None
+        from rl4bit.kernels.attention_triton import split_counters
+
+        if self._counters is None:
+            self._counters = {}
+        if (g, hkv) not in self._counters:
+            self._counters[g, hkv] = split_counters(self.attention_tables(g, device)[1].shape[1], hkv, device)
+        return self._counters[g, hkv]
 
     def attention_tables(self, g: int, device) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """`attention_triton`'s sequence and tile tables for this step (keys in the cache: kv_row = the slot's
@@ -203,7 +219,7 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
                         step.token_slot, step.token_pos)
         seqs, tiles, covered = step.attention_tables(g, dev)
         out = attend(query[0].transpose(0, 1), kc, vc, seqs, tiles, scaling, kc.dtype, covered=covered,
-                     key_chunks=step.key_chunks())
+                     key_chunks=step.key_chunks(), counters=step.split_counters(g, hkv, dev))
         return out[None], None
     kc[step.token_slot, :, step.token_pos] = key[0, :, :n_real].transpose(0, 1).to(kc.dtype)
     vc[step.token_slot, :, step.token_pos] = value[0, :, :n_real].transpose(0, 1).to(vc.dtype)

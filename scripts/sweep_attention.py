@@ -5,15 +5,18 @@
 
 Decode steps of B rows (B sequences, one token each, all at context L) over a BF16 cache of `--max-len`
 positions, bench rollout's 1B attention shape (16 query heads, 4 kv heads, head dim 128). The split call passes
-cdiv(max_len, KEY_CHUNK) key chunks, as the engine's decode graphs do (`DecodeLayout.key_chunks`), so its time
-includes the merge kernel (a row says when the chunk states would pass `SPLIT_MAX_BYTES`, where `attention`
-runs unsplit). Each case first checks split and unsplit outputs bitwise (they are one compiled kernel:
-`attention_triton`'s docstring), then times each over rotating slots of one cache, as many as keep the bytes
-the calls read past the L2 (a step's 16 layers are), CUDA graphs, median.
+cdiv(max_len, KEY_CHUNK) key chunks, as the engine's decode graphs do (`DecodeLayout.key_chunks`), with one
+set of chunk counters for all its calls (`DecodeLayout.split_counters`), so its time includes the in-kernel
+merge by each tile's last chunk (a row says when the chunk states would pass `SPLIT_MAX_BYTES`, where
+`attention` runs unsplit). Each case first checks split and unsplit outputs bitwise (they are one compiled
+kernel: `attention_triton`'s docstring), then times each over rotating slots of one cache, as many as keep the
+bytes the calls read past the L2 (a step's 16 layers are), CUDA graphs, median; then checks the split's bits
+again on `--recheck` more calls and that the counters are back at zero (the chunks' hand-off under load).
 
 What it is for: `sampler/decode_graph.SPLIT_MAX_ROWS` (rows up to which a decode step splits) and whether a
-split pays at short contexts. The H200 profile of the fourteenth session measured the merge kernel at 4.7 µs a
-layer at batch 1 for contexts up to 256. The choice is made by hand from the table; it cannot change a bit.
+split pays at short contexts. The H200 profile of the fourteenth session measured the merge, then a kernel of
+its own, at 4.7 µs a layer at batch 1 for contexts up to 256. The choice is made by hand from the table; it
+cannot change a bit.
 
 Exit status 1 if any case's split and unsplit outputs differ.
 """
@@ -28,7 +31,7 @@ import sys
 import torch
 
 from rl4bit.bench_gemm import ROTATE_BYTES, _time_us
-from rl4bit.kernels.attention_triton import KEY_CHUNK, attention, seq_table, split_fits, tile_table
+from rl4bit.kernels.attention_triton import KEY_CHUNK, attention, seq_table, split_counters, split_fits, tile_table
 from rl4bit.sampler.decode_graph import SPLIT_MAX_ROWS
 
 SHAPE = dict(hq=16, hkv=4, d=128)
@@ -45,8 +48,9 @@ def caches(b: int, max_len: int, device: str, hkv: int, d: int, min_ctx: int):
     return k, v, copies
 
 
-def case(b: int, ctx: int, kv, device: str, reps: int, hq: int, hkv: int, d: int) -> dict:
-    """One (batch, context) case: split and unsplit µs and whether their outputs are bitwise equal."""
+def case(b: int, ctx: int, kv, device: str, reps: int, recheck: int, hq: int, hkv: int, d: int) -> dict:
+    """One (batch, context) case: split and unsplit µs and whether their outputs are bitwise equal (before the
+    timing and on `recheck` split calls after it, with the counters back at zero)."""
     k, v, copies = kv
     c, max_len = torch.bfloat16, k.shape[-2]
     g = torch.Generator().manual_seed(1000 * b + ctx)
@@ -56,15 +60,21 @@ def case(b: int, ctx: int, kv, device: str, reps: int, hq: int, hkv: int, d: int
             for i in range(copies)]  # copy i: slots i*b .. i*b + b - 1
     chunks = -(-max_len // KEY_CHUNK)
     splits = split_fits(tiles.shape[1], hkv, chunks, d)
+    counters = split_counters(tiles.shape[1], hkv, device)
     whole, split = torch.empty_like(q), torch.empty_like(q)
-    attention(q, k, v, seqs[0], tiles, d ** -0.5, c, whole)
-    attention(q, k, v, seqs[0], tiles, d ** -0.5, c, split, key_chunks=chunks)
-    same = bool(torch.equal(whole.view(torch.int16), split.view(torch.int16)))
+
+    def run(out, n, st=seqs[0]):
+        return attention(q, k, v, st, tiles, d ** -0.5, c, out, key_chunks=n, counters=counters)
+
+    run(whole, 0)
+    same = bool(torch.equal(whole.view(torch.int16), run(split, chunks).view(torch.int16)))
     us = {}
     for name, n in (("unsplit", 0), ("split", chunks)):
         out = torch.empty_like(q)
-        us[name] = _time_us([lambda st=st, n=n: attention(q, k, v, st, tiles, d ** -0.5, c, out, key_chunks=n)
-                             for st in seqs], device, reps)
+        us[name] = _time_us([lambda st=st, n=n: run(out, n, st) for st in seqs], device, reps)
+    for _ in range(recheck):
+        same &= bool(torch.equal(whole.view(torch.int16), run(split, chunks).view(torch.int16)))
+    same &= not bool(counters.any())
     return dict(batch=b, context=ctx, max_len=max_len, chunks=chunks, split_runs=splits, unsplit_us=us["unsplit"],
                 split_us=us["split"], bitwise=same, copies=copies)
 
@@ -75,17 +85,19 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes (CPU under TRITON_INTERPRET=1: the bits only)")
     p.add_argument("--max-len", type=int, default=2176, help="cache positions (the engine's max_seq_len)")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--recheck", type=int, default=50, help="split calls checked bitwise after the timing")
     p.add_argument("--out", help="directory for sweep_attention.json")
     args = p.parse_args()
     if args.quick:
         shape, batches, contexts, max_len, reps = dict(hq=4, hkv=2, d=16), (1, 3), (5, 130, 300), 320, 1
+        args.recheck = 1
     else:
         shape, batches, contexts, max_len, reps = SHAPE, (1, 4, 16, 64, 128), (128, 256, 512, 1024, 2048), \
             args.max_len, args.reps
     rows = []
     for b in batches:
         kv = caches(b, max_len, args.device, shape["hkv"], shape["d"], min(contexts))
-        rows += [case(b, L, kv, args.device, reps, **shape) for L in contexts if L <= max_len]
+        rows += [case(b, L, kv, args.device, reps, args.recheck, **shape) for L in contexts if L <= max_len]
         del kv
     print(f"decode attention, {shape}, cache of {max_len} positions ({rows[0]['chunks']} key chunks when split); "
           f"the engine splits steps of <= {SPLIT_MAX_ROWS} rows")

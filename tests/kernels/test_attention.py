@@ -15,7 +15,7 @@ import torch
 
 from rl4bit.kernels import fused
 from rl4bit.kernels.attention import attend, fused_attention_ok, reference
-from rl4bit.kernels.attention_triton import BLOCK_M, attention, cache_write, seq_table, tile_table
+from rl4bit.kernels.attention_triton import BLOCK_M, attention, cache_write, seq_table, split_counters, tile_table
 
 
 def _packed(lengths, hq, hkv, d, dtype, seed=0):
@@ -110,15 +110,24 @@ def test_long_rows_split_over_key_chunks_equal_the_unsplit_kernel():
     vc = torch.zeros_like(kc)
     kc[1, :, :n], vc[1, :, :n] = k.transpose(0, 1), v.transpose(0, 1)
     slot1 = hkv * max_len
+    counters = split_counters(1, hkv, DEVICE)  # shared by the calls below, as a decode step's layers share one
     for t in (0, 127, 128, 129, 200, 255, 256, 299):
         seqs = seq_table([0], [1], [t], [slot1], DEVICE)
         tiles = tile_table([1], hq // hkv, DEVICE)
         whole = attend(q[t:t + 1], kc, vc, seqs, tiles, 0.25, c, covered=True)
         assert torch.equal(whole[0], packed[t]), t
         for chunks in (-(-max_len // 128), 7):
-            split = attention(q[t:t + 1].contiguous(), kc, vc, seqs, tiles, 0.25, c, torch.empty_like(q[t:t + 1]),
-                              key_chunks=chunks)
-            assert torch.equal(split[0], packed[t]), (t, chunks)
+            for shared in (None, counters):
+                split = attention(q[t:t + 1].contiguous(), kc, vc, seqs, tiles, 0.25, c,
+                                  torch.empty_like(q[t:t + 1]), key_chunks=chunks, counters=shared)
+                assert torch.equal(split[0], packed[t]), (t, chunks)
+                assert not counters.any(), (t, chunks)  # every call leaves them zero for the next
+    with pytest.raises(ValueError, match="counters torch.int64"):
+        attention(q[299:].contiguous(), kc, vc, seqs, tiles, 0.25, c, torch.empty_like(q[299:]), key_chunks=3,
+                  counters=counters.long())
+    with pytest.raises(ValueError, match=r"at least 1 tiles x 2 kv heads"):
+        attention(q[299:].contiguous(), kc, vc, seqs, tiles, 0.25, c, torch.empty_like(q[299:]), key_chunks=3,
+                  counters=counters[:1])
     seqs, tiles = seq_table([0], [1], [299], [slot1], DEVICE), tile_table([1], hq // hkv, DEVICE)
     with pytest.raises(ValueError, match="key_chunks 2 must be 0 or cover the 320 key positions"):
         attention(q[299:].contiguous(), kc, vc, seqs, tiles, 0.25, c, torch.empty_like(q[299:]), key_chunks=2)

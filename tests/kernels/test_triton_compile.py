@@ -119,7 +119,7 @@ def _kernels():
 
     strides = ("s_qt", "s_qh", "s_kh", "s_kp", "s_vh", "s_vp", "s_ot", "s_oh")
     att_sig = dict(q_ptr="*fp32", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*fp32", st_m_ptr="*fp32", st_l_ptr="*fp32",
-                   st_a_ptr="*fp32", seq_ptr="*i64", tile_ptr="*i64", n_seqs="i32", n_tiles="i32", split="i32",
+                   st_a_ptr="*fp32", cnt_ptr="*i32", seq_ptr="*i64", tile_ptr="*i64", n_seqs="i32", n_tiles="i32", split="i32",
                    n_chunks="i32", **{s: "i32" for s in strides}, D="i32", scaling="fp32")
     yield ("fused attention (bf16 cache, fp32 q)", at._attention_kernel, att_sig,
            dict(G=4, C=tl.bfloat16, KV_IS_C=True, IEEE=False, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
@@ -128,10 +128,6 @@ def _kernels():
            dict(G=2, C=tl.float32, KV_IS_C=True, IEEE=True, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=64,
                 CHUNK=at.KEY_CHUNK), 4,
            {r"\bfma\."})  # an FP32 `tl.dot` is FMAs (as an FP32 GEMM is): no reference to match, only itself
-    merge_sig = dict(o_ptr="*fp32", st_m_ptr="*fp32", st_l_ptr="*fp32", st_a_ptr="*fp32", seq_ptr="*i64",
-                     tile_ptr="*i64", n_seqs="i32", n_tiles="i32", n_chunks="i32", s_ot="i32", s_oh="i32", D="i32")
-    yield ("fused attention chunk merge", at._merge_kernel, merge_sig,
-           dict(G=4, C=tl.bfloat16, BLOCK_M=16, BLOCK_D=128, CHUNK=at.KEY_CHUNK), 4)
     from rl4bit.kernels import router_triton as rr
 
     part_sig = dict(x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", T="i32", H="i32", E="i32", s_xt="i32",
@@ -156,6 +152,28 @@ def _kernels():
            dict(BLOCK_M=128, BLOCK_N=128, FP8=False, BK=64, INTERPRET=False), 8)
     dec_sig = dict(data_ptr="*i8", scale_ptr="*u8", out_ptr="*fp32", R="i32", K="i32", **seeds)
     yield "s2f6 decode + inverse rht", s2._s2f6_dequant_kernel, dec_sig, dict(BLOCK_R=4, BLOCK_K=1024, HAS_RHT=True), 4
+
+
+def split_handoff_problems(ptx: str) -> list[str]:
+    """The split attention's chunk hand-off as CUTLASS's semaphore: the states' stores, a CTA barrier, one acq_rel
+    atomic at GPU scope, a barrier (the result's broadcast) before any global load, and the merge's loads from
+    L2. Problems found (empty: all there)."""
+    at = ptx.find("atom.global.gpu.acq_rel.add")
+    if at < 0:
+        return ["no acq_rel GPU-scope atomic add (the chunk counter)"]
+    before, after = ptx[:at], ptx[at:]
+    problems = []
+    if before.rfind("bar.sync") < before.rfind("st.global"):
+        problems.append("no barrier between the states' stores and the counter's atomic")
+    if not 0 <= after.find("bar.sync") < after.find("ld.global"):
+        problems.append("a global load before the barrier that follows the counter's atomic")
+    if len(re.findall(r"ld\.global\.cg\.", after)) < 3:
+        problems.append("the merge's state loads are not .cg (L2)")
+    return problems
+
+
+PTX_CHECKS = {"_attention_kernel": split_handoff_problems}
+"""Kernel name -> a check of its PTX beyond the exact-FP32 patterns."""
 
 
 def sass_stats(cubin: bytes, elems_per_thread: float) -> str:
@@ -198,6 +216,7 @@ def compile_all(count: bool = False) -> list[str]:
         ptx = k.asm["ptx"]
         bad = [p for p in (r"\bfma\.", r"div\.(full|approx)", r"\.ftz") if re.search(p, ptx)
                and p not in (allowed[0] if allowed else ())]
+        bad += PTX_CHECKS.get(fn.__name__, lambda _: [])(ptx)
         print(f"{name}: {len(ptx.splitlines())} PTX lines" + (f", found {bad}" if bad else ""))
         if count:
             rows = consts.get("BLOCK_R", consts.get("BLOCK_M", 1))
@@ -207,6 +226,20 @@ def compile_all(count: bool = False) -> list[str]:
         if bad:
             problems.append(f"{name}: PTX contains {bad}")
     return problems
+
+
+def test_split_handoff_check_finds_each_missing_piece():
+    """`split_handoff_problems` on hand-written PTX: the CUTLASS order passes; each piece taken out is named."""
+    good = ("st.global.v4.b32 [a], {r};\nbar.sync 0;\n@p atom.global.gpu.acq_rel.add.u32 r, [c], 1;\n"
+            "st.shared.b32 [s], r;\nbar.sync 0;\n" + "ld.global.cg.b32 {x}, [m];\n" * 3)
+    assert split_handoff_problems(good) == []
+    assert split_handoff_problems(good.replace("acq_rel", "relaxed")) == [
+        "no acq_rel GPU-scope atomic add (the chunk counter)"]
+    assert split_handoff_problems(good.replace("bar.sync 0;\n@p", "@p")) == [
+        "no barrier between the states' stores and the counter's atomic"]
+    assert split_handoff_problems(good.replace("st.shared.b32 [s], r;\nbar.sync 0;\n", "")) == [
+        "a global load before the barrier that follows the counter's atomic"]
+    assert split_handoff_problems(good.replace(".cg", "")) == ["the merge's state loads are not .cg (L2)"]
 
 
 @pytest.mark.slow
