@@ -15,7 +15,9 @@ forward, the trainer's logprob recompute and the samplers run the same forward b
 random weights: a zero weight would hide the formula), and `weight` is the module's only tensor (a bias, a
 correction buffer: another formula); a router of another formula (Mixtral's softmax over the top-k logits,
 DeepSeek's grouped routing, GPT-OSS's bias) keeps its forward. It is installed under rl4bit's FP32 wrap
-(`surgery._make_router_fp32`), never over it: the wrap's cast and autocast switch must stay outside.
+(`surgery._make_router_fp32`), never over it: the wrap's autocast switch must stay outside. The wrap hands a BF16
+residual stream's rows to the kernel uncast (`kernel_forward` with the GEMM in FP32: the kernel rounds them to
+FP32 itself, the cast's bits) and casts only for the module's own forward.
 
 Leaves out: the kernel under other routers' formulas; a backward kernel.
 """
@@ -84,22 +86,35 @@ def _kernel_ok(x: torch.Tensor, weight: torch.Tensor, top_k: int, dtype: torch.d
             and 1 <= top_k <= weight.shape[0] <= MAX_EXPERTS)
 
 
-def _forward(module: nn.Module, orig_forward, normalize: bool, hidden_states, *args, use_reference: bool = False,
-             **kwargs):
-    if args or kwargs or not (use_reference or fused.enabled(hidden_states.device.type)):
-        return orig_forward(hidden_states, *args, **kwargs)
+def kernel_forward(module: nn.Module, hidden_states: torch.Tensor, dtype: torch.dtype | None = None):
+    """The fused router's (logits, weights, index) of `hidden_states` with the GEMM in `dtype` (None: what the
+    module's `F.linear` would run in, `compute_dtype`), or None where the kernel does not take the call (kernels
+    off for the device, shapes or dtypes it does not cover: the caller runs the module's own forward). The
+    kernel rounds x to `dtype` itself, so rl4bit's FP32 wrap passes a BF16 stream's rows uncast (`dtype` FP32:
+    the cast's bits, one launch less; the backward casts x's gradient back as the cast's would)."""
+    if not getattr(module, "_rl4bit_fused_router", False) or not fused.enabled(hidden_states.device.type):
+        return None
     x = hidden_states.reshape(-1, module.hidden_dim)
     weight = module.weight
-    dtype = compute_dtype(x, weight)
-    if use_reference:
-        return reference(x, weight, module.top_k, normalize, dtype)
+    dtype = dtype or compute_dtype(x, weight)
     if not _kernel_ok(x, weight, module.top_k, dtype):
-        return orig_forward(hidden_states)
+        return None
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _Router.apply(x, weight, module.top_k, normalize, dtype)
+        return _Router.apply(x, weight, module.top_k, module._rl4bit_router_normalize, dtype)
     from rl4bit.kernels.router_triton import route_topk
 
-    return route_topk(x, weight, module.top_k, normalize, dtype)
+    return route_topk(x, weight, module.top_k, module._rl4bit_router_normalize, dtype)
+
+
+def _forward(module: nn.Module, orig_forward, normalize: bool, hidden_states, *args, use_reference: bool = False,
+             **kwargs):
+    if args or kwargs:
+        return orig_forward(hidden_states, *args, **kwargs)
+    if use_reference:
+        x = hidden_states.reshape(-1, module.hidden_dim)
+        return reference(x, module.weight, module.top_k, normalize, compute_dtype(x, module.weight))
+    out = kernel_forward(module, hidden_states)
+    return orig_forward(hidden_states) if out is None else out
 
 
 def reproduces(module: nn.Module) -> bool | None:
@@ -139,6 +154,7 @@ def fuse_router(module: nn.Module) -> bool:
     if normalize is None:
         return False
     module.forward = functools.partial(_forward, module, module.forward, normalize)
+    module._rl4bit_router_normalize = normalize
     module._rl4bit_fused_router = True
     return True
 

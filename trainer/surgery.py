@@ -37,7 +37,7 @@ from torch import nn
 from rl4bit.kernels.rmsnorm import fuse_norms
 from rl4bit.trainer.fused_attention import fuse_attentions
 from rl4bit.trainer.fused_layer import fuse_layers
-from rl4bit.trainer.fused_router import fuse_router
+from rl4bit.trainer.fused_router import fuse_router, kernel_forward
 from rl4bit.trainer.modules import QuantExperts, QuantLinear
 from rl4bit.trainer.plan import _is_router, expert_weight_shapes, quant_plan
 from rl4bit.trainer.qgemm import GemmSpec
@@ -56,8 +56,11 @@ def gemm_spec(recipe: RecipeConfig, fmt: str) -> GemmSpec:
 
 
 def _fp32_router_forward(module: nn.Module, orig_forward, hidden_states, *args, **kwargs):
+    """The router in FP32, autocast off: the fused kernel rounds a BF16 stream's rows to FP32 itself (the cast's
+    bits without its launch), else the module's forward on the cast input."""
     with torch.autocast(hidden_states.device.type, enabled=False):
-        return orig_forward(hidden_states.float(), *args, **kwargs)
+        out = None if args or kwargs else kernel_forward(module, hidden_states, torch.float32)
+        return orig_forward(hidden_states.float(), *args, **kwargs) if out is None else out
 
 
 def _make_router_fp32(module: nn.Module) -> None:

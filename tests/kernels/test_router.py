@@ -169,3 +169,45 @@ def test_training_forward_is_the_kernel_and_gradients_are_the_formulas():
     want = torch.autograd.grad((rw * up).sum() + rl.square().sum(), (xr, wr))
     torch.testing.assert_close(dx, want[0], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(dw, want[1], atol=1e-5, rtol=1e-5)
+
+
+def test_the_fp32_wrap_hands_a_bf16_stream_to_the_kernel_uncast():
+    """rl4bit's FP32 router wrap over a fused router, BF16 hidden states: the kernel takes the BF16 rows and
+    rounds them to FP32 itself (no cast launch), with the bits of the FP32-cast input, forward and backward;
+    with the kernels off, the wrap casts and runs the module's own forward."""
+    from unittest import mock
+
+    import rl4bit.kernels.router_triton as rt
+    from rl4bit.trainer.surgery import _make_router_fp32
+
+    x, w = _inputs(21, 48, 8, torch.bfloat16, seed=6)
+    model = _qwen3_moe(norm_topk_prob=True)
+    gate = model.model.layers[0].mlp.gate
+    with torch.no_grad():
+        gate.weight.copy_(w.float())
+    assert fuse_router(gate)
+    _make_router_fp32(gate)
+    saved = fused.state()
+    fused.set_enabled(True, torch.device(DEVICE).type)
+    try:
+        with mock.patch.object(rt, "route_topk", wraps=rt.route_topk) as calls:
+            xb = x.clone().requires_grad_()
+            got = gate(xb)
+        xf = x.float().requires_grad_()
+        want = route_topk(xf.detach(), gate.weight.detach(), 2, True, torch.float32)
+        assert [c.args[0].dtype for c in calls.call_args_list] == [torch.bfloat16]
+        for a, b in zip(got, want):
+            assert torch.equal(a.detach(), b)
+        up = torch.randn(21, 2, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+        dxb = torch.autograd.grad((got[1] * up).sum() + got[0].square().sum(), xb)[0]
+        cast = gate(xf.to(torch.bfloat16).float())  # the old path: an FP32 input
+        rl, rw, _ = reference(xf, gate.weight.detach(), 2, True, torch.float32, index=got[2])
+        dxf = torch.autograd.grad((rw * up).sum() + rl.square().sum(), xf)[0]
+        assert dxb.dtype == torch.bfloat16 and torch.equal(dxb, dxf.to(torch.bfloat16))
+        assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(cast, got))
+    finally:
+        fused.set_enabled(saved is not None, saved or "cuda")
+    with fused.disabled():
+        off = gate(x)
+    assert off[0].dtype == torch.float32  # HF's router on the cast input, autocast off
+    torch.testing.assert_close(off[0], got[0].detach(), atol=1e-5, rtol=1e-5)
