@@ -39,6 +39,13 @@ MAX_ENTRIES = 4096
 """Largest flat index the one-program kernel takes (a 4096-key bitonic sort in registers)."""
 
 
+def route_warps(block: int) -> int:
+    """Warps of the one program for a padded index of `block` entries (integers: any count gives the same
+    results). 4 up to 1024 entries, 8 above; `scripts/sweep_route.py` times 1, 2, 4 and 8 (sm_90 SASS of a
+    batch-1 call with the tile map: 34 barriers with 4 warps, 10 with 1; not yet timed)."""
+    return 4 if block <= 1024 else 8
+
+
 @triton.jit
 def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, offs_ptr, map_ptr, N, E, T, K: tl.constexpr,
                   BLOCK: tl.constexpr, E_PAD: tl.constexpr, MAP_BLOCK_M: tl.constexpr, T_BLOCK: tl.constexpr):
@@ -60,11 +67,11 @@ def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, offs_ptr, ma
             map_tiles(c, bins, E, t0 + tl.arange(0, T_BLOCK), T, map_ptr, MAP_BLOCK_M)
 
 
-def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int = 0):
+def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int = 0, num_warps: int | None = None):
     """(order int64, tok int64, counts int32 [E], inv int64, tile map or None, offs int32 [E]) of a flat int index
     of <= MAX_ENTRIES entries (see module doc); map_block_m > 0: also the grouped GEMMs' tile map of the counts for
     row tiles of that many rows (`qgemm_triton.tile_map(counts, N, map_block_m)`'s int32 [3, T]), in the same
-    launch."""
+    launch. num_warps: the program's warps (None: `route_warps`; the results never depend on it)."""
     n = flat.numel()
     if n > MAX_ENTRIES or flat.dim() != 1 or flat.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"expert_order: a 1-D int index of <= {MAX_ENTRIES} entries, got {tuple(flat.shape)} "
@@ -81,5 +88,5 @@ def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int 
         _route_kernel[(1,)](flat.contiguous(), order, tok, inv, counts, offs, counts if cmap is None else cmap, n,
                             num_experts, n_tiles, K=k, BLOCK=block, E_PAD=triton.next_power_of_2(num_experts + 1),
                             MAP_BLOCK_M=map_block_m, T_BLOCK=min(64, triton.next_power_of_2(max(n_tiles, 2))),
-                            num_warps=4 if block <= 1024 else 8)
+                            num_warps=num_warps or route_warps(block))
     return order, tok, counts, inv, cmap, offs

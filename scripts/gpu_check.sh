@@ -2,11 +2,13 @@
 # GPU checks on the lent H200 image (torch, triton, transformers; no ray, no vllm), one device call a mode (each
 # under the 10-minute call limit; fourteenth-session times), outputs into $OUT (or ./gpu-check-out), at most 8
 # files a mode (what the device tool brings back). Stops at nothing: every step's exit code is in steps.txt.
-#   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | rl | all]
+#   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | profile | rl | all]
 #   tests: the GPU tests of the decode path's kernels (~5.5 min)
 #   perf: the batch-1 decode profile, `bench rollout`, `bench gemm --decode`, the one-token decode GEMM sweep and
 #         the attention split sweep (~7 min)
 #   rl:   RL parity (2 steps, invariant kernels on and off) and `bench step` (~6.5 min)
+#   profile: decode profiles at batch 16 and 64 (where the NVFP4 / BF16 targets are) and the routing kernel's
+#         warp sweep (not yet run; ~4 min predicted)
 #   all (the default): tests, then the profile and `bench rollout` (~9.7 min: at the limit; the fourteenth
 #         session's first call)
 # Every step runs under `timeout` so that one slow step cannot take the call's later output with it.
@@ -47,6 +49,13 @@ case "$mode" in
         grep -E "pick_config|not bitwise" "$out/sweep.txt" | head -20
         run attention 90 python3 -P scripts/sweep_attention.py
         cat "$out/attention.txt" ;;
+    profile)
+        for b in 16 64; do
+            run profile$b 150 python3 -P scripts/profile_decode.py --batch $b --new 128 --temperature 1.0 --rows 30
+            grep -A 24 "GPU kernels" "$out/profile$b.txt" | head -52
+        done
+        run route 60 python3 -P scripts/sweep_route.py
+        cat "$out/route.txt" ;;
     rl)
         for invariant in true false; do
             rm -rf /tmp/rl-$invariant  # a second call on a warm machine: no stale run dir
@@ -59,5 +68,5 @@ case "$mode" in
         done
         run step 230 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128
         tail -30 "$out/step.txt" ;;
-    *) echo "usage: bash scripts/gpu_check.sh [tests | perf | rl | all]" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | rl | all]" >&2; exit 2 ;;
 esac

@@ -124,3 +124,17 @@ def test_grouping_fills_the_layers_shared_maps():
         fused.set_enabled(True, "cuda")
     assert set(maps) == {"counts", "offs"}  # no 16-row map; a dict, so nothing stale stays
     assert set(bf16) == {"counts", "offs"}
+
+
+def test_sweep_route_script_checks_every_warp_count():
+    """`scripts/sweep_route.py --quick` (the timing `route_warps` is chosen from) finds every warp count's outputs,
+    and the routing without the map followed by the map's own kernel, equal to the default's, and exits 0."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-P", str(root / "scripts" / "sweep_route.py"), "--device", DEVICE,
+                          "--quick"], capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "every variant's outputs equal the default's" in run.stdout
