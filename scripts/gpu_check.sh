@@ -45,7 +45,7 @@ case "$mode" in
         profile_and_rollout
         run gemm 60 python3 -P -m rl4bit.bench_gemm --decode
         tail -20 "$out/gemm.txt"
-        run sweep 100 python3 -P scripts/sweep_decode_gemm.py --one-token
+        run sweep 120 python3 -P scripts/sweep_decode_gemm.py --one-token
         grep -E "pick_config|not bitwise" "$out/sweep.txt" | head -20
         run attention 90 python3 -P scripts/sweep_attention.py
         cat "$out/attention.txt" ;;

@@ -57,7 +57,10 @@ def candidates() -> list[qg.Config]:
         out.append(qg.Config(16, bn, warps, stages, True, block_k=bk))
     for bn, warps, stages in itertools.product((32, 64), (1, 2), (3, 5)):  # W-first: mma.sync tiles only
         out.append(qg.Config(16, bn, warps, stages, True, block_k=256, w_first=True))
-    return out
+    for bn, warps, stages, bk in itertools.product((64, 128), (4, 8), (3, 5), (128, 256)):  # more warps a program:
+        if (bn, warps) != (64, 4):  # at batch 1 one program an SM, one warp an SM sub-partition, nothing hides
+            out.append(qg.Config(16, bn, warps, stages, True, block_k=bk))  # its latencies (sm_90 SASS: 16 x 64
+    return out  # with 8 warps 601 instructions a thread for the whole kernel against 973 with 4)
 
 
 def train_candidates() -> list[qg.Config]:

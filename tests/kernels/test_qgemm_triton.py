@@ -538,7 +538,8 @@ def _configs_bitwise_equal(qx, qw, counts):
     for cfg in (qg.DECODE, qg.DECODE_SHORT_K, qg.MID, qg.Config(16, 32, 4, 4), qg.Config(64, 64, 4, 3), qg.TRAIN,
                 qg.Config(16, 16, 1, 8, True, block_k=256), qg.Config(16, 64, 2, 4, True, block_k=128),
                 qg.Config(128, 128, 8, 3, block_k=128), qg.Config(16, 64, 2, 3, True, block_k=256, w_first=True),
-                qg.Config(16, 32, 2, 3, True, block_k=256, w_first=True), qg.Config(16, 32, 1, 3, False, w_first=True)):
+                qg.Config(16, 32, 2, 3, True, block_k=256, w_first=True), qg.Config(16, 32, 1, 3, False, w_first=True),
+                qg.Config(16, 64, 8, 3, True, block_k=256), qg.Config(16, 128, 8, 5, True, block_k=128)):
         for decode in qg.DECODES:
             got = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=cfg, decode=decode)
             assert_bitwise_equal(got, ref, f"{cfg} decode={decode} vs TRAIN asm")
