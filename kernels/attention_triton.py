@@ -349,9 +349,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
         st_a = torch.empty((n_tiles, hkv, chunks, BLOCK_M, bd), dtype=torch.float32, device=q.device)
         if counters is None:
             counters = split_counters(n_tiles, hkv, q.device)
-        elif counters.dtype != torch.int32 or counters.numel() < n_tiles * hkv or counters.device != q.device:
+        elif (counters.dtype != torch.int32 or counters.numel() < n_tiles * hkv or counters.device != q.device
+              or not counters.is_contiguous()):
             raise ValueError(f"attention: counters {counters.dtype} [{counters.numel()}] on {counters.device}: need "
-                             f"int32 zeros, at least {n_tiles} tiles x {hkv} kv heads, on {q.device} "
+                             f"contiguous int32 zeros, at least {n_tiles} tiles x {hkv} kv heads, on {q.device} "
                              f"(`split_counters`)")
     else:  # unused; FP32 like the split's states, so both modes run one compiled kernel (pointer types are
         st_m = st_l = st_a = torch.empty(1, dtype=torch.float32, device=q.device)  # part of its signature)

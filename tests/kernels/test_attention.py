@@ -125,6 +125,9 @@ def test_long_rows_split_over_key_chunks_equal_the_unsplit_kernel():
     with pytest.raises(ValueError, match="counters torch.int64"):
         attention(q[299:].contiguous(), kc, vc, seqs, tiles, 0.25, c, torch.empty_like(q[299:]), key_chunks=3,
                   counters=counters.long())
+    with pytest.raises(ValueError, match=r"contiguous int32 zeros"):
+        attention(q[299:].contiguous(), kc, vc, seqs, tiles, 0.25, c, torch.empty_like(q[299:]), key_chunks=3,
+                  counters=split_counters(2, hkv, DEVICE)[::2])
     with pytest.raises(ValueError, match=r"at least 1 tiles x 2 kv heads"):
         attention(q[299:].contiguous(), kc, vc, seqs, tiles, 0.25, c, torch.empty_like(q[299:]), key_chunks=3,
                   counters=counters[:1])

@@ -163,6 +163,8 @@ def split_handoff_problems(ptx: str) -> list[str]:
         return ["no acq_rel GPU-scope atomic add (the chunk counter)"]
     before, after = ptx[:at], ptx[at:]
     problems = []
+    if not re.search(r"@%?\w+\s*$", before):  # one thread counts for the program, not each of them
+        problems.append("the counter's atomic is not predicated to one thread")
     if before.rfind("bar.sync") < before.rfind("st.global"):
         problems.append("no barrier between the states' stores and the counter's atomic")
     if not 0 <= after.find("bar.sync") < after.find("ld.global"):
@@ -230,16 +232,18 @@ def compile_all(count: bool = False) -> list[str]:
 
 def test_split_handoff_check_finds_each_missing_piece():
     """`split_handoff_problems` on hand-written PTX: the CUTLASS order passes; each piece taken out is named."""
-    good = ("st.global.v4.b32 [a], {r};\nbar.sync 0;\n@p atom.global.gpu.acq_rel.add.u32 r, [c], 1;\n"
+    good = ("st.global.v4.b32 [a], {r};\nbar.sync 0;\n@%p1 atom.global.gpu.acq_rel.add.u32 r, [c], 1;\n"
             "st.shared.b32 [s], r;\nbar.sync 0;\n" + "ld.global.cg.b32 {x}, [m];\n" * 3)
     assert split_handoff_problems(good) == []
     assert split_handoff_problems(good.replace("acq_rel", "relaxed")) == [
         "no acq_rel GPU-scope atomic add (the chunk counter)"]
-    assert split_handoff_problems(good.replace("bar.sync 0;\n@p", "@p")) == [
+    assert split_handoff_problems(good.replace("bar.sync 0;\n@%p1", "@%p1")) == [
         "no barrier between the states' stores and the counter's atomic"]
     assert split_handoff_problems(good.replace("st.shared.b32 [s], r;\nbar.sync 0;\n", "")) == [
         "a global load before the barrier that follows the counter's atomic"]
     assert split_handoff_problems(good.replace(".cg", "")) == ["the merge's state loads are not .cg (L2)"]
+    assert split_handoff_problems(good.replace("@%p1 atom", "atom")) == [
+        "the counter's atomic is not predicated to one thread"]
 
 
 @pytest.mark.slow
