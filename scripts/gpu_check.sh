@@ -7,8 +7,8 @@
 #   perf: the batch-1 decode profile, `bench rollout`, `bench gemm --decode`, the one-token decode GEMM sweep and
 #         the attention split sweep (~7 min)
 #   rl:   RL parity (2 steps, invariant kernels on and off) and `bench step` (~6.5 min)
-#   profile: decode profiles at batch 16 and 64 (where the NVFP4 / BF16 targets are) and the routing kernel's
-#         warp sweep (not yet run; ~4 min predicted)
+#   profile: decode profiles at batch 16 and 64 (where the NVFP4 / BF16 targets are), the routing kernel's
+#         warp sweep and the decode GEMM sweep at those batches (not yet run; ~7 min predicted)
 #   all (the default): tests, then the profile and `bench rollout` (~9.7 min: at the limit; the fourteenth
 #         session's first call)
 # Every step runs under `timeout` so that one slow step cannot take the call's later output with it.
@@ -55,7 +55,9 @@ case "$mode" in
             grep -A 24 "GPU kernels" "$out/profile$b.txt" | head -52
         done
         run route 60 python3 -P scripts/sweep_route.py
-        cat "$out/route.txt" ;;
+        cat "$out/route.txt"
+        run sweep-rollout 150 python3 -P scripts/sweep_decode_gemm.py --rollout
+        grep -E "pick_config|not bitwise" "$out/sweep-rollout.txt" | head -20 ;;
     rl)
         for invariant in true false; do
             rm -rf /tmp/rl-$invariant  # a second call on a warm machine: no stale run dir

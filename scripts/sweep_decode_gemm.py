@@ -2,6 +2,7 @@
 
     source scripts/device_env.sh && python3 -P scripts/sweep_decode_gemm.py [--out DIR]
     python3 -P scripts/sweep_decode_gemm.py --train     # the training-shape (TRAIN) tiles instead
+    python3 -P scripts/sweep_decode_gemm.py --one-token | --rollout   # bench rollout's experts at batch 1 | 16, 64
 
 Why a sweep and not autotuning: the bits of the kernel do not depend on the
 tile config (each output is one k16 MMA chain in K order), but a config is
@@ -45,6 +46,10 @@ ONE_TOKEN_SHAPES = [("1b gate_up", 32, 2048, 1536, 1), ("1b down", 32, 768, 2048
                     ("1b down", 32, 768, 2048, 4), ("1b down", 32, 768, 2048, 8)]
 """(name, E, K, N, tokens): `bench rollout`'s 1B model at batch 1 (32 experts, top-4: four rows, one an expert),
 and its down projection at 2 / 4 / 8 tokens: where the 256-wide K step stops winning (`qgemm_triton.SMALL_GRID`)."""
+ROLLOUT_SHAPES = [("1b gate_up", 32, 2048, 1536, 16), ("1b down", 32, 768, 2048, 16),
+                  ("1b gate_up", 32, 2048, 1536, 64), ("1b down", 32, 768, 2048, 64)]
+"""(name, E, K, N, tokens): `bench rollout`'s 1B model at batch 16 and 64, where its NVFP4 / BF16 targets are
+(2.5x and 1.8x) and the grouped GEMMs are issue-bound rather than latency-bound (`--rollout`)."""
 MID_SHAPES = [("bench gate_up", 16, 2048, 1536, 256), ("bench down", 16, 768, 2048, 256)]
 """(name, E, K, N, tokens): the GPU job's batch-256 decode step (configs/gpu-h200.yaml: 16 experts, top-4)."""
 
@@ -86,6 +91,7 @@ def main() -> int:
     p.add_argument("--train", action="store_true", help="sweep the TRAIN tiles on training shapes")
     p.add_argument("--mid", action="store_true", help="sweep mid-size tiles on batch-256 decode shapes")
     p.add_argument("--one-token", action="store_true", help="the decode tiles on bench rollout's batch-1 experts")
+    p.add_argument("--rollout", action="store_true", help="the decode tiles on bench rollout's batch-16/64 experts")
     args = p.parse_args()
     dev = "cuda"
     gbps = copy_gbps(dev, args.reps)
@@ -95,8 +101,9 @@ def main() -> int:
         shapes, configs = TRAIN_SHAPES, train_candidates()
     elif args.mid:
         shapes, configs = MID_SHAPES, mid_candidates()
-    elif args.one_token:
-        shapes, configs = ONE_TOKEN_SHAPES, candidates() + [qg.DECODE_SHORT_K, qg.TRAIN]
+    elif args.one_token or args.rollout:
+        shapes = ONE_TOKEN_SHAPES if args.one_token else ROLLOUT_SHAPES
+        configs = candidates() + [qg.DECODE_SHORT_K, qg.MID, qg.TRAIN]
     else:
         shapes, configs = SHAPES, candidates() + [qg.TRAIN]
     for name, e, k, n, m in shapes:
@@ -128,7 +135,7 @@ def main() -> int:
         results += shape_rows
         picked = qg.pick_config(rows, e, k, n)
         print(f"\n{label}: HBM floor {floor_us:.1f} us (copy {gbps:.0f} GB/s); pick_config: {picked}")
-        shown = (repr(qg.DECODE), repr(qg.DECODE_SHORT_K), repr(qg.TRAIN), repr(picked))
+        shown = (repr(qg.DECODE), repr(qg.DECODE_SHORT_K), repr(qg.MID), repr(qg.TRAIN), repr(picked))
         for r in shape_rows[:8] + [r for r in shape_rows[8:] if r["config"] in shown]:
             tflops = 2.0 * rows * k * n / r["us"] / 1e6 if "us" in r else float("nan")
             print(f"  {r.get('us', float('nan')):8.1f} us {tflops:6.0f} TFLOP/s  bitwise={r.get('bitwise')}  {r['config']}"
