@@ -41,9 +41,12 @@ MAX_ENTRIES = 4096
 
 def route_warps(block: int) -> int:
     """Warps of the one program for a padded index of `block` entries (integers: any count gives the same
-    results). 4 up to 1024 entries, 8 above; `scripts/sweep_route.py` times 1, 2, 4 and 8 (sm_90 SASS of a
-    batch-1 call with the tile map: 34 barriers with 4 warps, 10 with 1; not yet timed)."""
-    return 4 if block <= 1024 else 8
+    results): one warp up to 64 entries (a decode step of up to 16 tokens at top-4), where every reduction,
+    scan and sort stays in one warp's shuffles (sm_90 SASS with the tile map, Triton 3.6: 4 entries 356
+    instructions and 2 barriers against 484 and 12 with 4 warps; 64 entries 520 and 2 against 621 and 15);
+    4 up to 1024 (256 entries: 970 instructions with 4 warps, 1874 with one), 8 above. From instruction counts,
+    not yet timed: `scripts/sweep_route.py` times 1, 2, 4 and 8."""
+    return 1 if block <= 64 else 4 if block <= 1024 else 8
 
 
 @triton.jit
@@ -62,9 +65,8 @@ def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, offs_ptr, ma
     c = tl.where(bins < E, counts, 0).to(tl.int32)  # the experts' counts, the sentinel's bin zeroed
     tl.store(counts_ptr + bins, c, mask=bins < E)
     tl.store(offs_ptr + bins, tl.cumsum(c, 0), mask=bins < E)
-    if MAP_BLOCK_M > 0:  # the grouped GEMMs' tile map of these counts (integers: `tile_map`'s values exactly),
-        for t0 in range(0, T, T_BLOCK):  # T_BLOCK tiles at a time: [T_BLOCK, E_PAD] intermediates
-            map_tiles(c, bins, E, t0 + tl.arange(0, T_BLOCK), T, map_ptr, MAP_BLOCK_M)
+    if MAP_BLOCK_M > 0:  # the grouped GEMMs' tile map of these counts (integers: `tile_map`'s values exactly)
+        map_tiles(c, bins, T, map_ptr, MAP_BLOCK_M, T_BLOCK)
 
 
 def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int = 0, num_warps: int | None = None):
