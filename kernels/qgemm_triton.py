@@ -199,25 +199,27 @@ def map_entry(map_ptr, n_tiles, t):
 
 
 @triton.jit
-def map_tiles(c, ei, T, map_ptr, BLOCK_M: tl.constexpr, T_BLOCK: tl.constexpr):
-    """Store the whole `tile_map` [3, T] of the counts c (int32 [E_PAD], zero past the last expert) of experts ei,
-    expert by expert: expert e's j-th tile is map[:, tiles before e + j] = (e, rows before e + j * BLOCK_M, rows
-    up to e's last), then (-1, 0, 0) in the tiles past the last expert's. Integers: `tile_map`'s values exactly.
-    Each tile index has one owner, found by two prefix sums over the experts rather than a [tiles x experts]
-    search (the search took five [T_BLOCK, E_PAD] reductions a block of tiles); stores past T are masked off
-    (counts summing past the rows the bound was made for)."""
+def map_tiles(c, ei, T, map_ptr, part, parts, BLOCK_M: tl.constexpr, T_BLOCK: tl.constexpr):
+    """Store part `part` of `parts` of the `tile_map` [3, T] of the counts c (int32 [E_PAD], zero past the last
+    expert) of experts ei, expert by expert: expert e's j-th tile is map[:, tiles before e + j] = (e, rows
+    before e + j * BLOCK_M, rows up to e's last), then (-1, 0, 0) in the tiles past the last expert's. Integers:
+    `tile_map`'s values exactly. Each tile index has one owner, found by two prefix sums over the experts rather
+    than a [tiles x experts] search (the search took five [T_BLOCK, E_PAD] reductions a block of tiles); part p
+    stores every parts-th tile of each expert from the p-th and every parts-th block of the tail (programs of
+    one launch share the work; the routing kernel stores all: part 0 of 1). Stores past T are masked off (counts
+    summing past the rows the bound was made for)."""
     tiles = (c + (BLOCK_M - 1)) // BLOCK_M
     tile_end = tl.cumsum(tiles, 0)
     row_end = tl.cumsum(c, 0)
     t0 = tile_end - tiles
     r0 = row_end - c
-    for j in range(0, tl.max(tiles, 0)):  # an expert's tiles, all experts at once (mostly one pass at decode)
+    for j in range(part, tl.max(tiles, 0), parts):  # an expert's tiles, all experts at once (one pass at decode)
         t = t0 + j
         mine = (j < tiles) & (t < T)
         tl.store(map_ptr + t, ei, mask=mine)
         tl.store(map_ptr + T + t, r0 + j * BLOCK_M, mask=mine)
         tl.store(map_ptr + 2 * T + t, row_end, mask=mine)
-    for s in range(tl.sum(tiles, 0), T, T_BLOCK):  # the tiles no expert owns
+    for s in range(tl.sum(tiles, 0) + part * T_BLOCK, T, parts * T_BLOCK):  # the tiles no expert owns
         t = s + tl.arange(0, T_BLOCK)
         rest = t < T
         tl.store(map_ptr + t, tl.full([T_BLOCK], -1, tl.int32), mask=rest)
@@ -227,10 +229,11 @@ def map_tiles(c, ei, T, map_ptr, BLOCK_M: tl.constexpr, T_BLOCK: tl.constexpr):
 
 @triton.jit(do_not_specialize=['T'])  # see formats_triton.NO_SPECIALIZE
 def _tile_map_kernel(counts_ptr, map_ptr, E, T, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, T_BLOCK: tl.constexpr):
-    """map[:, t] = (expert, first row, end row) of row tile t, or (-1, 0, 0) past the last tile: one program."""
+    """map[:, t] = (expert, first row, end row) of row tile t, or (-1, 0, 0) past the last tile; each program
+    stores its part (`map_tiles`)."""
     ei = tl.arange(0, E_PAD)
     c = tl.load(counts_ptr + ei, mask=ei < E, other=0).to(tl.int32)
-    map_tiles(c, ei, T, map_ptr, BLOCK_M, T_BLOCK)
+    map_tiles(c, ei, T, map_ptr, tl.program_id(0), tl.num_programs(0), BLOCK_M, T_BLOCK)
 
 
 _MAP_CACHE: dict = {}
@@ -263,8 +266,9 @@ def tile_map(counts, rows: int, block_m: int, device=None) -> torch.Tensor:
         cmap = torch.empty((3, n_tiles), dtype=torch.int32, device=counts.device)
         if not n_tiles:  # no rows: nothing to launch
             return cmap
-        _tile_map_kernel[(1,)](counts.contiguous(), cmap, groups, n_tiles, BLOCK_M=block_m,
-                               E_PAD=triton.next_power_of_2(max(groups, 2)), T_BLOCK=64)
+        t_block = 64  # a program a block of 64 tiles (the work of a skewed map, all rows one expert's, spread)
+        _tile_map_kernel[(triton.cdiv(n_tiles, t_block),)](counts.contiguous(), cmap, groups, n_tiles, BLOCK_M=block_m,
+                                                           E_PAD=triton.next_power_of_2(max(groups, 2)), T_BLOCK=t_block)
         return cmap
     key = (tuple(int(n) for n in counts), int(block_m), str(device))
     if sum(key[0]) > rows:  # the tile bound and the kernels' row reads assume the counts cover at most `rows`

@@ -39,14 +39,16 @@ MAX_ENTRIES = 4096
 """Largest flat index the one-program kernel takes (a 4096-key bitonic sort in registers)."""
 
 
-def route_warps(block: int) -> int:
-    """Warps of the one program for a padded index of `block` entries (integers: any count gives the same
-    results): one warp up to 64 entries (a decode step of up to 16 tokens at top-4), where every reduction,
-    scan and sort stays in one warp's shuffles (sm_90 SASS with the tile map, Triton 3.6: 4 entries 356
-    instructions and 2 barriers against 484 and 12 with 4 warps; 64 entries 520 and 2 against 621 and 15);
-    4 up to 1024 (256 entries: 970 instructions with 4 warps, 1874 with one), 8 above. From instruction counts,
-    not yet timed: `scripts/sweep_route.py` times 1, 2, 4 and 8."""
-    return 1 if block <= 64 else 4 if block <= 1024 else 8
+def route_warps(block: int, e_pad: int) -> int:
+    """Warps of the one program for a padded index of `block` entries over `e_pad` histogram bins (the experts
+    and the EP sentinel, padded to a power of 2); integers, so any count gives the same results. One warp
+    where both are at most 64 (a decode step of up to 16 tokens at top-4 over up to 63 experts): every
+    reduction, scan and sort stays in one warp's shuffles (sm_90 SASS with the tile map, Triton 3.6, aligned
+    pointers as launched: 4 entries, 64 bins 396 instructions and 5 barriers against 484 and 12 with 4 warps;
+    64 entries 568 and 5 against 621 and 15); more bins or entries spread over 4 warps (128 bins, 8 entries:
+    one warp 958 instructions, four 558), 8 above 1024 entries. From instruction counts, not yet timed:
+    `scripts/sweep_route.py` times 1, 2, 4 and 8."""
+    return 1 if block <= 64 and e_pad <= 64 else 4 if block <= 1024 else 8
 
 
 @triton.jit
@@ -66,7 +68,7 @@ def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, offs_ptr, ma
     tl.store(counts_ptr + bins, c, mask=bins < E)
     tl.store(offs_ptr + bins, tl.cumsum(c, 0), mask=bins < E)
     if MAP_BLOCK_M > 0:  # the grouped GEMMs' tile map of these counts (integers: `tile_map`'s values exactly)
-        map_tiles(c, bins, T, map_ptr, MAP_BLOCK_M, T_BLOCK)
+        map_tiles(c, bins, T, map_ptr, 0, 1, MAP_BLOCK_M, T_BLOCK)
 
 
 def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int = 0, num_warps: int | None = None):
@@ -90,5 +92,5 @@ def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int 
         _route_kernel[(1,)](flat.contiguous(), order, tok, inv, counts, offs, counts if cmap is None else cmap, n,
                             num_experts, n_tiles, K=k, BLOCK=block, E_PAD=triton.next_power_of_2(num_experts + 1),
                             MAP_BLOCK_M=map_block_m, T_BLOCK=min(64, triton.next_power_of_2(max(n_tiles, 2))),
-                            num_warps=num_warps or route_warps(block))
+                            num_warps=num_warps or route_warps(block, triton.next_power_of_2(num_experts + 1)))
     return order, tok, counts, inv, cmap, offs

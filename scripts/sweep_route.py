@@ -5,9 +5,10 @@
 
 For each decode batch (1, 16, 64, 256 tokens, top-k entries each), random routings: `route_triton.expert_order`
 with the tile map inside (what the serving experts run, DECODE's 16-row tiles) at 1, 2, 4 and 8 warps, without
-the map, and without the map followed by `qgemm_triton.tile_map`'s own kernel (the layout before the
-thirteenth session). µs a call in CUDA graphs, median, over rotating routings. Every variant's outputs are
-first checked equal to the default's (integers: the warp count cannot change them).
+the map, and without the map followed by the map's own kernel (`qgemm_triton.tile_map` of device counts: the
+launch layout before the thirteenth session, today's map code). µs a call in CUDA graphs, median, over rotating
+routings. Every variant's outputs are first checked against torch's (`argsort`, `// k`, `bincount`) and the
+host-built map (`tile_map` of the counts as a list); integers, so no warp count may change them.
 
 What it is for: `route_triton.route_warps`, and whether the map belongs in the routing kernel (the fourteenth
 session's profile: 4.96 µs a call with the map, 1.52 without it, at batch 1).
@@ -51,12 +52,19 @@ def main() -> int:
     bad = 0
     for t in batches:
         flats = routings(t, e, k, args.device, copies)
-        want = expert_order(flats[0], e, k, bm)
+        flat = flats[0]
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=e).to(torch.int32)
+        inv = torch.empty_like(order)
+        inv[order] = torch.arange(order.numel(), device=flat.device)
+        host_map = tile_map(counts.tolist(), flat.numel(), bm, "cpu").cpu()
+        want = (order, order // k, counts, inv)
         for w in (1, 2, 4, 8):
-            got = expert_order(flats[0], e, k, bm, num_warps=w)
-            bad += not all(torch.equal(a, b) for a, b in zip(got, want))
-        plain = expert_order(flats[0], e, k)
-        bad += not torch.equal(tile_map(plain[2], flats[0].numel(), bm), want[4])
+            got = expert_order(flat, e, k, bm, num_warps=w)
+            bad += not (all(torch.equal(a, b) for a, b in zip(got[:4], want))
+                        and torch.equal(got[4].cpu(), host_map) and torch.equal(got[5], counts.cumsum(0).int()))
+        plain = expert_order(flat, e, k)
+        bad += not torch.equal(tile_map(plain[2], flat.numel(), bm).cpu(), host_map)
         if args.quick:
             continue
         us = [_time_us([lambda f=f, w=w: expert_order(f, e, k, bm, num_warps=w) for f in flats], args.device,
@@ -64,12 +72,12 @@ def main() -> int:
         no_map = _time_us([lambda f=f: expert_order(f, e, k) for f in flats], args.device, args.reps)
         split = _time_us([lambda f=f: tile_map(expert_order(f, e, k)[2], f.numel(), bm) for f in flats],
                          args.device, args.reps)
-        print(f"{t:>6} {route_warps(triton.next_power_of_2(t * k)):>13} "
+        print(f"{t:>6} {route_warps(triton.next_power_of_2(max(t * k, 2)), triton.next_power_of_2(e + 1)):>13} "
               + " ".join(f"{u:>8.2f}" for u in us) + f" {no_map:>8.2f} {split:>12.2f}")
     if bad:
-        print(f"{bad} variants' outputs differ from the default's", file=sys.stderr)
+        print(f"{bad} variants' outputs differ from torch's / the host map", file=sys.stderr)
     else:
-        print("every variant's outputs equal the default's")
+        print("every variant's outputs equal torch's and the host map")
     return 1 if bad else 0
 
 

@@ -358,7 +358,9 @@ def test_pick_config_routes_by_rows_per_expert_and_k():
 @pytest.mark.parametrize("counts", [[0, 5, 16, 0, 33, 1, 0, 200],
                                     [1] * 8 + [0] * 24,  # few rows over many experts: min(E, R) row tiles, not E
                                     [17] * 8,  # every expert one row past a whole tile: two tiles each
-                                    [0, 0, 1, 0]])
+                                    [0, 0, 1, 0],
+                                    [1000, 0, 3, 500, 7],  # over 64 tiles: the device map in several programs
+                                    [2000] + [0] * 6])  # every row one expert's: its tiles split over programs
 def test_tile_map_covers_each_row_once(block_m, counts):
     rows = sum(counts)
     cmap = qg.tile_map(counts, rows, block_m, DEVICE)

@@ -128,7 +128,8 @@ def test_grouping_fills_the_layers_shared_maps():
 
 def test_sweep_route_script_checks_every_warp_count():
     """`scripts/sweep_route.py --quick` (the timing `route_warps` is chosen from) finds every warp count's outputs,
-    and the routing without the map followed by the map's own kernel, equal to the default's, and exits 0."""
+    and the routing without the map followed by the map's own kernel, equal to torch's and the host-built map,
+    and exits 0 (on the CPU the interpreter ignores warps: the GPU run is the one that checks them)."""
     import subprocess
     import sys
     from pathlib import Path
@@ -137,4 +138,4 @@ def test_sweep_route_script_checks_every_warp_count():
     run = subprocess.run([sys.executable, "-P", str(root / "scripts" / "sweep_route.py"), "--device", DEVICE,
                           "--quick"], capture_output=True, text=True, timeout=300, cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "every variant's outputs equal the default's" in run.stdout
+    assert "every variant's outputs equal torch's and the host map" in run.stdout

@@ -110,11 +110,13 @@ def _kernels():
     route_sig = dict(idx_ptr="*i64", order_ptr="*i64", tok_ptr="*i64", inv_ptr="*i64", counts_ptr="*i32",
                      offs_ptr="*i32", map_ptr="*i32", N="i32", E="i32", T="i32")
     yield "fused moe grouping", rt._route_kernel, route_sig, dict(K=4, BLOCK=1024, E_PAD=64, MAP_BLOCK_M=0,
-                                                                   T_BLOCK=2), rt.route_warps(1024)
+                                                                   T_BLOCK=2), rt.route_warps(1024, 64)
     yield ("fused moe grouping + tile map", rt._route_kernel, route_sig,
-           dict(K=4, BLOCK=4, E_PAD=64, MAP_BLOCK_M=16, T_BLOCK=8), rt.route_warps(4))  # batch 1: 4 entries, 5 tiles
+           dict(K=4, BLOCK=4, E_PAD=64, MAP_BLOCK_M=16, T_BLOCK=8), rt.route_warps(4, 64))  # batch 1: 5 tiles
     yield ("fused moe grouping + tile map, 128 experts", rt._route_kernel, route_sig,
-           dict(K=8, BLOCK=2048, E_PAD=256, MAP_BLOCK_M=16, T_BLOCK=64), rt.route_warps(2048))  # 256 tokens, top-8
+           dict(K=8, BLOCK=2048, E_PAD=256, MAP_BLOCK_M=16, T_BLOCK=64), rt.route_warps(2048, 256))  # 256 x top-8
+    yield ("grouped GEMMs' tile map", qg._tile_map_kernel, dict(counts_ptr="*i32", map_ptr="*i32", E="i32", T="i32"),
+           dict(BLOCK_M=128, E_PAD=128, T_BLOCK=64), 4)
     from rl4bit.kernels import attention_triton as at
 
     strides = ("s_qt", "s_qh", "s_kh", "s_kp", "s_vh", "s_vp", "s_ot", "s_oh")
