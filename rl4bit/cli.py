@@ -75,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", help="comma-separated batch sizes (rollout, all)")
     p.add_argument("--samples", type=int, help="samples a prompt: shared prefill vs one per sample (rollout)")
     p.add_argument("--sections", help="comma-separated sections of `all` (default: all of them)")
+    p.add_argument("--decode", action="store_true", help="the decode cases alone (gemm: NVFP4 against cuBLAS BF16)")
     p.add_argument("--memory-sites", type=int, help="N: the allocation sites holding the most memory after the "
                                                     "first step (step; records live blocks' stacks: slower)")
     p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
@@ -137,6 +138,11 @@ def cmd_bench(args) -> int:
             print(f"rl4bit bench {args.what}: takes no {name} argument", file=sys.stderr)
             return 2
         kwargs[name] = value
+    if args.decode:
+        if "decode_only" not in params:
+            print(f"rl4bit bench {args.what}: takes no decode argument (only `bench gemm --decode`)", file=sys.stderr)
+            return 2
+        kwargs["decode_only"] = True
     mod.run(**kwargs)
     return 0
 

@@ -30,6 +30,21 @@ def test_bench_all_runs_sections_and_reports_missing_ones(tmp_path, capsys, monk
 def test_bench_cli_rejects_arguments_a_bench_does_not_take(capsys):
     assert main(["bench", "kernels", "some.yaml", "--device", "cpu", "--quick"]) == 2
     assert "takes no config" in capsys.readouterr().err
+    assert main(["bench", "rollout", "--decode", "--device", "cpu", "--quick"]) == 2
+    assert "takes no decode argument (only `bench gemm --decode`)" in capsys.readouterr().err
+
+
+def test_bench_gemm_decode_flag_reaches_the_bench(monkeypatch):
+    import rl4bit.bench_gemm as bg
+
+    seen = {}
+
+    def run(device="cuda", quick=False, out=None, decode_only=False):  # bench_gemm.run's signature, timing nothing
+        seen.update(device=device, decode_only=decode_only)
+
+    monkeypatch.setattr(bg, "run", run)
+    assert main(["bench", "gemm", "--decode", "--device", "cpu"]) == 0
+    assert seen["decode_only"] is True and seen["device"] == "cpu"
 
 
 def test_bench_all_rejects_unknown_sections():
