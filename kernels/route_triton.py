@@ -87,10 +87,10 @@ def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int 
     offs = torch.empty(num_experts, dtype=torch.int32, device=flat.device)
     n_tiles = n_row_tiles(n, num_experts, map_block_m) if map_block_m > 0 else 0
     cmap = torch.empty((3, n_tiles), dtype=torch.int32, device=flat.device) if map_block_m > 0 else None
-    block = triton.next_power_of_2(max(n, 2))
+    block, e_pad = triton.next_power_of_2(max(n, 2)), triton.next_power_of_2(num_experts + 1)  # + the sentinel
     with _on_device(flat):
         _route_kernel[(1,)](flat.contiguous(), order, tok, inv, counts, offs, counts if cmap is None else cmap, n,
-                            num_experts, n_tiles, K=k, BLOCK=block, E_PAD=triton.next_power_of_2(num_experts + 1),
+                            num_experts, n_tiles, K=k, BLOCK=block, E_PAD=e_pad,
                             MAP_BLOCK_M=map_block_m, T_BLOCK=min(64, triton.next_power_of_2(max(n_tiles, 2))),
-                            num_warps=num_warps or route_warps(block, triton.next_power_of_2(num_experts + 1)))
+                            num_warps=num_warps or route_warps(block, e_pad))
     return order, tok, counts, inv, cmap, offs
