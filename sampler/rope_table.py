@@ -1,6 +1,7 @@
 """The engine's rotary cos/sin as two gathers from tables built once, instead of HF's computation every forward.
 
     rope_tables(model, max_len)     # by EmbeddedEngine, on its own model; True when installed
+                                    # (again by a later engine: a longer table, or another device/dtype)
 
 HF's rotary module (`model.model.rotary_emb`) computes cos and sin of position
 x inverse frequency at every forward: the product (a K = 1 batched matmul in
@@ -41,33 +42,63 @@ def _forward(module: nn.Module, orig_forward, tables: dict, x: torch.Tensor, pos
     return cos.index_select(0, flat).view(shape), sin.index_select(0, flat).view(shape)
 
 
+def _build(orig_forward, max_len: int, x: torch.Tensor):
+    """(cos, sin) tables of positions [0, max_len) from the module's own forward, or None when they would not
+    qualify (module doc: shape, size, probe)."""
+    try:
+        with torch.no_grad():
+            cos, sin = orig_forward(x, torch.arange(max_len, device=x.device)[None])
+    except Exception:  # noqa: BLE001 - a rotary module of another signature keeps its forward
+        return None
+    if not isinstance(cos, torch.Tensor) or cos.dim() != 3 or cos.shape[:2] != (1, max_len) \
+            or 2 * cos.numel() * cos.element_size() > MAX_BYTES:
+        return None
+    table = (cos[0].contiguous(), sin[0].contiguous())
+    g = torch.Generator().manual_seed(0)
+    probes = [torch.randint(0, max_len, (3, 5), generator=g), torch.tensor([[max_len - 1]])]
+    with torch.no_grad():
+        for pos in probes:
+            pos = pos.to(x.device)
+            want, got = orig_forward(x, pos), _forward(None, None, {(x.device, x.dtype): table}, x, pos)
+            if not all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got)):
+                return None
+    return table
+
+
 def rope_tables(model: nn.Module, max_len: int) -> bool:
-    """Serve `model.model.rotary_emb` from tables of positions [0, max_len) if it qualifies (module doc)."""
+    """Serve `model.model.rotary_emb` from tables of positions [0, max_len) if it qualifies (module doc).
+
+    A later engine on the same model with a longer context or another device or dtype gets its own table
+    (built and probed the same way); where that one does not qualify, its (device, dtype) goes back to the
+    module's forward. Replaced tables stay alive: an earlier engine's CUDA graphs read them.
+    """
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
-    if rotary is None or getattr(rotary, "_rl4bit_rope_table", False):
-        return rotary is not None
+    if rotary is None:
+        return False
+    state = getattr(rotary, "_rl4bit_rope_state", None)
+    if state is None and getattr(rotary, "_rl4bit_rope_table", False):
+        return True  # marked by the caller: keep the module's forward
     rope_type = getattr(rotary, "rope_type", None)
     if not isinstance(rope_type, str) or "dynamic" in rope_type or rope_type == "longrope" or max_len < 2:
         return False
     emb = model.get_input_embeddings().weight
     x = torch.zeros(1, 1, 1, dtype=emb.dtype, device=emb.device)
-    try:
-        with torch.no_grad():
-            cos, sin = rotary(x, torch.arange(max_len, device=emb.device)[None])
-    except Exception:  # noqa: BLE001 - a rotary module of another signature keeps its forward
-        return False
-    if not isinstance(cos, torch.Tensor) or cos.dim() != 3 or cos.shape[:2] != (1, max_len) \
-            or 2 * cos.numel() * cos.element_size() > MAX_BYTES:
-        return False
-    tables = {(x.device, x.dtype): (cos[0].contiguous(), sin[0].contiguous())}
-    g = torch.Generator().manual_seed(0)
-    probes = [torch.randint(0, max_len, (3, 5), generator=g), torch.tensor([[max_len - 1]])]
-    with torch.no_grad():
-        for pos in probes:
-            pos = pos.to(emb.device)
-            want, got = rotary(x, pos), _forward(rotary, None, tables, x, pos)
-            if not all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got)):
-                return False
-    rotary.forward = functools.partial(_forward, rotary, rotary.forward, tables)
-    rotary._rl4bit_rope_table = True
-    return True
+    key = (x.device, x.dtype)
+    if state is not None:
+        have = state["tables"].get(key)
+        if have is not None and have[0].shape[0] >= max_len:
+            return True
+    table = _build(state["orig"] if state else rotary.forward, max_len, x)
+    if state is None:
+        if table is None:
+            return False
+        state = {"orig": rotary.forward, "tables": {}, "kept": []}
+        rotary.forward = functools.partial(_forward, rotary, state["orig"], state["tables"])
+        rotary._rl4bit_rope_state = state
+        rotary._rl4bit_rope_table = True
+    old = state["tables"].pop(key, None)
+    if old is not None:
+        state["kept"].append(old)
+    if table is not None:
+        state["tables"][key] = table
+    return table is not None

@@ -83,3 +83,37 @@ def test_tables_over_the_size_limit_are_not_built(monkeypatch):
     monkeypatch.setattr(rope_table, "MAX_BYTES", 1024)
     model = _model()
     assert not rope_table.rope_tables(model, 40) and "forward" not in vars(model.model.rotary_emb)
+
+
+def test_a_later_engine_with_a_longer_context_gets_a_longer_table():
+    """Two engines on one model: the second's positions past the first's table are served (it raised IndexError),
+    with the module's bits, and the first table stays alive (its engine's graphs read it)."""
+    model = _model()
+    plain = copy.deepcopy(model.model.rotary_emb)
+    assert rope_table.rope_tables(model, 16)
+    first = model.model.rotary_emb._rl4bit_rope_state["tables"][(torch.device("cpu"), torch.float32)]
+    assert rope_table.rope_tables(model, 48) and rope_table.rope_tables(model, 20)  # a shorter one keeps 48
+    state = model.model.rotary_emb._rl4bit_rope_state
+    assert state["tables"][(torch.device("cpu"), torch.float32)][0].shape[0] == 48
+    assert any(t[0] is first[0] for t in state["kept"])
+    x = torch.zeros(1, 3, 64)
+    pos = torch.tensor([[0, 30, 47]])
+    for got, want in zip(model.model.rotary_emb(x, pos), plain(x, pos)):
+        assert torch.equal(got, want)
+    reqs = [Request("a", list(range(1, 30)), SamplingParams(temperature=0.0, max_new_tokens=8))]
+    for n in (16, 40):  # the engines' own calls
+        engine = EmbeddedEngine(model, _Tok(), max_batch_size=1, max_seq_len=n, decode_graphs="static")
+        assert engine.generate([Request("b", [1, 2, 3], SamplingParams(temperature=0.0, max_new_tokens=4))])
+    assert engine.generate(reqs)[0].finish_reason == "length"
+
+
+def test_a_longer_table_that_does_not_qualify_hands_back_to_the_module(monkeypatch):
+    model = _model()
+    plain = copy.deepcopy(model.model.rotary_emb)
+    assert rope_table.rope_tables(model, 8)
+    monkeypatch.setattr(rope_table, "MAX_BYTES", 1024)  # 8 positions fit, 40 do not
+    assert not rope_table.rope_tables(model, 40)
+    assert not model.model.rotary_emb._rl4bit_rope_state["tables"]
+    x, pos = torch.zeros(1, 2, 64), torch.tensor([[3, 39]])
+    for got, want in zip(model.model.rotary_emb(x, pos), plain(x, pos)):
+        assert torch.equal(got, want)
