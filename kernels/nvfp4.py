@@ -124,7 +124,11 @@ def encode_codes(xb: torch.Tensor, s_b: torch.Tensor, enc_b: torch.Tensor, u=Non
 
 def decode_blocks(codes: torch.Tensor, s_b: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
     """fp32 x_hat = (q * f32(s_b)) * S_dec for blocked codes [..., K/16, 16]; s_dec broadcasts to [..., 1]."""
-    q = e2m1.codes_to_float(codes)
+    return scale_blocks(e2m1.codes_to_float(codes), s_b, s_dec)
+
+
+def scale_blocks(q: torch.Tensor, s_b: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
+    """fp32 (q * f32(s_b)) * S_dec for blocked code values q [..., K/16, 16] (`decode_blocks` after the lookup)."""
     return (q * s_b.to(torch.float32).unsqueeze(-1)) * s_dec.unsqueeze(-1)
 
 
@@ -156,7 +160,7 @@ def quantize_nvfp4(
 
 def dequantize_nvfp4(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x_hat = (e2m1(code) * f32(scale)) * outer, in fp32, then cast to dtype."""
-    codes = e2m1.unpack(q.data)
-    k = codes.shape[-1]
-    blocks = decode_blocks(codes.unflatten(-1, (k // BLOCK, BLOCK)), q.scale, q.outer)
+    values = e2m1.unpack_to_float(q.data)
+    k = values.shape[-1]
+    blocks = scale_blocks(values.unflatten(-1, (k // BLOCK, BLOCK)), q.scale, q.outer)
     return blocks.flatten(-2).reshape(q.shape).to(dtype)

@@ -101,6 +101,13 @@ def _unscaled(q: QTensor) -> torch.Tensor:
     return dequantize(dataclasses.replace(q, outer=torch.ones_like(q.outer)), torch.float32)
 
 
+def _unscaled_group(q: QTensor, e: int) -> torch.Tensor:
+    """FP32 values of group e of a grouped q [E, N, K] without its outer scale (the same bits as
+    `_unscaled(q)[e]`: decoding is elementwise)."""
+    ones = torch.ones([1] * (q.data.dim() - 1), dtype=torch.float32, device=q.data.device)
+    return dequantize(QTensor(q.data[e], q.scale[e], ones, q.fmt, q.shape[1:]), torch.float32)
+
+
 def rowblock_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
     """a [m, K] @ b_t [K, N] (a's dtype) as a bmm over fixed ROW_BLOCK-row blocks (row results independent of m)."""
     m = a.shape[0]
@@ -146,15 +153,15 @@ def grouped_forward(qx: QTensor, qw: QTensor, counts, out_dtype: torch.dtype) ->
         return kernels[1].grouped_mxfp8(qx, qw, counts, out_dtype)
     if isinstance(counts, torch.Tensor):
         counts = counts.tolist()
-    xd, wd = _unscaled(qx), _unscaled(qw)
-    rows, groups = xd.shape[0], wd.shape[0]
+    xd = _unscaled(qx)
+    rows, groups = xd.shape[0], qw.shape[0]
     ox, ow = _row_outer(qx, rows), _group_outer(qw, groups)
-    y = xd.new_zeros(rows, wd.shape[1])
+    y = xd.new_zeros(rows, qw.shape[1])
     start = 0
     for e, m in enumerate(counts):
-        if m:
+        if m:  # experts without rows are not decoded (decode's few routed experts)
             seg = slice(start, start + m)
-            y[seg] = rowblock_mm(xd[seg], wd[e].t()) * ox[seg] * ow[e]
+            y[seg] = rowblock_mm(xd[seg], _unscaled_group(qw, e).t()) * ox[seg] * ow[e]
             start += m
     return y.to(out_dtype)
 

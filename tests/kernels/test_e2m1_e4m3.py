@@ -108,3 +108,17 @@ def test_e8m0_rceil_and_floor(vals):
     for di, fi in zip(d.tolist(), f.tolist()):
         if di >= 2.0**-118:
             assert fi == math.floor(math.log2(di)) - 8 + 127 or di == 0, (di, fi)
+
+
+def test_e2m1_decodes_every_code_and_every_packed_byte():
+    """codes_to_float and unpack_to_float (the dequantize path's one-gather decode) against the spec's values:
+    bit 3 the sign (code 8 is -0.0), bits 0-2 the magnitude; a byte's low nibble first."""
+    def value(code: int) -> float:
+        return math.copysign(e2m1.E2M1_VALUES[code & 7], -1.0 if code & 8 else 1.0)
+
+    codes = torch.arange(16, dtype=torch.uint8)
+    assert_bitwise_equal(e2m1.codes_to_float(codes), torch.tensor([value(c) for c in range(16)]), "codes")
+    packed = torch.arange(256, dtype=torch.uint8).reshape(8, 32)
+    want = torch.tensor([[value(b & 15), value(b >> 4)] for b in range(256)]).reshape(8, 64)
+    assert_bitwise_equal(e2m1.unpack_to_float(packed), want, "packed bytes")
+    assert_bitwise_equal(e2m1.unpack_to_float(packed[:, :0]), torch.zeros(8, 0), "empty")

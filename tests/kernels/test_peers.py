@@ -150,6 +150,7 @@ def test_pack_unpack_vs_compressed_tensors():
     assert_bitwise_equal(ours, ct_helpers.pack_fp4_to_uint8(values), "pack vs compressed-tensors")
     theirs = ct_helpers.unpack_fp4_from_uint8(ours, 24, 64, dtype=torch.float32)
     assert_bitwise_equal(values, theirs, "unpack vs compressed-tensors")
+    assert_bitwise_equal(e2m1.unpack_to_float(ours), theirs, "packed decode vs compressed-tensors")
     assert_bitwise_equal(e2m1.unpack(ours), codes, "pack/unpack round trip")
 
 
