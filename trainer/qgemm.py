@@ -28,7 +28,7 @@ Numerics (shared/docs/numerics.md, recipe table):
 
 Batch invariance (the sampler must reproduce this forward bitwise whatever the
 batch): the quantized forward computes every product as a torch.bmm over
-fixed [ROW_BLOCK, K] x [K, N] blocks (rows zero-padded to ROW_BLOCK), never
+fixed [N, K] x [K, ROW_BLOCK] items (a block of rows zero-padded to ROW_BLOCK), never
 one matmul over all M rows. What this relies on: the backend computes a bmm
 item of a given shape and layout with the same kernel and K-order whatever
 the batch count and the item's position (true for the CPU BLAS, checked by
@@ -108,15 +108,21 @@ def _unscaled_group(q: QTensor, e: int) -> torch.Tensor:
     return dequantize(QTensor(q.data[e], q.scale[e], ones, q.fmt, q.shape[1:]), torch.float32)
 
 
-def rowblock_mm(a: torch.Tensor, b_t: torch.Tensor) -> torch.Tensor:
-    """a [m, K] @ b_t [K, N] (a's dtype) as a bmm over fixed ROW_BLOCK-row blocks (row results independent of m)."""
+def rowblock_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a [m, K] @ b [N, K].T (a's dtype) over fixed ROW_BLOCK-row blocks of a (row results independent of m).
+
+    Each block is one bmm item b [N, K] (contiguous) x block.T [K, ROW_BLOCK], the same layout for every
+    caller: BLAS reads both operands in place (a transposed [K, N] operand made the CPU's BF16 bmm copy the
+    weight every call, ~8x slower on the 1B model's expert shapes).
+    """
     m = a.shape[0]
     pad = (-m) % ROW_BLOCK
     if pad:
         a = torch.cat([a, a.new_zeros(pad, a.shape[1])])
     nb = a.shape[0] // ROW_BLOCK
-    out = torch.bmm(a.view(nb, ROW_BLOCK, a.shape[1]), b_t.expand(nb, *b_t.shape))
-    return out.reshape(nb * ROW_BLOCK, b_t.shape[1])[:m]
+    b = b.contiguous()
+    out = torch.bmm(b.expand(nb, *b.shape), a.view(nb, ROW_BLOCK, a.shape[1]).transpose(1, 2))
+    return out.transpose(1, 2).reshape(nb * ROW_BLOCK, b.shape[0])[:m]
 
 
 def _row_outer(q: QTensor, rows: int) -> torch.Tensor:
@@ -161,7 +167,7 @@ def grouped_forward(qx: QTensor, qw: QTensor, counts, out_dtype: torch.dtype) ->
     for e, m in enumerate(counts):
         if m:  # experts without rows are not decoded (decode's few routed experts)
             seg = slice(start, start + m)
-            y[seg] = rowblock_mm(xd[seg], _unscaled_group(qw, e).t()) * ox[seg] * ow[e]
+            y[seg] = rowblock_mm(xd[seg], _unscaled_group(qw, e)) * ox[seg] * ow[e]
             start += m
     return y.to(out_dtype)
 
@@ -396,7 +402,7 @@ def bf16_grouped(x: torch.Tensor, wc: torch.Tensor, counts, offs: torch.Tensor |
         start = 0
         for e, m in enumerate(counts):
             if m:
-                y[start : start + m] = rowblock_mm(x[start : start + m], wc[e].t())
+                y[start : start + m] = rowblock_mm(x[start : start + m], wc[e])
             start += m
         return y
     return torch._grouped_mm(x, wc.transpose(1, 2), offs=_group_offsets(counts, x.device) if offs is None else offs)
