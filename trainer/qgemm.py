@@ -112,8 +112,8 @@ def rowblock_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a [m, K] @ b [N, K].T (a's dtype) over fixed ROW_BLOCK-row blocks of a (row results independent of m).
 
     Each block is one bmm item b [N, K] (contiguous) x block.T [K, ROW_BLOCK], the same layout for every
-    caller: BLAS reads both operands in place (a transposed [K, N] operand made the CPU's BF16 bmm copy the
-    weight every call, ~8x slower on the 1B model's expert shapes).
+    caller: BLAS reads both operands in place (given the weight as a transposed [K, N] operand, the CPU's BF16
+    bmm copies it every call: ~8x slower on the 1B model's expert shapes).
     """
     m = a.shape[0]
     pad = (-m) % ROW_BLOCK
