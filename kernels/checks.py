@@ -73,6 +73,65 @@ def check_input(x, fmt: str, block: int, *, allow_nan: bool) -> None:
             )
 
 
+_NAN_BITS = {  # (mask, value): a 1-byte float is NaN or Inf when (bits & mask) == value
+    torch.float8_e4m3fn: (0x7F, 0x7F),  # S.1111.111 is NaN; no Inf
+    torch.float8_e5m2: (0x7C, 0x7C),  # exponent all ones: Inf or NaN
+    torch.float8_e8m0fnu: (0xFF, 0xFF),  # the one NaN; no sign, no Inf
+}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether a tensor holds no NaN/Inf; integers always do. 1-byte floats by their bit patterns: torch's
+    `isfinite` is not implemented for float8_e4m3fn and calls an E8M0 NaN finite."""
+    if not t.is_floating_point():
+        return True
+    if t.element_size() > 1:
+        return bool(torch.isfinite(t).all())
+    if t.dtype in _NAN_BITS:
+        mask, value = _NAN_BITS[t.dtype]
+        return not bool(((t.view(torch.uint8) & mask) == value).any())
+    return bool(torch.isfinite(t.float()).all())
+
+
+def qtensor_problems(name: str, q, fmt: str, shape: tuple) -> list[str]:
+    """What keeps `q` from being the `fmt` QTensor of a tensor of `shape` (qtensor.py's layouts), or []:
+    its type, format, logical shape, each part's dtype and shape, NaN/Inf in the scales, outer or codes."""
+    from rl4bit.kernels.qtensor import BLOCK, QTensor
+
+    if not isinstance(q, QTensor):
+        return [f"{name}: {type(q).__name__} is not a QTensor"]
+    if q.fmt != fmt:
+        return [f"{name}: format {q.fmt!r} != {fmt!r}"]
+    shape = tuple(shape)
+    if tuple(q.shape) != shape:
+        return [f"{name}: QTensor of shape {tuple(q.shape)} != the weight's {shape}"]
+    k, lead = shape[-1], shape[:-1]
+    want = {
+        "data": ({"nvfp4": torch.uint8, "mxfp8": torch.float8_e4m3fn, "s2f6": torch.int8}[fmt],
+                 lead + (k // 2 if fmt == "nvfp4" else k,)),
+        "scale": (torch.float8_e4m3fn if fmt == "nvfp4" else torch.float8_e8m0fnu, lead + (k // BLOCK[fmt],)),
+    }
+    problems = []
+    for part, (dtype, part_shape) in want.items():
+        t = getattr(q, part)
+        if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != part_shape:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            problems.append(f"{name}.{part}: dtype and shape {got}, expected {dtype} {part_shape}")
+    outer = q.outer
+    if not isinstance(outer, torch.Tensor) or outer.dtype != torch.float32 or outer.dim() > len(shape):
+        problems.append(f"{name}.outer: must be a float32 tensor broadcastable to {lead + (1,)}")
+    else:
+        try:
+            if torch.broadcast_shapes(outer.shape, lead + (1,)) != lead + (1,):
+                problems.append(f"{name}.outer: shape {tuple(outer.shape)} does not broadcast to {lead + (1,)}")
+        except RuntimeError:
+            problems.append(f"{name}.outer: shape {tuple(outer.shape)} does not broadcast to {lead + (1,)}")
+    if problems:
+        return problems
+    return [f"{name}.{part}: holds NaN/Inf values" for part in ("data", "scale", "outer")
+            if not all_finite(getattr(q, part))]
+
+
 def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not one of {tuple(choices)}")

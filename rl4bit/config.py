@@ -121,12 +121,17 @@ class SamplerConfig:
         from rl4bit.sampler.types import SamplingParams  # one set of rules for job defaults and per-request params
 
         _positive(self, path, "replicas", "max_batch_size")
+        params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                                max_new_tokens=self.max_new_tokens, stop=list(self.stop), ignore_eos=self.ignore_eos)
         try:
-            SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                           max_new_tokens=self.max_new_tokens, stop=list(self.stop),
-                           ignore_eos=self.ignore_eos).validate()
+            params.validate()
         except ValueError as e:  # the message starts with the field name
             raise ConfigError(f"{path}.{e}") from None
+        if self.backend == "vllm":
+            from rl4bit.sampler.vllm_engine import params_error  # imports vLLM only when a backend starts
+
+            if (err := params_error(params)) is not None:
+                raise ConfigError(f"{path}.temperature: {err}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"{path}.gpu_memory_utilization: {self.gpu_memory_utilization} must be in (0, 1]")
 

@@ -66,6 +66,7 @@ import torch
 from rl4bit.checkpoint_format import (CheckpointError, Entry, decode_entry, encode_entry, entries_from_json,
                                       entry_value, group_by_layer, layout_json, model_layout, pack, unpack)
 from rl4bit.kernels import QTensor, dequantize
+from rl4bit.kernels.checks import all_finite
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 
@@ -301,7 +302,7 @@ class _Apply:
             raise ValueError(f"{name}: update shape {tuple(src.shape)} != live {tuple(dst.shape)}")
         if exact_dtype and dst.dtype != src.dtype:
             raise ValueError(f"{name}: update dtype {src.dtype} != live {dst.dtype}")
-        if src.is_floating_point() and src.dtype.itemsize > 1 and not bool(torch.isfinite(src).all()):
+        if not all_finite(src):
             raise ValueError(f"{name}: holds NaN/Inf")
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, name: str, exact_dtype: bool) -> None:
@@ -365,6 +366,9 @@ class _Apply:
         by_module: dict[torch.nn.Module, dict] = {}
         for module, param, q in self.loads:
             by_module.setdefault(module, {})[param] = q
+        problems = [p for module, qw in by_module.items() for p in module.quantized_problems(qw)]
+        if problems:  # before any module changes: all or nothing
+            raise ValueError("; ".join(problems))
         with torch.no_grad():
             for module, qw in by_module.items():
                 module.load_quantized(qw)

@@ -54,7 +54,7 @@ from rl4bit.weight_sync import Bucket, WeightReceiver, WeightSyncError
 def default_params(cfg: SamplerConfig, **overrides) -> SamplingParams:
     """SamplingParams filled from the job's sampler section (per-request fields as keyword overrides)."""
     p = SamplingParams(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p,
-                       max_new_tokens=cfg.max_new_tokens, stop=list(cfg.stop))
+                       max_new_tokens=cfg.max_new_tokens, stop=list(cfg.stop), ignore_eos=cfg.ignore_eos)
     for k, v in overrides.items():
         setattr(p, k, v)
     return p

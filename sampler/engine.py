@@ -69,6 +69,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rl4bit.kernels import deferred_checks
+from rl4bit.kernels.checks import all_finite, qtensor_problems
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.sampler.decode_graph import DecodeGraphs
 from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_implementations, pad_rows
@@ -76,7 +77,7 @@ from rl4bit.sampler.rope_table import rope_tables
 from rl4bit.sampler.sampling import policy_logprobs, rows_to_lists, sample_rows, sample_rows_tensors
 from rl4bit.sampler.serving_dtype import precast
 from rl4bit.sampler.stop_strings import StopStrings
-from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, request_error
+from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts, request_error
 from rl4bit.trainer.fused_attention import pack_qkv
 
 
@@ -190,12 +191,11 @@ class EmbeddedEngine:
         waiting: list[_Seq] = []
         for req in requests:
             err = request_error(req, self.vocab_size, self.max_seq_len)
-            n = req.params.n if isinstance(req.params.n, int) and req.params.n >= 1 else 1
+            if err is not None:
+                results.extend(failed_rollouts(req, err, version))
+                continue
             leader = None
-            for i in range(n):
-                if err is not None:
-                    results.append(Rollout(req.id, i, list(req.prompt_ids), [], "", [], "error", version, error=err))
-                    continue
+            for i in range(req.params.n):
                 results.append(None)
                 seq = self._new_seq(len(results) - 1, req, i)
                 if leader is not None and self.share_prefix:
@@ -455,13 +455,14 @@ class EmbeddedEngine:
         serving mode from them (`load_quantized`, master weights dropped).
         Everything is checked first (known name, same shape, same dtype or FP32 for a
         pre-cast weight (`self.precast`), finite
-        values, same format; version not older than the serving one); any
+        values, same format; version newer than the serving one); any
         problem raises ValueError and leaves the old weights and version serving.
         """
         if not isinstance(update, WeightUpdate):
             raise ValueError(f"update_weights needs a WeightUpdate, got {type(update).__name__}")
-        if not isinstance(update.version, int) or update.version < self._version:
-            raise ValueError(f"version {update.version!r} must be an int >= the serving version {self._version}")
+        if not isinstance(update.version, int) or isinstance(update.version, bool) or update.version <= self._version:
+            raise ValueError(f"version {update.version!r} must be an int newer than the serving version "
+                             f"{self._version} (one version, one set of weights)")
         live = self.model.state_dict(keep_vars=True)
         problems = []
         for name, t in update.tensors.items():
@@ -496,38 +497,36 @@ class EmbeddedEngine:
                                 "with the trainer's recipe (rl4bit.models.build_policy_model)")
                 continue
             if module.served is None:
-                if set(qweights) != set(module._param_names):
-                    problems.append(f"{mname}: needs QTensors for {sorted(module._param_names)}, got {sorted(qweights)}")
-                problems += [f"{mname}.{p}: format {q.fmt!r} != the module's {module.spec.fmt!r}"
-                             for p, q in qweights.items() if q.fmt != module.spec.fmt]
+                problems += module.quantized_problems(qweights, prefix=f"{mname}.")
                 loads.append((module, qweights))
                 continue
             for param, q in qweights.items():
                 if param not in module.served:
                     problems.append(f"unknown quantized weight {mname}.{param}")
                     continue
-                if q.fmt != module.served[param].fmt:
-                    problems.append(f"{mname}.{param}: format {q.fmt!r} != served {module.served[param].fmt!r}")
+                found = qtensor_problems(f"{mname}.{param}", q, module.served[param].fmt, module.served[param].shape)
+                if found:
+                    problems += found
                     continue
-                for part in ("data", "scale", "outer"):
+                for part in ("data", "scale", "outer"):  # and the live storage's exact shapes and dtypes
                     dst, src = getattr(module.served[param], part), getattr(q, part)
-                    found = _tensor_problems(f"{mname}.{param}.{part}", src, dst)
+                    found = _tensor_problems(f"{mname}.{param}.{part}", src, dst, values=False)  # read above
                     problems += found
                     if not found:
                         copies.append((dst, src))
         return copies, loads
 
 
-def _tensor_problems(name: str, t, dst: torch.Tensor, cast_ok: bool = False) -> list[str]:
+def _tensor_problems(name: str, t, dst: torch.Tensor, cast_ok: bool = False, values: bool = True) -> list[str]:
     """cast_ok: an FP32 tensor is fine for any live dtype (the trainer's master, copied with a cast into a
-    weight served pre-cast, serving_dtype.py)."""
+    weight served pre-cast, serving_dtype.py); values: also check for NaN/Inf."""
     if not isinstance(t, torch.Tensor):
         return [f"{name}: {type(t).__name__} is not a tensor"]
     if t.shape != dst.shape:
         return [f"{name}: shape {tuple(t.shape)} != model's {tuple(dst.shape)}"]
     if t.dtype != dst.dtype and not (cast_ok and t.dtype == torch.float32):
         return [f"{name}: dtype {t.dtype} != model's {dst.dtype}; cast it to {dst.dtype} before sending"]
-    if t.is_floating_point() and t.element_size() > 1 and not bool(torch.isfinite(t).all()):
+    if values and not all_finite(t):
         return [f"{name}: holds NaN/Inf values"]
     return []
 

@@ -10,7 +10,9 @@ Logprob semantics (rl4bit.sampler.types): `policy_logprobs` is
 log_softmax(logits / T) (T = 1 when T = 0, greedy), before any truncation; it
 is what the trainer recomputes. `processed_logprobs` is the log-distribution
 actually sampled from: top-k, then top-p, then min-p on the temperature-scaled
-distribution, renormalised (-inf outside the kept set).
+distribution, renormalised (-inf outside the kept set). Greedy rows (T = 0) ignore
+truncation, as vLLM does: the argmax is kept by any of them, and their processed
+logprobs are the policy's.
 
 Sampling uses the Gumbel-max form of the categorical draw: token =
 argmax(log p + G) with G standard Gumbel noise (the exponential race
@@ -124,10 +126,8 @@ def sample_rows_tensors(logits: torch.Tensor, params: list[SamplingParams], keys
             scores[g] = logits[g]
     proc_rows = {}  # rows whose processed logprobs differ from the policy's: they truncate
     for i, p in enumerate(params):
-        if truncates(p) and (p.temperature > 0 or p.processed_logprobs):
-            proc_rows[i] = processed_logprobs(logits[i], p)
-            if p.temperature > 0:
-                scores[i] = proc_rows[i]
+        if truncates(p) and p.temperature > 0:  # greedy rows ignore truncation (module docstring)
+            proc_rows[i] = scores[i] = processed_logprobs(logits[i], p)
     drawn = [i for i, p in enumerate(params) if p.temperature > 0]
     if drawn:
         if any(keys[i] is None for i in drawn):

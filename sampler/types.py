@@ -8,10 +8,11 @@ divided by the sampling temperature, BEFORE top-p/top-k/min-p truncation: the
 number the trainer recomputes from the same tokens. At temperature 0 (greedy)
 the temperature is taken as 1, i.e. plain log_softmax(logits).
 `Rollout.processed_logprobs` (only on request) is the log-prob under the
-distribution actually sampled from (after truncation and renormalisation).
+distribution actually sampled from (after truncation and renormalisation);
+greedy requests ignore truncation (the argmax survives any), so theirs equal
+`logprobs`, in every backend.
 
 Leaves out: per-token top-k alternatives, prompt logprobs, beam search.
-Matches /work/helpers/rl_contract.md.
 """
 
 from __future__ import annotations
@@ -23,6 +24,19 @@ from typing import Optional
 import torch
 
 FINISH_REASONS = ("stop", "length", "error")
+MIN_TEMPERATURE = 0.01
+"""Smallest temperature above 0: logits / T overflows FP32 for tiny T (NaN logprobs), and vLLM raises any T
+below this to it (sampling at another temperature than asked). 0 means greedy."""
+MAX_SEED = 2**63 - 1
+"""Largest seed: Philox keys are folded to 63 bits (`kernels.philox.derive_seed`), so larger seeds would collide."""
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 @dataclass
@@ -56,28 +70,28 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise ValueError naming the bad field, its value and the valid range."""
         t = self.temperature
-        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ValueError(f"temperature: {t!r} must be a finite number >= 0 (0 = greedy)")
+        if not _is_number(t) or not math.isfinite(t) or t < 0 or 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature: {t!r} must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE}")
         p = self.top_p
-        if not isinstance(p, (int, float)) or not (0 < p <= 1):
+        if not _is_number(p) or not (0 < p <= 1):
             raise ValueError(f"top_p: {p!r} must be in (0, 1] (1 = off)")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k: {self.top_k!r} must be an int >= 0 (0 = off)")
         m = self.min_p
-        if not isinstance(m, (int, float)) or not (0 <= m < 1):
+        if not _is_number(m) or not (0 <= m < 1):
             raise ValueError(f"min_p: {m!r} must be in [0, 1) (0 = off)")
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: {self.max_new_tokens!r} must be an int >= 1")
-        if not isinstance(self.n, int) or self.n < 1:
+        if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n: {self.n!r} must be an int >= 1")
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop: {self.stop!r} must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
-            isinstance(i, int) and i >= 0 for i in self.stop_token_ids
+            _is_int(i) and i >= 0 for i in self.stop_token_ids
         ):
             raise ValueError(f"stop_token_ids: {self.stop_token_ids!r} must be a list of token ids (ints >= 0)")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed: {self.seed!r} must be None or an int >= 0")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
+            raise ValueError(f"seed: {self.seed!r} must be None or an int in [0, 2**63 - 1]")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos: {self.ignore_eos!r} must be a bool")
         if not isinstance(self.processed_logprobs, bool):
@@ -127,6 +141,8 @@ class Rollout:
 def request_error(req: Request, vocab_size: int, max_seq_len: int) -> str | None:
     """Why `req` cannot run on a model of `vocab_size` tokens and `max_seq_len` context (a message
     naming the fix), or None. Every backend checks these; a backend's own limits come on top."""
+    if not isinstance(req, Request):
+        return f"request: {type(req).__name__} is not a Request"
     try:
         if not isinstance(req.params, SamplingParams):
             raise ValueError(f"params: {type(req.params).__name__} is not a SamplingParams")
@@ -134,14 +150,32 @@ def request_error(req: Request, vocab_size: int, max_seq_len: int) -> str | None
     except ValueError as e:
         return f"invalid sampling params: {e}"
     ids = req.prompt_ids
-    if not isinstance(ids, (list, tuple)) or len(ids) == 0:
+    if not isinstance(ids, (list, tuple)):
+        return (f"prompt_ids: {type(ids).__name__} is not a list of token ids; pass a list of ints "
+                f"(e.g. tensor.tolist())")
+    if len(ids) == 0:
         return "empty prompt: prompt_ids has no tokens; give at least one (e.g. the BOS token)"
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
-        return f"prompt_ids holds a token outside [0, {vocab_size}) (the model's vocabulary)"
+    bad = next((i for i, t in enumerate(ids) if not _is_int(t)), None)
+    if bad is not None:
+        return (f"prompt_ids[{bad}] is {type(ids[bad]).__name__} {ids[bad]!r}, not an int; pass Python ints "
+                f"(e.g. tensor.tolist())")
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        return f"prompt_ids[{bad}] = {ids[bad]} is outside [0, {vocab_size}) (the model's vocabulary)"
     if len(ids) >= max_seq_len:
         return (f"prompt of {len(ids)} tokens does not fit the context of {max_seq_len} tokens "
                 f"(it must leave room for one new token); shorten the prompt or raise max_seq_len")
     return None
+
+
+def failed_rollouts(req, error: str, version: int) -> list[Rollout]:
+    """The rollouts of a request that cannot run (`request_error`): one a requested sample (one when n itself
+    is bad), finish_reason "error" with `error`; the prompt echoed when it is a list, else []."""
+    n = getattr(getattr(req, "params", None), "n", None)
+    ids = getattr(req, "prompt_ids", None)
+    ids = list(ids) if isinstance(ids, (list, tuple)) else []
+    return [Rollout(getattr(req, "id", None), i, ids, [], "", [], "error", version, error=error)
+            for i in range(n if _is_int(n) and n >= 1 else 1)]
 
 
 @dataclass

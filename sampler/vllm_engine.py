@@ -71,7 +71,7 @@ from rl4bit import ct_layout
 from rl4bit.atomic import fsync_tree, replace_dir
 from rl4bit.kernels import QTensor, dequantize
 from rl4bit.kernels.philox import derive_seed
-from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, request_error
+from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts, request_error
 
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Linears vLLM fuses into one layer (qkv_proj, gate_up_proj): one NVFP4 global scale per fused layer."""
@@ -198,10 +198,12 @@ def _write_dir(dst: Path, form: ServingForm, tensors: dict[str, torch.Tensor], s
 def _request_error(req: Request, vocab_size: int, max_seq_len: int) -> str | None:
     """Why this request cannot run (a message naming the fix), or None: the embedded engine's rules
     (`request_error`) plus vLLM's own limit on truncated logprobs."""
-    err = request_error(req, vocab_size, max_seq_len)
-    if err is not None:
-        return err
-    p = req.params
+    return request_error(req, vocab_size, max_seq_len) or params_error(req.params)
+
+
+def params_error(p: SamplingParams) -> str | None:
+    """vLLM's own limit on valid params (a message naming the fix), or None; `SamplerConfig` checks a job's
+    defaults with it too."""
     if _truncates(p) and p.temperature not in (0, 1):
         return (f"the vLLM backend reports pre-truncation logprobs with top_p/top_k/min_p only at temperature 1 "
                 f"(got {p.temperature}); use temperature 1, drop the truncation, or the embedded backend")
@@ -324,11 +326,10 @@ class VLLMEngine:
         prompts, params, where = [], [], []
         for req in requests:
             err = _request_error(req, self.vocab_size, self.max_seq_len)
-            n = req.params.n if isinstance(getattr(req.params, "n", None), int) and req.params.n >= 1 else 1
-            for i in range(n):
-                if err is not None:
-                    results.append(Rollout(req.id, i, list(req.prompt_ids), [], "", [], "error", version, error=err))
-                    continue
+            if err is not None:
+                results.extend(failed_rollouts(req, err, version))
+                continue
+            for i in range(req.params.n):
                 max_new = min(req.params.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
                 prompts.append(TokensPrompt(prompt_token_ids=list(req.prompt_ids)))
                 params.append(self._vllm_params(req.params, i, max_new))
@@ -384,8 +385,9 @@ class VLLMEngine:
         {module: {param: QTensor}}); all-or-nothing: any problem raises ValueError, v`version` keeps serving."""
         if not isinstance(update, WeightUpdate):
             raise ValueError(f"update_weights needs a WeightUpdate, got {type(update).__name__}")
-        if not isinstance(update.version, int) or update.version < self._version:
-            raise ValueError(f"version {update.version!r} must be an int >= the serving version {self._version}")
+        if not isinstance(update.version, int) or isinstance(update.version, bool) or update.version <= self._version:
+            raise ValueError(f"version {update.version!r} must be an int newer than the serving version "
+                             f"{self._version} (one version, one set of weights)")
         incoming = dict(update.tensors)
         for module, params in (quantized or {}).items():
             for param, q in params.items():

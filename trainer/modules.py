@@ -50,16 +50,28 @@ class _QuantMixin:
             return dict(self.served)
         return {name: quantize_weight(w, self.spec) for name, w in self._weights3d().items()}
 
+    def quantized_problems(self, qweights: dict, prefix: str = "") -> list[str]:
+        """What keeps {param name: QTensor} from being this module's weights (`load_quantized`'s check, before
+        it changes anything): the names, each QTensor's format, shapes, dtypes and finite values."""
+        if self.spec.fmt == "bf16":
+            return [f"{prefix}{type(self).__name__} runs in bf16; load its weights with load_state_dict"]
+        want = set(self._param_names)
+        if not isinstance(qweights, dict) or set(qweights) != want:
+            got = sorted(qweights) if isinstance(qweights, dict) else type(qweights).__name__
+            return [f"{prefix}expects QTensors for {sorted(want)}, got {got}"]
+        shapes = ({n: tuple(q.shape) for n, q in self.served.items()} if self.served is not None
+                  else {n: tuple(w.shape) for n, w in self._weights3d().items()})
+        from rl4bit.kernels.checks import qtensor_problems
+
+        return [p for n, q in qweights.items() for p in qtensor_problems(prefix + n, q, self.spec.fmt, shapes[n])]
+
     def load_quantized(self, qweights: dict) -> None:
         """Freeze into serving mode from {param name: QTensor}; drops the master weights (no grad afterwards)."""
         if self.spec.fmt == "bf16":
             raise ValueError(f"{type(self).__name__} runs in bf16; load its weights with load_state_dict")
-        want = set(self._param_names)
-        if set(qweights) != want:
-            raise ValueError(f"load_quantized expects QTensors for {sorted(want)}, got {sorted(qweights)}")
-        for name, q in qweights.items():
-            if q.fmt != self.spec.fmt:
-                raise ValueError(f"{name}: QTensor format {q.fmt!r} does not match this module's {self.spec.fmt!r}")
+        problems = self.quantized_problems(qweights)
+        if problems:
+            raise ValueError("load_quantized: " + "; ".join(problems))
         for name in self._param_names:
             if name in self._parameters:
                 del self._parameters[name]

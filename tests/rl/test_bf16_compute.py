@@ -20,7 +20,7 @@ BF16 = [o for o in SMALL if not o.startswith("model.dtype")] + ["model.dtype=bfl
                                                                  "run.checkpoint_every=0", "trainer.lr=1e-3"]
 
 
-@pytest.mark.parametrize("recipe,sync", [("bf16", "auto"), ("nvfp4", "auto"), ("nvfp4", "buckets")])
+@pytest.mark.parametrize("recipe,sync", [("bf16", "auto"), ("nvfp4", "auto"), ("nvfp4", "buckets"), ("mxfp8", "auto")])
 def test_sampler_and_trainer_logprobs_agree_bitwise_under_bf16_autocast(tmp_path, monkeypatch, recipe, sync):
     monkeypatch.setenv(driver.WEIGHT_SYNC_ENV, sync)
     out = tmp_path / "run"

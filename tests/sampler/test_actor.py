@@ -38,3 +38,15 @@ def test_vllm_backend_without_vllm_says_how_to_get_it(tokenizer):
         pytest.skip("vLLM is installed here: tests/vllm covers the backend")
     with pytest.raises(ImportError, match="setup_vllm.sh"):
         Sampler(make_model(), tokenizer, SamplerConfig(backend="vllm"))
+
+
+def test_default_params_carry_every_job_field():
+    """Each SamplingParams field the sampler section has comes from it (ignore_eos was dropped once)."""
+    import dataclasses
+
+    cfg = SamplerConfig(temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, max_new_tokens=7, stop=["\n"],
+                        ignore_eos=True)
+    p = default_params(cfg, n=3)
+    shared = {f.name for f in dataclasses.fields(p)} & {f.name for f in dataclasses.fields(cfg)}
+    assert shared == {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "ignore_eos"}
+    assert all(getattr(p, k) == getattr(cfg, k) for k in shared) and p.n == 3

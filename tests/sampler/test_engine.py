@@ -91,6 +91,31 @@ def test_bad_requests_fail_alone(engine, tokenizer):
         assert by_id[g.id].error is None and by_id[g.id].completion_ids == alone.completion_ids
 
 
+def test_malformed_requests_fail_alone(engine):
+    """Requests that are not well-formed objects (no SamplingParams, a prompt that is not a list of ints, not a
+    Request at all) fail in their own rollout with a message naming the field; the others run."""
+    import numpy as np
+
+    good = Request("ok", prompts(1, 4)[0], greedy())
+    bad = [
+        (Request("none-params", [1, 4], None), "params: NoneType is not a SamplingParams"),
+        (Request("dict-params", [1, 4], {"temperature": 0.0}), "params: dict is not a SamplingParams"),
+        (Request("none-prompt", None, greedy()), "prompt_ids: NoneType is not a list"),
+        (Request("tensor-prompt", torch.tensor([1, 4]), greedy()), "prompt_ids: Tensor is not a list"),
+        (Request("numpy-ids", [1, np.int64(4)], greedy()), "prompt_ids[1] is int64"),
+        (Request("bool-n", [1, 4], greedy(n=True)), "n: True"),
+        (Request("tiny-temp", [1, 4], SamplingParams(temperature=1e-38)), "temperature: 1e-38"),
+    ]
+    out = engine.generate([r for r, _ in bad[:3]] + [good] + [r for r, _ in bad[3:]] + ["not a request"])
+    assert len(out) == len(bad) + 2
+    by_id = {r.request_id: r for r in out}
+    for r, key in bad:
+        got = by_id[r.id]
+        assert got.finish_reason == "error" and key in got.error and got.completion_ids == [], (r.id, got.error)
+    assert by_id[None].error == "request: str is not a Request"
+    assert by_id["ok"].error is None and by_id["ok"].completion_ids == engine.generate([good])[0].completion_ids
+
+
 def test_context_end_finishes_with_length(engine):
     out = engine.generate([Request("edge", [1] * 125, greedy(50))])[0]
     assert out.finish_reason in ("length", "stop") and len(out.completion_ids) <= 3

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+
+import pytest
 import torch
 
 from rl4bit.sampler.sampling import processed_logprobs, sample_rows, sample_token, truncation_mask
@@ -61,4 +64,20 @@ def test_processed_logprobs_only_for_the_rows_that_ask():
         alone = [sample_token(logits[i], params[i], k, 5) for i, k in enumerate(keys)]
         assert list(zip(tokens, lps, plps)) == alone
         assert [p is None for p in plps] == [i % 2 == 0 for i in range(6)]
-        assert plps[1] == lps[1] and plps[3] != lps[3]  # untruncated: the policy's; top-k renormalises
+        assert plps[1] == lps[1]  # untruncated: the policy's
+        # top-k renormalises a sampled row; a greedy row ignores truncation (vLLM's convention): the policy's
+        assert (plps[3] != lps[3]) if temps[3] > 0 else (plps[3] == lps[3])
+
+
+@pytest.mark.parametrize("field, value, needle", [
+    ("temperature", 1e-38, ">= 0.01"), ("temperature", 0.005, ">= 0.01"), ("temperature", True, "temperature"),
+    ("n", True, "n: True"), ("top_k", False, "top_k"), ("max_new_tokens", True, "max_new_tokens"),
+    ("seed", True, "seed"), ("seed", 2**63, "2**63 - 1"), ("stop_token_ids", [True], "stop_token_ids"),
+    ("top_p", True, "top_p"),
+])
+def test_params_reject_bools_tiny_temperatures_and_wide_seeds(field, value, needle):
+    """A bool is not a count, a seed or a temperature; a temperature under 0.01 overflows logits / T (vLLM would
+    raise it to 0.01); seeds past 63 bits would collide in the noise keys."""
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        SamplingParams(**{field: value}).validate()
+    SamplingParams(temperature=0.01, seed=2**63 - 1, n=2).validate()  # the edges themselves are fine
