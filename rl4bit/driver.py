@@ -81,7 +81,7 @@ from rl4bit.models import autocast_dtype, build_policy_model
 from rl4bit.parity_stats import live_parity_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
 from rl4bit.rundir import create_run_dir
-from rl4bit.sampler.types import Request, SamplingParams
+from rl4bit.sampler.types import MAX_SEED, Request, SamplingParams
 from rl4bit.tasks import PromptStream, load_task
 from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer.actor import NonFiniteError, TrainBatch, Trainer
@@ -191,7 +191,9 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 peaks.start()
                 t0 = time.perf_counter()
                 prompts = stream.next(cfg.rl.prompts_per_step)
-                requests = [_request(cfg, tokenizer, p, n=cfg.rl.samples_per_prompt, seed=derive_seed(cfg.run.seed, step, i), rid=f"{step}-{i}")
+                # seeds folded to 63 bits, as the engines fold them into their noise keys anyway (the same noise)
+                requests = [_request(cfg, tokenizer, p, n=cfg.rl.samples_per_prompt,
+                                     seed=derive_seed(cfg.run.seed, step, i) & MAX_SEED, rid=f"{step}-{i}")
                             for i, p in enumerate(prompts)]
                 rollouts = generate(samplers, requests, recover)
                 t_sample = time.perf_counter() - t0

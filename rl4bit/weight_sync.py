@@ -371,7 +371,7 @@ class _Apply:
             raise ValueError("; ".join(problems))
         with torch.no_grad():
             for module, qw in by_module.items():
-                module.load_quantized(qw)
+                module.load_quantized(qw, check=False)  # checked above
             for dst, src, _ in self.copies:
                 dst.copy_(src)
 

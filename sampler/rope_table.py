@@ -70,7 +70,8 @@ def rope_tables(model: nn.Module, max_len: int) -> bool:
 
     A later engine on the same model with a longer context or another device or dtype gets its own table
     (built and probed the same way); where that one does not qualify, its (device, dtype) goes back to the
-    module's forward. Replaced tables stay alive: an earlier engine's CUDA graphs read them.
+    module's forward. Replaced tables stay alive as long as the model (at most `MAX_BYTES` each, one per engine
+    that needed a longer one): an earlier engine's CUDA graphs read them.
     """
     rotary = getattr(getattr(model, "model", None), "rotary_emb", None)
     if rotary is None:

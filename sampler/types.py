@@ -116,8 +116,8 @@ class Request:
 class Rollout:
     """One sampled completion of one request."""
 
-    request_id: str
-    """Request.id this completion answers."""
+    request_id: Optional[str]
+    """Request.id this completion answers (None for an element of the batch that was not a Request)."""
     sample_index: int
     """Which of the request's n samples (0..n-1)."""
     prompt_ids: list[int]

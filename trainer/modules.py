@@ -65,11 +65,12 @@ class _QuantMixin:
 
         return [p for n, q in qweights.items() for p in qtensor_problems(prefix + n, q, self.spec.fmt, shapes[n])]
 
-    def load_quantized(self, qweights: dict) -> None:
-        """Freeze into serving mode from {param name: QTensor}; drops the master weights (no grad afterwards)."""
+    def load_quantized(self, qweights: dict, check: bool = True) -> None:
+        """Freeze into serving mode from {param name: QTensor}; drops the master weights (no grad afterwards).
+        check=False: the caller has run `quantized_problems` on these QTensors already (one read of the values)."""
         if self.spec.fmt == "bf16":
             raise ValueError(f"{type(self).__name__} runs in bf16; load its weights with load_state_dict")
-        problems = self.quantized_problems(qweights)
+        problems = self.quantized_problems(qweights) if check else []
         if problems:
             raise ValueError("load_quantized: " + "; ".join(problems))
         for name in self._param_names:

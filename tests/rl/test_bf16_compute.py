@@ -30,6 +30,7 @@ def test_sampler_and_trainer_logprobs_agree_bitwise_under_bf16_autocast(tmp_path
     assert len(steps) == 2
     for r in steps:
         assert r["mismatch/k3"] == 0.0 and r["mismatch/max_abs"] == 0.0, (r["step"], r["mismatch/max_abs"])
+        assert r["rollout/errors"] == 0.0, r["step"]  # every request the driver builds is served
     assert steps[-1]["sync/direct"] == float(sync == "auto")
 
 
