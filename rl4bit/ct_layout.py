@@ -46,9 +46,13 @@ Activations: the recipe quantizes activations dynamically with a per-token outer
 scale (no calibration); vLLM's NVFP4 MoE kernels take one static activation
 global scale per expert input instead. We write `input_global_scale` = 1.0
 (INPUT_GLOBAL_SCALE): the E4M3 block scales alone then cover block amaxes from
-6*2**-9 to 6*448, no calibration. vLLM serving therefore does NOT reproduce the
-trainer's activation numerics bit for bit; rl4bit's own sampler does (it reads
-the QTensors, not this field).
+6*2**-9 to 6*448, no calibration; blocks with amax below 6*2**-6 (~0.09) get
+subnormal E4M3 scales (1-3 mantissa bits) and below ~6*2**-10 are zeroed, so
+inputs of small magnitude (e.g. some models' down-projection inputs) lose
+precision there. A calibrated scale per expert input (448*6 / amax from the
+trainer's activations) would fix that; not done. vLLM serving therefore does NOT
+reproduce the trainer's activation numerics bit for bit; rl4bit's own sampler
+does (it reads the QTensors, not this field).
 
 Leaves out: MXFP8 expert weights in vLLM (its compressed-tensors MoE support for
 `mxfp8-quantized` depends on the vLLM version), per-expert scheme overrides,

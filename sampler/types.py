@@ -162,6 +162,9 @@ def request_error(req: Request, vocab_size: int, max_seq_len: int) -> str | None
     bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab_size), None)
     if bad is not None:
         return f"prompt_ids[{bad}] = {ids[bad]} is outside [0, {vocab_size}) (the model's vocabulary)"
+    bad = [t for t in req.params.stop_token_ids if t >= vocab_size]
+    if bad:
+        return f"stop_token_ids {bad} are outside [0, {vocab_size}) (the model's vocabulary)"
     if len(ids) >= max_seq_len:
         return (f"prompt of {len(ids)} tokens does not fit the context of {max_seq_len} tokens "
                 f"(it must leave room for one new token); shorten the prompt or raise max_seq_len")

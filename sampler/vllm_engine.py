@@ -78,6 +78,10 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 EXPERT_FORMS = ("bf16", "nvfp4")
 
+VLLM_MAX_TEMPERATURE = 2.0
+"""vLLM's `SamplingParams` refuses higher temperatures, and its refusal inside `LLM.generate` would fail the
+whole batch: such requests fail alone here instead."""
+
 
 def _fused_group(module: str) -> tuple[str, ...] | None:
     parent, _, last = module.rpartition(".")
@@ -100,8 +104,8 @@ class ServingForm:
         for e in entries:
             if e.fmt == "nvfp4" and e.fused:
                 self.fmt[e.name] = experts
-            elif e.fmt == "mxfp8" and not keep_mxfp8:
-                self.fmt[e.name] = "bf16"
+            elif e.fmt == "mxfp8" and (e.fused or not keep_mxfp8):
+                self.fmt[e.name] = "bf16"  # MXFP8 experts are left out (module doc); dense ones where vLLM has a kernel
             else:
                 self.fmt[e.name] = e.fmt
 
@@ -204,6 +208,9 @@ def _request_error(req: Request, vocab_size: int, max_seq_len: int) -> str | Non
 def params_error(p: SamplingParams) -> str | None:
     """vLLM's own limit on valid params (a message naming the fix), or None; `SamplerConfig` checks a job's
     defaults with it too."""
+    if p.temperature > VLLM_MAX_TEMPERATURE:
+        return (f"vLLM samples at temperatures up to {VLLM_MAX_TEMPERATURE} (got {p.temperature}); lower it or use "
+                f"the embedded backend")
     if _truncates(p) and p.temperature not in (0, 1):
         return (f"the vLLM backend reports pre-truncation logprobs with top_p/top_k/min_p only at temperature 1 "
                 f"(got {p.temperature}); use temperature 1, drop the truncation, or the embedded backend")
@@ -282,8 +289,9 @@ class VLLMEngine:
                   worker_extension_cls=f"{RepackMoE.__module__}.RepackMoE")
         if self.cpu:  # eager, no torch.compile (30+ s of compilation for tiny test models), small KV cache
             kw.update(enforce_eager=True, compilation_config={"mode": 0}, kv_cache_memory_bytes=64 << 20)
-        else:
-            kw.update(gpu_memory_utilization=gpu_memory_utilization)
+        else:  # eager until reloads under CUDA graphs are checked on a GPU: NVFP4 MoE kernels keep scales and
+            # strides outside the layerwise reload's copy-back (vLLM issues #48312, #41670); llm_kwargs may override
+            kw.update(gpu_memory_utilization=gpu_memory_utilization, enforce_eager=True)
         kw.update(llm_kwargs)
         self.llm = LLM(**kw)
         self.tokenizer = self.llm.get_tokenizer()

@@ -105,6 +105,7 @@ def test_malformed_requests_fail_alone(engine):
         (Request("numpy-ids", [1, np.int64(4)], greedy()), "prompt_ids[1] is int64"),
         (Request("bool-n", [1, 4], greedy(n=True)), "n: True"),
         (Request("tiny-temp", [1, 4], SamplingParams(temperature=1e-38)), "temperature: 1e-38"),
+        (Request("stop-oov", [1, 4], greedy(stop_token_ids=[2, 10_000])), "stop_token_ids [10000] are outside"),
     ]
     out = engine.generate([r for r, _ in bad[:3]] + [good] + [r for r, _ in bad[3:]] + ["not a request"])
     assert len(out) == len(bad) + 2

@@ -113,11 +113,13 @@ def test_bad_requests_fail_alone(engine):
             Request("long", [1] * 200, SamplingParams()),
             Request("badp", good, SamplingParams(top_p=0.0)),
             Request("oov", [1, 10_000], SamplingParams()),
-            Request("trunc_t", good, SamplingParams(temperature=0.7, top_k=5))]
+            Request("trunc_t", good, SamplingParams(temperature=0.7, top_k=5)),
+            Request("hot", good, SamplingParams(temperature=2.5)),  # vLLM's own limit: it failed the whole batch
+            Request("stop_oov", good, SamplingParams(stop_token_ids=[10_000]))]  # the same
     out = {r.request_id: r for r in engine.generate(reqs)}
     assert out["ok"].error is None and out["ok"].completion_ids
     for rid, word in (("empty", "empty"), ("long", "context"), ("badp", "top_p"), ("oov", "vocabulary"),
-                      ("trunc_t", "temperature 1")):
+                      ("trunc_t", "temperature 1"), ("hot", "up to 2.0"), ("stop_oov", "stop_token_ids [10000]")):
         assert out[rid].finish_reason == "error" and word in out[rid].error, out[rid]
 
 
@@ -219,14 +221,20 @@ def test_sampled_logprobs_match_vllm_rescoring(engine):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NVFP4 MoE experts in vLLM need a GPU (no CPU backend)")
-def test_nvfp4_experts_on_gpu(export_a, models, tmp_path):
+@pytest.mark.parametrize("eager", [True, False])
+def test_nvfp4_experts_on_gpu(export_a, models, tmp_path, eager):
     """UNRUN here (no GPU, and the lent GPU image has no vLLM): experts served as NVFP4 through vLLM's
-    CompressedTensorsW4A4Nvfp4MoEMethod, then A -> B -> A through reload_weights."""
-    eng = VLLMEngine(export_a, experts="nvfp4", workdir=tmp_path / "w", max_batch_size=8)
+    CompressedTensorsW4A4Nvfp4MoEMethod, then A -> B -> A through reload_weights; the engine updated to B must
+    match a fresh engine built on B, eager (the default) and with CUDA graphs (what would allow that default
+    to change: vLLM issue #48312)."""
+    eng = VLLMEngine(export_a, experts="nvfp4", workdir=tmp_path / "w", max_batch_size=8, enforce_eager=eager)
     assert eng.form.fmt["model.layers.0.mlp.experts.gate_up_proj"] == "nvfp4"
     ps = prompts(4, seed=3)
     want_a = _greedy(eng, ps)
+    fresh_b = VLLMEngine(export(*models["B"], tmp_path / "b"), experts="nvfp4", workdir=tmp_path / "wb",
+                         max_batch_size=8, enforce_eager=eager, gpu_memory_utilization=0.3)
+    want_b = _greedy(fresh_b, ps)
     eng.update_weights(*_update(models["B"], 1))
-    assert _greedy(eng, ps) != want_a
+    assert _greedy(eng, ps) == want_b != want_a
     eng.update_weights(*_update(models["A"], 2))
     assert _greedy(eng, ps) == want_a
