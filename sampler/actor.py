@@ -148,7 +148,7 @@ class Sampler:
             "tokens_generated": e.tokens_generated,
             "prompt_tokens": e.prompt_tokens,
             "tokens_per_s": e.tokens_generated / e.busy_s if e.busy_s > 0 else 0.0,
-            "ok": self._last_error is None,
+            "ok": self._last_error is None and getattr(e, "broken", None) is None,
             "last_error": self._last_error,
             "backend": self.config.backend,
             "device": str(getattr(e, "device", "vllm")),

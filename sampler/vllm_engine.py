@@ -300,10 +300,16 @@ class VLLMEngine:
         self.tokens_generated = 0
         self.prompt_tokens = 0
         self.busy_s = 0.0
+        self.broken: str | None = None
+        """Why the engine's weights are unknown (a reload failed and so did the restore), or None."""
 
     @property
     def version(self) -> int:
         return self._version
+
+    def _check_usable(self) -> None:
+        if self.broken is not None:
+            raise RuntimeError(f"vLLM engine unusable: {self.broken}")
 
     def _encode_all(self, values: dict) -> dict[str, torch.Tensor]:
         out: dict[str, torch.Tensor] = {}
@@ -328,6 +334,7 @@ class VLLMEngine:
 
         from vllm.inputs import TokensPrompt
 
+        self._check_usable()
         t0 = time.perf_counter()
         version = self._version
         results: list[Rollout | None] = []
@@ -370,6 +377,7 @@ class VLLMEngine:
         from vllm import SamplingParams as VP
         from vllm.inputs import TokensPrompt
 
+        self._check_usable()
         prompts = [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in pairs]
         outs = self.llm.generate(prompts, VP(max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False)
         res = []
@@ -391,6 +399,7 @@ class VLLMEngine:
     def update_weights(self, update: WeightUpdate, quantized: dict | None = None) -> None:
         """Apply dense tensors (`update.tensors`, HF state-dict names) and QTensors (`quantized`,
         {module: {param: QTensor}}); all-or-nothing: any problem raises ValueError, v`version` keeps serving."""
+        self._check_usable()
         if not isinstance(update, WeightUpdate):
             raise ValueError(f"update_weights needs a WeightUpdate, got {type(update).__name__}")
         if not isinstance(update.version, int) or isinstance(update.version, bool) or update.version <= self._version:
@@ -422,8 +431,14 @@ class VLLMEngine:
                              + "; ".join(problems))
         try:
             self._reload(tensors, f"v{update.version}")
-        except Exception:
-            self._reload(self.tensors, f"v{self._version}-restore")  # put the serving version back, then report
+        except Exception as err:
+            try:  # put the serving version back whole (every tensor), then report
+                self._reload(self.tensors, f"v{self._version}-restore")
+            except Exception as again:
+                self.broken = (f"reloading v{update.version} failed ({type(err).__name__}: {err}) and so did restoring "
+                               f"v{self._version} ({type(again).__name__}: {again}): its weights are unknown; build a "
+                               "new engine")
+                raise RuntimeError(self.broken) from again
             raise
         self.values, self.tensors, self._version = values, tensors, update.version
 

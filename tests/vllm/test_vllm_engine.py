@@ -106,6 +106,38 @@ def test_rejected_update_keeps_old_version_serving(engine, models, breakage, mes
     assert _greedy(engine, ps) == before
 
 
+@pytest.mark.parametrize("restore_fails", [False, True])
+def test_a_failed_reload_restores_or_retires_the_engine(export_a, new_engine, models, restore_fails):
+    """A reload that fails inside vLLM: the serving version is reloaded whole and keeps serving, bit for bit;
+    if that fails too the engine's weights are unknown, and it refuses to generate, score or update."""
+    eng = new_engine(export_a)
+    ps = prompts(3, seed=6)
+    before = _greedy(eng, ps)
+    real, calls = eng._reload, []
+
+    def flaky(tensors, tag):
+        calls.append(tag)
+        if len(calls) == 1 or restore_fails:
+            raise OSError(f"injected failure reloading {tag}")
+        real(tensors, tag)
+
+    eng._reload = flaky
+    if restore_fails:
+        with pytest.raises(RuntimeError, match="build a new engine"):
+            eng.update_weights(*_update(models["B"], eng.version + 1))
+        assert eng.broken and eng.version == 0
+        for call in (lambda: eng.generate([Request("a", ps[0], SamplingParams(max_new_tokens=2))]),
+                     lambda: eng.score(ps[0], [4, 5]),
+                     lambda: eng.update_weights(*_update(models["A"], 5))):
+            with pytest.raises(RuntimeError, match="vLLM engine unusable"):
+                call()
+    else:
+        with pytest.raises(OSError, match="injected failure reloading v1"):
+            eng.update_weights(*_update(models["B"], eng.version + 1))
+        assert calls == ["v1", "v0-restore"] and eng.version == 0 and eng.broken is None
+        assert _greedy(eng, ps) == before
+
+
 def test_bad_requests_fail_alone(engine):
     good = prompts(1)[0]
     reqs = [Request("ok", good, SamplingParams(temperature=0.0, max_new_tokens=4)),
