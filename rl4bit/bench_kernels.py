@@ -150,7 +150,7 @@ def _triton_cases(device: str, tokens, hidden: int, inter: int, experts: int, sq
 
 
 def _reference_cases(device: str, tokens, hidden: int, inter: int, experts: int) -> list[Case]:
-    from rl4bit.kernels import inverse_rht, quantize_reference, rht
+    from rl4bit.kernels import dequantize, inverse_rht, quantize_reference, rht
     from rl4bit.kernels.requant import requantize_nvfp4_to_mxfp8
     from rl4bit.kernels.s2f6 import dequantize_s2f6, quantize_s2f6
 
@@ -162,6 +162,8 @@ def _reference_cases(device: str, tokens, hidden: int, inter: int, experts: int)
                           lambda: quantize_reference(x, "nvfp4", outer="row", four_over_six=True), rb, TARGET))
         cases.append(Case("mxfp8 rowwise", label, lambda: quantize_reference(x, "mxfp8"), rb))
         q = quantize_reference(x, "nvfp4", outer="row")
+        cases.append(Case("nvfp4 dequantize to bf16", label, lambda: dequantize(q, torch.bfloat16),
+                          _nbytes(q) + rb))
         cases.append(Case("requantize nvfp4->mxfp8^T SR", label, lambda: requantize_nvfp4_to_mxfp8(q, seed=SEED),
                           _nbytes(q), TARGET))
         cases.append(Case("rht + s2f6 encode", label, lambda: quantize_s2f6(rht(x, SEED)), rb))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rl4bit.kernels.checks import qtensor_problems
 from rl4bit.trainer.combine import combine
 from rl4bit.trainer.fused_swiglu import swiglu
 from rl4bit.trainer.qgemm import GemmSpec, bf16_grouped, compute_dtype, expert_grouping, grouped_gemm
@@ -61,8 +62,6 @@ class _QuantMixin:
             return [f"{prefix}expects QTensors for {sorted(want)}, got {got}"]
         shapes = ({n: tuple(q.shape) for n, q in self.served.items()} if self.served is not None
                   else {n: tuple(w.shape) for n, w in self._weights3d().items()})
-        from rl4bit.kernels.checks import qtensor_problems
-
         return [p for n, q in qweights.items() for p in qtensor_problems(prefix + n, q, self.spec.fmt, shapes[n])]
 
     def load_quantized(self, qweights: dict, check: bool = True) -> None:
