@@ -93,6 +93,13 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t.float()).all())
 
 
+def _broadcasts_to(shape, target: tuple) -> bool:
+    try:
+        return len(shape) <= len(target) and torch.broadcast_shapes(shape, target) == target
+    except RuntimeError:
+        return False
+
+
 def qtensor_problems(name: str, q, fmt: str, shape: tuple) -> list[str]:
     """What keeps `q` from being the `fmt` QTensor of a tensor of `shape` (qtensor.py's layouts), or []:
     its type, format, logical shape, each part's dtype and shape, NaN/Inf in the scales, outer or codes."""
@@ -117,15 +124,10 @@ def qtensor_problems(name: str, q, fmt: str, shape: tuple) -> list[str]:
         if not isinstance(t, torch.Tensor) or t.dtype != dtype or tuple(t.shape) != part_shape:
             got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
             problems.append(f"{name}.{part}: dtype and shape {got}, expected {dtype} {part_shape}")
-    outer = q.outer
-    if not isinstance(outer, torch.Tensor) or outer.dtype != torch.float32 or outer.dim() > len(shape):
-        problems.append(f"{name}.outer: must be a float32 tensor broadcastable to {lead + (1,)}")
-    else:
-        try:
-            if torch.broadcast_shapes(outer.shape, lead + (1,)) != lead + (1,):
-                problems.append(f"{name}.outer: shape {tuple(outer.shape)} does not broadcast to {lead + (1,)}")
-        except RuntimeError:
-            problems.append(f"{name}.outer: shape {tuple(outer.shape)} does not broadcast to {lead + (1,)}")
+    outer, row = q.outer, lead + (1,)
+    if not isinstance(outer, torch.Tensor) or outer.dtype != torch.float32 or not _broadcasts_to(outer.shape, row):
+        got = f"{outer.dtype} {tuple(outer.shape)}" if isinstance(outer, torch.Tensor) else type(outer).__name__
+        problems.append(f"{name}.outer: {got} is not a float32 tensor broadcastable to {row}")
     if problems:
         return problems
     return [f"{name}.{part}: holds NaN/Inf values" for part in ("data", "scale", "outer")
