@@ -270,3 +270,27 @@ def test_nvfp4_experts_on_gpu(export_a, models, tmp_path, eager):
     assert _greedy(eng, ps) == want_b != want_a
     eng.update_weights(*_update(models["A"], 2))
     assert _greedy(eng, ps) == want_a
+
+
+def test_multiprocess_engine_reloads_from_a_directory(engine, engine_b, export_a, tmp_path):
+    """vLLM's default mode (engine core and worker in processes of their own): updates reach the worker as a
+    safetensors directory a version (tensors cannot travel as RPC arguments). A child process (vLLM reads its
+    environment once per process) takes the engine A -> B -> A; each version's greedy completions must equal an
+    in-process engine's on that version, and only v0 (the engine's model) and the served version stay on disk."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "out.json"
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    proc = subprocess.run([sys.executable, "-P", str(Path(__file__).with_name("multiprocess_run.py")),
+                           str(export_a), str(tmp_path / "w"), str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    want_a, want_b = _greedy(engine, got["prompts"]), _greedy(engine_b, got["prompts"])
+    assert want_a != want_b
+    assert got["a"] == want_a and got["b"] == want_b and got["a_again"] == want_a
+    assert got["version"] == 2 and got["version_dirs"] == ["v0", "v2"]
