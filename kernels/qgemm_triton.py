@@ -79,7 +79,8 @@ class Config:
     """Decode x to FP16 once (a small kernel) instead of in every program: with few rows, every warp
     of an mma.sync program would otherwise re-decode the whole x tile."""
     block_k: int = BLOCK_K
-    """K loaded per loop iteration (a multiple of 16); the k16 MMA chain, hence the bits, is the same for any."""
+    """K loaded per loop iteration (a multiple of 16); the k16 MMA chain, hence the bits, is the same for any.
+    Compiled kernels take MIN_COMPILED_BLOCK_K and up (the interpreter any multiple of 16)."""
     w_first: bool = False
     """Multiply as (W x^T)^T: the decoded weights are the MMA's A operand, x its B, the accumulator transposed once
     in the epilogue. Each output is the same k16 MMA chain over the same products (the same bits, as DECODE and
@@ -87,7 +88,16 @@ class Config:
     with x as A, every k16 step gathers x's A fragment from four 128-bit shared loads into a register quad (~90
     register moves a 256-wide K step, DECODE's sm_90 SASS); as B, x's fragment is a pair from one load. sm_90
     SASS (Triton 3.6), thread instructions a weight element in the K loop: DECODE (16 x 64, 4 warps) 4.45,
-    w_first 16 x 64 with 2 warps 3.92, 16 x 32 with 2 warps 4.22. A sweep candidate, not timed yet."""
+    w_first 16 x 64 with 2 warps 3.92, 16 x 32 with 2 warps 4.22. Bitwise equal to TRAIN on an H100 (seventeenth
+    session: 16 x 64 and 16 x 32 with 2 warps at a 256 step, 16 x 32 with 1 warp at 64); a sweep candidate, not
+    timed yet."""
+
+
+MIN_COMPILED_BLOCK_K = 64
+"""Smallest K step a compiled kernel takes. A 16-wide step is unchecked on the GPU and suspect: on an H100
+(seventeenth session, Triton 3.6) the W-first and x-first forms of a 16 x 32, 2-warp, 1-stage tile at block_k=16
+gave different values (808 of 1480 outputs, columns 16-31 of a tile), so at least one of them is wrong; which one
+is not known (no GPU since). Every GPU-checked config steps 64 or more."""
 
 
 DECODE = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=True, block_k=256)
@@ -510,6 +520,9 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
     dev = qx.data.device
     decode = _decode_mode(decode)
     cfg = config or pick_config(rows, groups, k, n)
+    if cfg.block_k % 16 or (cfg.block_k < MIN_COMPILED_BLOCK_K and not interpret()):
+        raise ValueError(f"config block_k={cfg.block_k}: compiled kernels take multiples of 16 from "
+                         f"{MIN_COMPILED_BLOCK_K} (see MIN_COMPILED_BLOCK_K; the interpreter takes 16 and up)")
     cmap = shared_tile_map(maps, counts, groups, rows, cfg.block_m, dev)
     n_tiles = cmap.shape[1]
     y = alloc_out(rows, n, out_dtype, dev)

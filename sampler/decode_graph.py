@@ -64,9 +64,11 @@ from rl4bit.sampler.kv_cache import StepLayout, pad_rows
 from rl4bit.trainer.transfer import to_device
 
 MODES = ("off", "static", "cuda")
-SPLIT_MAX_ROWS = 64
+SPLIT_MAX_ROWS = 16
 """Decode steps of at most this many rows split their attention over key chunks (`DecodeLayout.key_chunks`);
-a guess, not yet timed (the bits do not depend on it)."""
+the bits do not depend on it. `scripts/sweep_attention.py` (seventeenth session, H100, 16 query / 4 kv heads of
+128, a 2176-position slot, in-kernel merge), split / unsplit time at contexts 128 / 512 / 2048: batch 1 1.13 /
+0.64 / 0.32, batch 16 1.27 / 0.97 / 0.84, batch 64 1.93 / 1.52 / 1.33 (64 was the earlier, untimed bound)."""
 
 
 @dataclass
