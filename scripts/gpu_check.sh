@@ -3,8 +3,9 @@
 # under the 10-minute call limit; fourteenth-session times), outputs into $OUT (or ./gpu-check-out), at most 8
 # files a mode (what the device tool brings back). Stops at nothing: every step's exit code is in steps.txt.
 #   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | profile | rl | all]
-#   tests: the GPU tests of the decode path's kernels (~5.5 min)
-#   perf: the batch-1 decode profile, `bench rollout`, `bench gemm --decode`, the one-token decode GEMM sweep and
+#   tests: the GPU tests of the decode path's kernels (~5.5 min on the H200; on a cold H100 the first call
+#          passed 6 minutes at half the tests, the same tests warm took 2.8 min: seventeenth session)
+#   perf: the batch-1 decode profile, `bench rollout` (4.5 min on the H100), `bench gemm --decode`, the one-token decode GEMM sweep and
 #         the attention split sweep (~7 min)
 #   rl:   RL parity (2 steps, invariant kernels on and off) and `bench step` (~6.5 min)
 #   profile: decode profiles at batch 16 and 64 (where the NVFP4 / BF16 targets are), the routing kernel's
@@ -24,7 +25,7 @@ run() {  # run NAME SECONDS CMD...: output to $out/NAME.txt, exit code to steps.
     log "end $name rc=$?"
 }
 tests() {
-    run tests 360 python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_qgemm_triton.py \
+    run tests 540 python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_qgemm_triton.py \
         tests/kernels/test_swiglu.py tests/kernels/test_qk_rope.py tests/kernels/test_fused_engine.py \
         tests/kernels/test_triton_quantize.py tests/kernels/test_attention.py tests/kernels/test_router.py \
         tests/kernels/test_route.py tests/kernels/test_rmsnorm.py tests/kernels/test_combine.py \
@@ -34,7 +35,7 @@ tests() {
 profile_and_rollout() {
     run profile1 90 python3 -P scripts/profile_decode.py --batch 1 --new 128 --temperature 1.0 --rows 30
     grep -A 20 "GPU kernels" "$out/profile1.txt" | head -44
-    run rollout 240 python3 -P -m rl4bit.bench_rollout --device cuda
+    run rollout 300 python3 -P -m rl4bit.bench_rollout --device cuda
     tail -30 "$out/rollout.txt"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
