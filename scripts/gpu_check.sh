@@ -10,8 +10,8 @@
 #   rl:   RL parity (2 steps, invariant kernels on and off) and `bench step` (~6.5 min)
 #   profile: decode profiles at batch 16 and 64 (where the NVFP4 / BF16 targets are), the routing kernel's
 #         warp sweep and the decode GEMM sweep at those batches (not yet run; ~7 min predicted)
-#   all (the default): tests, then the profile and `bench rollout` (~9.7 min: at the limit; the fourteenth
-#         session's first call)
+#   all (the default): tests, then the profile and `bench rollout` (~9.7 min warm on the H200, the fourteenth
+#         session's first call; past the 10-minute call limit on a cold H100: there, `tests` and `perf` apart)
 # Every step runs under `timeout` so that one slow step cannot take the call's later output with it.
 set -uo pipefail
 out=${OUT:-gpu-check-out}
