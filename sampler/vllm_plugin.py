@@ -17,8 +17,9 @@ builds an engine, so in-process engines work without the entry point.
 It also asks Linux for AMX tile permission in each of those processes
 (`request_amx_tiles`): on x86-64 hosts with AMX (Sapphire Rapids and later),
 vLLM's CPU attention runs AMX tile instructions, and a process that has not
-asked for the tile state dies with SIGILL at the first one (seen in spawned
-workers: the permission does not survive exec).
+asked for the tile state dies with SIGILL at the first one (measured on an
+AMX host in vLLM's spawned workers: Linux clears the permission on exec).
+Unrun here: these machines have no AMX.
 
 Leaves out: NVFP4 MoE experts on CPU (vLLM has no CPU MoE backend for NVFP4;
 `vllm_engine` serves experts in BF16 there) and any non-CPU platform (there
