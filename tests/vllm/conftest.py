@@ -72,6 +72,18 @@ def export(model, plan, out) -> Path:
     return write_checkpoint(out, model, plan, tokenizer=build_tokenizer())
 
 
+def update_of(model_plan, version: int):
+    """(WeightUpdate of the dense tensors, {module: {param: QTensor}}) of a converted trainer model: what
+    `VLLMEngine.update_weights` takes."""
+    from rl4bit.sampler.types import WeightUpdate
+    from rl4bit.trainer.surgery import quantized_weights
+
+    model, _ = model_plan
+    q = quantized_weights(model)
+    dense = {k: v for k, v in model.state_dict().items() if not any(k.startswith(m + ".") for m in q)}
+    return WeightUpdate(version, dense), q
+
+
 @pytest.fixture(scope="session")
 def models():
     return {"A": make_model(0), "B": make_model(1)}

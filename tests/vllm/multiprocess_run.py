@@ -20,11 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import make_model, prompts  # noqa: E402 (this folder, not a package import: a child process)
+from conftest import make_model, prompts, update_of  # noqa: E402 (this folder, not a package import: a child process)
 
-from rl4bit.sampler.types import Request, SamplingParams, WeightUpdate  # noqa: E402
+from rl4bit.sampler.types import Request, SamplingParams  # noqa: E402
 from rl4bit.sampler.vllm_engine import VLLMEngine  # noqa: E402
-from rl4bit.trainer.surgery import quantized_weights  # noqa: E402
 
 PROMPTS = prompts(4, seed=3)
 
@@ -37,13 +36,6 @@ def greedy(engine) -> list[list[int]]:
     return [r.completion_ids for r in out]
 
 
-def update(seed: int, version: int):
-    model, _ = make_model(seed)
-    q = quantized_weights(model)
-    dense = {k: v for k, v in model.state_dict().items() if not any(k.startswith(m + ".") for m in q)}
-    return WeightUpdate(version, dense), q
-
-
 def main(export_a: str, workdir: str, out: str) -> None:
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1":
         raise SystemExit("run with VLLM_ENABLE_V1_MULTIPROCESSING=1")
@@ -51,9 +43,9 @@ def main(export_a: str, workdir: str, out: str) -> None:
     if not engine.multiprocess:
         raise SystemExit("the engine is not multiprocess")
     result = {"prompts": PROMPTS, "a": greedy(engine)}
-    engine.update_weights(*update(1, 1))
+    engine.update_weights(*update_of(make_model(1), 1))
     result["b"] = greedy(engine)
-    engine.update_weights(*update(0, 2))
+    engine.update_weights(*update_of(make_model(0), 2))
     result["a_again"] = greedy(engine)
     result["version"] = engine.version
     result["version_dirs"] = sorted(p.name for p in Path(workdir).iterdir() if p.is_dir())

@@ -11,23 +11,15 @@ import math
 import pytest
 import torch
 
-from rl4bit.sampler.types import Request, SamplingParams, WeightUpdate
+from rl4bit.sampler.types import Request, SamplingParams
 from rl4bit.sampler.vllm_engine import VLLMEngine
 from rl4bit.trainer.surgery import load_quantized, quantized_weights
 
-from .conftest import export, make_model, prompts
+from .conftest import export, make_model, prompts, update_of
 
 def _greedy(engine, ps, n_new=8):
     return [r.completion_ids for r in engine.generate(
         [Request(str(i), p, SamplingParams(temperature=0.0, max_new_tokens=n_new)) for i, p in enumerate(ps)])]
-
-
-def _update(model_plan, version):
-    """(WeightUpdate of the dense tensors, {module: {param: QTensor}}) of a converted trainer model."""
-    model, _ = model_plan
-    q = quantized_weights(model)
-    dense = {k: v for k, v in model.state_dict().items() if not any(k.startswith(m + ".") for m in q)}
-    return WeightUpdate(version, dense), q
 
 
 def test_serves_our_export_in_the_cpu_form(engine):
@@ -64,10 +56,10 @@ def test_update_a_b_a_follows_each_version(engine, engine_b, models):
     a0 = engine.generate([Request("a", ps[0], SamplingParams(temperature=0.0, max_new_tokens=8))])[0]
     want_a = _greedy(engine, ps)
     assert want_a != want_b
-    engine.update_weights(*_update(models["B"], start_version + 1))
+    engine.update_weights(*update_of(models["B"], start_version + 1))
     assert engine.version == start_version + 1
     assert _greedy(engine, ps) == want_b
-    engine.update_weights(*_update(models["A"], start_version + 2))
+    engine.update_weights(*update_of(models["A"], start_version + 2))
     assert _greedy(engine, ps) == want_a
     a2 = engine.generate([Request("a", ps[0], SamplingParams(temperature=0.0, max_new_tokens=8))])[0]
     assert a2.logprobs == a0.logprobs, "A -> B -> A must restore A bit for bit"
@@ -81,7 +73,7 @@ def test_update_a_b_a_follows_each_version(engine, engine_b, models):
 def test_rejected_update_keeps_old_version_serving(engine, models, breakage, message):
     ps = prompts(3, seed=5)
     before, version = _greedy(engine, ps), engine.version
-    update, q = _update(models["B"], version + 1)
+    update, q = update_of(models["B"], version + 1)
     name = "model.layers.0.mlp.gate.weight"
     attn = "model.layers.0.self_attn"
     if breakage == "unknown":
@@ -124,16 +116,16 @@ def test_a_failed_reload_restores_or_retires_the_engine(export_a, new_engine, mo
     eng._reload = flaky
     if restore_fails:
         with pytest.raises(RuntimeError, match="build a new engine"):
-            eng.update_weights(*_update(models["B"], eng.version + 1))
+            eng.update_weights(*update_of(models["B"], eng.version + 1))
         assert eng.broken and eng.version == 0
         for call in (lambda: eng.generate([Request("a", ps[0], SamplingParams(max_new_tokens=2))]),
                      lambda: eng.score(ps[0], [4, 5]),
-                     lambda: eng.update_weights(*_update(models["A"], 5))):
+                     lambda: eng.update_weights(*update_of(models["A"], 5))):
             with pytest.raises(RuntimeError, match="vLLM engine unusable"):
                 call()
     else:
         with pytest.raises(OSError, match="injected failure reloading v1"):
-            eng.update_weights(*_update(models["B"], eng.version + 1))
+            eng.update_weights(*update_of(models["B"], eng.version + 1))
         assert calls == ["v1", "v0-restore"] and eng.version == 0 and eng.broken is None
         assert _greedy(eng, ps) == before
 
@@ -266,9 +258,9 @@ def test_nvfp4_experts_on_gpu(export_a, models, tmp_path, eager):
     fresh_b = VLLMEngine(export(*models["B"], tmp_path / "b"), experts="nvfp4", workdir=tmp_path / "wb",
                          max_batch_size=8, enforce_eager=eager, gpu_memory_utilization=0.3)
     want_b = _greedy(fresh_b, ps)
-    eng.update_weights(*_update(models["B"], 1))
+    eng.update_weights(*update_of(models["B"], 1))
     assert _greedy(eng, ps) == want_b != want_a
-    eng.update_weights(*_update(models["A"], 2))
+    eng.update_weights(*update_of(models["A"], 2))
     assert _greedy(eng, ps) == want_a
 
 
