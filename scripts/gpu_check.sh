@@ -31,6 +31,8 @@ tests() {
         tests/kernels/test_route.py tests/kernels/test_rmsnorm.py tests/kernels/test_combine.py \
         tests/kernels/test_fused_layer.py tests/sampler/test_decode_graph.py tests/sampler/test_rope_table.py
     tail -3 "$out/tests.txt"
+    run k16 90 python3 -P scripts/check_k16.py  # which 16-wide-step form is wrong (seventeenth session)
+    tail -40 "$out/k16.txt"
 }
 profile_and_rollout() {
     run profile1 90 python3 -P scripts/profile_decode.py --batch 1 --new 128 --temperature 1.0 --rows 30
