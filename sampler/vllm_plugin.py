@@ -58,9 +58,8 @@ def request_amx_tiles() -> bool:
     returns False: vLLM's AMX paths would then die with SIGILL, so the warning says where to look."""
     if not cpu_has_amx():
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.syscall(_SYS_ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0:
-        err = ctypes.get_errno()
+    err = _arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)
+    if err:
         warnings.warn(f"AMX tile permission refused (arch_prctl errno {err}): vLLM's CPU attention may die with "
                       "SIGILL on this host; a Linux kernel >= 5.16 grants it")
         return False
@@ -71,11 +70,14 @@ def amx_tiles_permitted() -> bool:
     """Whether this process holds AMX tile permission (arch_prctl ARCH_GET_XCOMP_PERM); False without AMX."""
     if not cpu_has_amx():
         return False
-    libc = ctypes.CDLL(None, use_errno=True)
     mask = ctypes.c_uint64(0)
-    if libc.syscall(_SYS_ARCH_PRCTL, ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) != 0:
-        return False
-    return bool(mask.value >> XFEATURE_XTILEDATA & 1)
+    return not _arch_prctl(ARCH_GET_XCOMP_PERM, ctypes.byref(mask)) and bool(mask.value >> XFEATURE_XTILEDATA & 1)
+
+
+def _arch_prctl(code: int, arg) -> int:
+    """The arch_prctl syscall through libc: 0, or the errno of its failure."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    return 0 if libc.syscall(_SYS_ARCH_PRCTL, code, arg) == 0 else ctypes.get_errno()
 
 
 def register() -> None:

@@ -1,4 +1,5 @@
-"""A multiprocess vLLM engine on our export, taken A -> B -> A: the child process of `test_multiprocess_engine`.
+"""A multiprocess vLLM engine on our export, taken A -> B -> A: the child process of
+`test_vllm_engine.test_multiprocess_engine_reloads_from_a_directory`.
 
     python multiprocess_run.py EXPORT_A WORKDIR OUT_JSON
 
