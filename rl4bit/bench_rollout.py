@@ -93,9 +93,11 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def bench_engine(model, prompts: torch.Tensor, new: int, device, params=None, share_prefix: bool = True) -> dict:
+def bench_engine(model, prompts: torch.Tensor, new: int, device, params=None, share_prefix: bool = True,
+                 completions: bool = False) -> dict:
     """One timed generate over `prompts` (greedy, one sample each, unless `params` says otherwise), after a
-    warm-up at the full batch (compiles; on CUDA captures the decode graph of this batch size)."""
+    warm-up at the full batch (compiles; on CUDA captures the decode graph of this batch size). completions:
+    also the generated token ids, a list a request (to compare two runs' outputs)."""
     from rl4bit.sampler.engine import EmbeddedEngine
     from rl4bit.sampler.types import Request, SamplingParams
 
@@ -115,8 +117,11 @@ def bench_engine(model, prompts: torch.Tensor, new: int, device, params=None, sh
     _sync(device)
     total = time.perf_counter() - t0
     gen = sum(len(r.completion_ids) for r in out)
-    return dict(total_s=total, prefill_s=engine.prefill_s, decode_s=engine.decode_s, generated=gen,
-                decode_steps=engine.decode_steps, kv_cache_bytes=engine.cache.nbytes)
+    res = dict(total_s=total, prefill_s=engine.prefill_s, decode_s=engine.decode_s, generated=gen,
+               decode_steps=engine.decode_steps, kv_cache_bytes=engine.cache.nbytes)
+    if completions:
+        res["completions"] = [list(r.completion_ids) for r in out]
+    return res
 
 
 def bench_shared_prefix(model, prompts: torch.Tensor, new: int, device, samples: int) -> dict:

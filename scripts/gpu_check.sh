@@ -2,7 +2,7 @@
 # GPU checks on the lent H200 image (torch, triton, transformers; no ray, no vllm), one device call a mode (each
 # under the 10-minute call limit; fourteenth-session times), outputs into $OUT (or ./gpu-check-out), at most 8
 # files a mode (what the device tool brings back). Stops at nothing: every step's exit code is in steps.txt.
-#   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | profile | rl | all]
+#   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | rl | all]
 #   tests: the GPU tests of the decode path's kernels (~5.5 min on the H200; on a cold H100 the first call
 #          passed 6 minutes at half the tests, the same tests warm took 2.8 min: seventeenth session)
 #   perf: the batch-1 decode profile, `bench rollout` (4.5 min on the H100), `bench gemm --decode`, the one-token decode GEMM sweep and
@@ -10,6 +10,11 @@
 #   rl:   RL parity (2 steps, invariant kernels on and off) and `bench step` (~6.5 min)
 #   profile: decode profiles at batch 16 and 64 (where the NVFP4 / BF16 targets are), the routing kernel's
 #         warp sweep and the decode GEMM sweep at those batches (not yet run; ~7 min predicted)
+#   decode: which 16-wide-step form is wrong (check_k16), the decode tile sweep on bench rollout's experts at
+#         1 / 16 / 64 tokens (w_first and 8-warp tiles included), then the NVFP4 engine's rollout with the
+#         default tile beside the sweep's best, side by side (scripts/ab_decode_config.py; ~8 min predicted)
+#   kernels: `bench gemm --decode` (the whole table), the attention split sweep (batch 8 added) and the
+#         batch-1 decode profile (~4.5 min predicted)
 #   all (the default): tests, then the profile and `bench rollout` (~9.7 min warm on the H200, the fourteenth
 #         session's first call; past the 10-minute call limit on a cold H100: there, `tests` and `perf` apart)
 # Every step runs under `timeout` so that one slow step cannot take the call's later output with it.
@@ -61,6 +66,19 @@ case "$mode" in
         cat "$out/route.txt"
         run sweep-rollout 150 python3 -P scripts/sweep_decode_gemm.py --rollout
         grep -E "pick_config|not bitwise" "$out/sweep-rollout.txt" | head -20 ;;
+    decode)
+        run k16 90 python3 -P scripts/check_k16.py
+        tail -40 "$out/k16.txt"
+        run sweep-decode 280 python3 -P scripts/sweep_decode_gemm.py --one-token --rollout --out "$out"
+        grep -E "^[a-z0-9]|pick_config|not bitwise" "$out/sweep-decode.txt" | head -40
+        run ab 200 python3 -P scripts/ab_decode_config.py --sweep "$out/sweep_decode_gemm.json" --out "$out"
+        cat "$out/ab.txt" | tail -20 ;;
+    kernels)
+        run gemm 90 python3 -P -m rl4bit.bench_gemm --decode
+        run attention 120 python3 -P scripts/sweep_attention.py
+        tail -40 "$out/attention.txt"
+        run profile1 90 python3 -P scripts/profile_decode.py --batch 1 --new 128 --temperature 1.0 --rows 30
+        grep -A 30 "GPU kernels" "$out/profile1.txt" | head -70 ;;
     rl)
         for invariant in true false; do
             rm -rf /tmp/rl-$invariant  # a second call on a warm machine: no stale run dir
@@ -73,5 +91,5 @@ case "$mode" in
         done
         run step 230 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128
         tail -30 "$out/step.txt" ;;
-    *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | rl | all]" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | rl | all]" >&2; exit 2 ;;
 esac

@@ -92,7 +92,7 @@ def main() -> int:
         shape, batches, contexts, max_len, reps = dict(hq=4, hkv=2, d=16), (1, 3), (5, 130, 300), 320, 1
         args.recheck = 1
     else:
-        shape, batches, contexts, max_len, reps = SHAPE, (1, 4, 16, 64, 128), (128, 256, 512, 1024, 2048), \
+        shape, batches, contexts, max_len, reps = SHAPE, (1, 4, 8, 16, 64, 128), (128, 256, 512, 1024, 2048), \
             args.max_len, args.reps
     rows = []
     for b in batches:

@@ -3,6 +3,7 @@
     source scripts/device_env.sh && python3 -P scripts/sweep_decode_gemm.py [--out DIR]
     python3 -P scripts/sweep_decode_gemm.py --train     # the training-shape (TRAIN) tiles instead
     python3 -P scripts/sweep_decode_gemm.py --one-token | --rollout   # bench rollout's experts at batch 1 | 16, 64
+    python3 -P scripts/sweep_decode_gemm.py --one-token --rollout --out DIR   # both; then scripts/ab_decode_config.py
 
 Why a sweep and not autotuning: the bits of the kernel do not depend on the
 tile config (each output is one k16 MMA chain in K order), but a config is
@@ -25,6 +26,7 @@ Leaves out: the activation quantize (timed by bench gemm).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -102,7 +104,7 @@ def main() -> int:
     elif args.mid:
         shapes, configs = MID_SHAPES, mid_candidates()
     elif args.one_token or args.rollout:
-        shapes = ONE_TOKEN_SHAPES if args.one_token else ROLLOUT_SHAPES
+        shapes = (ONE_TOKEN_SHAPES if args.one_token else []) + (ROLLOUT_SHAPES if args.rollout else [])
         configs = candidates() + [qg.DECODE_SHORT_K, qg.MID, qg.TRAIN]
     else:
         shapes, configs = SHAPES, candidates() + [qg.TRAIN]
@@ -130,7 +132,8 @@ def main() -> int:
             except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
                 shape_rows.append(dict(shape=label, config=repr(cfg), error=f"{type(err).__name__}: {err}"[:200]))
                 continue
-            shape_rows.append(dict(shape=label, config=repr(cfg), us=us, floor_us=floor_us, bitwise=same))
+            shape_rows.append(dict(shape=label, name=name, k=k, n=n, tokens=m, config=repr(cfg),
+                                   fields=dataclasses.asdict(cfg), us=us, floor_us=floor_us, bitwise=same))
         shape_rows.sort(key=lambda r: r.get("us", 1e9))
         results += shape_rows
         picked = qg.pick_config(rows, e, k, n)
