@@ -74,7 +74,7 @@ case "$mode" in
         run ab 200 python3 -P scripts/ab_decode_config.py --sweep "$out/sweep_decode_gemm.json" --out "$out"
         cat "$out/ab.txt" | tail -20 ;;
     kernels)
-        run gemm 90 python3 -P -m rl4bit.bench_gemm --decode
+        run gemm 90 python3 -P -m rl4bit.bench_gemm --decode --out "$out"
         run attention 120 python3 -P scripts/sweep_attention.py
         tail -40 "$out/attention.txt"
         run profile1 90 python3 -P scripts/profile_decode.py --batch 1 --new 128 --temperature 1.0 --rows 30
