@@ -19,6 +19,13 @@ memory <= 0.6x.
 timings are not comparable) and prints the N call sites in rl4bit's code that hold the most memory then:
 what the step-start figure is made of. `-o KEY=VALUE` overrides a config value in both jobs.
 
+The jobs run one after the other: before each, the process frees what it can (`gc`, the allocator's cache)
+and the job's result records what was still allocated (`held_at_start_gib`: counted in its peak). A job that
+runs out of GPU memory ends the bench with an error naming the job, the device's memory and the overrides that
+shrink the job, after writing the finished job's row to `bench_step.json` (`--out`): `configs/gpu-h200.yaml`
+is sized for a 141 GB H200, where the bf16 job peaked at 77.3 GiB; on an 80 GB H100 that job runs out (the
+eighteenth session's run) unless its micro-batches shrink.
+
 Leaves out: Ray actors (the device image has no Ray), several samplers, and the
 warm start (its cost is the same under both recipes).
 
@@ -29,6 +36,7 @@ warm start (its cost is the same under both recipes).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import statistics
@@ -76,6 +84,29 @@ def memory_sites(snapshot: dict, top: int) -> list[tuple[str, float]]:
     return [(k, v / 2**30) for k, v in sorted(sizes.items(), key=lambda kv: -kv[1])[:top]]
 
 
+class OutOfMemory(RuntimeError):
+    """A bench job ran out of GPU memory; the message says which, on what device and what to shrink."""
+
+
+def _free_cuda() -> int:
+    """Bytes still allocated by torch on the current CUDA device once garbage is collected and the cache freed."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated()
+
+
+def _oom_message(recipe: str, device: str, held: int, err: Exception) -> str:
+    where = ""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.device(device))
+        where = f" on {props.name} ({props.total_memory / 2**30:.1f} GiB; {held / 2**30:.1f} GiB held before the job)"
+    return (f"bench step: the {recipe} job ran out of GPU memory{where}. configs/gpu-h200.yaml is sized for a 141 GB "
+            f"H200 (the bf16 job peaked at 77.3 GiB there). Shrink the job in both recipes alike, e.g. "
+            f"-o trainer.tokens_per_microbatch=8192 (the same rollouts and update, smaller micro-batches) or "
+            f"-o trainer.recompute=true (activations recomputed in the backward); -o rl.prompts_per_step=16 halves "
+            f"the workload itself. ({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+
+
 def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> dict:
     """One job in this process; its per-step metrics and the allocator's peak (and its largest allocation
     sites after the first step when `sites` > 0)."""
@@ -85,8 +116,9 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> 
 
     cfg = load_config(config, [*overrides, f"recipe.name={recipe}"])
     cuda = cfg.trainer.device.startswith("cuda")
+    held = 0
     if cuda:
-        torch.cuda.empty_cache()
+        held = _free_cuda()  # what an earlier job left (a cache, a graph pool) would count in this job's peak
         torch.cuda.reset_peak_memory_stats()
     found: list = []
     recording = bool(sites and cuda)
@@ -107,6 +139,8 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> 
         with tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-") as d:
             records = [r for r in run(cfg, create_run_dir(cfg, Path(d) / "run"), on_step=after_step)
                        if r.get("step", 0) >= 1]
+    except torch.OutOfMemoryError as err:
+        raise OutOfMemory(_oom_message(recipe, cfg.trainer.device, held, err)) from None
     finally:
         if recording:
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -121,6 +155,7 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> 
     mean["step"] = statistics.fmean(r["time/step_s"] for r in timed)
     tokens = statistics.fmean(r.get("rollout/tokens_per_s", 0.0) for r in timed)
     return {"recipe": recipe, "steps_timed": len(timed), "seconds": mean, "rollout_tok_s": tokens, "peak_gib": peak,
+            "held_at_start_gib": held / 2**30 if cuda else None,
             "memory_gib": phase_peaks if cuda else None,
             "per_step_s": {p: [round(r[f"time/{p}_s"], 3) for r in records] for p in ("sample", "train", "sync")},
             "mismatch": {k: [float(f"{r.get(f'mismatch/{k}', math.nan):.3g}") for r in records] for k in ("k3", "max_abs")},
@@ -134,7 +169,16 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, confi
         raise RuntimeError("bench step on cuda needs a GPU (use --quick --device cpu for a smoke run)")
     config = Path(config) if config else CONFIG
     overrides = _overrides(quick, device, steps, 8 if quick else new_tokens) + list(override or [])
-    rows = [run_job(config, r, overrides, memory_sites) for r in ("nvfp4", "bf16")]
+    rows = []
+    for recipe in ("nvfp4", "bf16"):
+        try:
+            rows.append(run_job(config, recipe, overrides, memory_sites))
+        except OutOfMemory:
+            if out and rows:  # the finished job's figures are kept
+                atomic_write_text(Path(out) / "bench_step.json", json.dumps(
+                    {"device": device, "config": str(config), "quick": quick, "rows": rows,
+                     "incomplete": f"the {recipe} job ran out of GPU memory"}, indent=1))
+            raise
     q, b = rows
     print(f"\nRL step, {config.name}, {device}: nvfp4 vs bf16 (mean of {q['steps_timed']} steps, first and last excluded)")
     print(f"{'figure':<22}{'nvfp4':>12}{'bf16':>12}{'bf16/nvfp4':>12}")
@@ -149,6 +193,7 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, confi
         print(f"{k + ', every step':<22}{q['mismatch'][k]} / {b['mismatch'][k]}")
     if q["peak_gib"] is not None:
         print(f"{'peak GPU GiB':<22}{q['peak_gib']:>12.1f}{b['peak_gib']:>12.1f}{q['peak_gib'] / b['peak_gib']:>12.2f}  (nvfp4/bf16)")
+        print(f"{'held at start GiB':<22}{q['held_at_start_gib']:>12.1f}{b['held_at_start_gib']:>12.1f}")
         for k in q["memory_gib"]:
             qm, bm = q["memory_gib"][k], b["memory_gib"][k]
             print(f"{'  ' + k:<22}{qm:>12.1f}{bm:>12.1f}{qm / bm if bm else float('nan'):>12.2f}")
@@ -174,7 +219,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="print the N allocation sites holding the most memory after the first step (records live "
                         "blocks' stacks until then: slower)")
     a = p.parse_args(argv)
-    run(a.device, a.quick, a.out, a.config, a.steps, a.new_tokens, a.memory_sites, a.override)
+    try:
+        run(a.device, a.quick, a.out, a.config, a.steps, a.new_tokens, a.memory_sites, a.override)
+    except OutOfMemory as err:
+        raise SystemExit(str(err)) from None
 
 
 if __name__ == "__main__":

@@ -89,7 +89,11 @@ case "$mode" in
             grep -oE '"(step|mismatch/k3|mismatch/max_abs|time/[a-z_]+)": [-0-9.e]+' \
                 "$out/metrics-$invariant.jsonl" | head -24
         done
-        run step 230 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128
+        # configs/gpu-h200.yaml's bf16 job peaked at 77.3 GiB on the H200 and ran out of memory on an 80 GB H100
+        # (eighteenth session): there, the same rollouts in half-size micro-batches
+        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+        small=(); [ "${mib:-0}" -lt 100000 ] && small=(-o trainer.tokens_per_microbatch=8192)
+        run step 230 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128 "${small[@]}"
         tail -30 "$out/step.txt" ;;
     *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | rl | all]" >&2; exit 2 ;;
 esac
