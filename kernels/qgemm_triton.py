@@ -89,15 +89,21 @@ class Config:
     register moves a 256-wide K step, DECODE's sm_90 SASS); as B, x's fragment is a pair from one load. sm_90
     SASS (Triton 3.6), thread instructions a weight element in the K loop: DECODE (16 x 64, 4 warps) 4.45,
     w_first 16 x 64 with 2 warps 3.92, 16 x 32 with 2 warps 4.22. Bitwise equal to TRAIN on an H100 (seventeenth
-    session: 16 x 64 and 16 x 32 with 2 warps at a 256 step, 16 x 32 with 1 warp at 64); a sweep candidate, not
-    timed yet."""
+    session: 16 x 64 and 16 x 32 with 2 warps at a 256 step, 16 x 32 with 1 warp at 64). Timed on the bench model's experts at 1-64 tokens in the eighteenth session
+    (`sweep_decode_gemm.py --one-token --rollout`, H100, best W-first tile against DECODE, µs): the down
+    projection at 1 / 2 / 4 tokens 8.9 / 10.6 / 12.6 against 9.1 / 10.9 / 12.9 (2-3% faster), everything else
+    3-16% slower (gate_up at 1 token 11.8 against 10.2, at 64 tokens 36.4 against 32.5): not a default."""
 
 
 MIN_COMPILED_BLOCK_K = 64
-"""Smallest K step a compiled kernel takes. A 16-wide step is unchecked on the GPU and suspect: on an H100
-(seventeenth session, Triton 3.6) the W-first and x-first forms of a 16 x 32, 2-warp, 1-stage tile at block_k=16
-gave different values (808 of 1480 outputs, columns 16-31 of a tile), so at least one of them is wrong; which one
-is not known (no GPU since). Every GPU-checked config steps 64 or more."""
+"""Smallest K step a compiled kernel takes. A 16-wide step is wrong on the GPU: on an H100 (Triton 3.6), the
+seventeenth session saw the W-first and x-first forms of a 16 x 32 tile disagree at block_k=16, and the
+eighteenth's `scripts/check_k16.py` found BOTH forms wrong there (every 16 x 32 config: 1 or 2 warps, 1 or 3
+stages, x pre-decoded or not; relative error 1.6-1.9 against the exact FP64 product, columns scattered over the
+row, the wrong set moving with the warp count), while every 32-wide-step config was bitwise equal to TRAIN. The
+interpreter is right at 16, so the fault is in how the compiled 16-wide step lays out or decodes its operands,
+not in the algorithm; not found (no GPU time left). 32 passed once, on check_k16's shapes; 64 and up are what
+the tests and sweeps cover, hence this bound."""
 
 
 DECODE = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=True, block_k=256)
