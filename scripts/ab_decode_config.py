@@ -39,14 +39,15 @@ ROLLOUT_TOKENS = (1, 16, 64)
 
 def pick_candidate(rows: list[dict], tokens=ROLLOUT_TOKENS) -> tuple[qg.Config, dict]:
     """(config, {shape: µs}): the least summed µs over the sweep's shapes at `tokens`, among configs timed and
-    bitwise equal to TRAIN on all of them."""
+    bitwise equal to TRAIN on all of them (repeated timings of a config on a shape: their mean)."""
     shapes = {r["shape"] for r in rows if r.get("tokens") in tokens}
     if not shapes:
         raise SystemExit(f"the sweep has no shapes at {tokens} tokens: run sweep_decode_gemm.py --one-token --rollout")
-    per = defaultdict(dict)
-    for r in rows:
+    per = defaultdict(lambda: defaultdict(list))  # a config the sweep timed twice (DECODE: the default and again
+    for r in rows:                                # in the grid) counts with its mean
         if r["shape"] in shapes and r.get("bitwise") and "us" in r:
-            per[r["config"]][r["shape"]] = (r["us"], r["fields"])
+            per[r["config"]][r["shape"]].append((r["us"], r["fields"]))
+    per = {c: {s: (sum(us for us, _ in v) / len(v), v[0][1]) for s, v in d.items()} for c, d in per.items()}
     whole = {c: v for c, v in per.items() if len(v) == len(shapes)}
     if not whole:
         raise SystemExit("no config is timed and bitwise equal to TRAIN on every shape of the sweep")
