@@ -95,23 +95,26 @@ def _free_cuda() -> int:
     return torch.cuda.memory_allocated()
 
 
-def _oom_message(recipe: str, device: str, held: int, err: Exception) -> str:
+def _oom_message(recipe: str, device: str, held: int, err) -> str:
+    """`err`: the driver's OutOfMemory (phase, step, detail)."""
     where = ""
     if device.startswith("cuda") and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(torch.device(device))
         where = f" on {props.name} ({props.total_memory / 2**30:.1f} GiB; {held / 2**30:.1f} GiB held before the job)"
-    return (f"bench step: the {recipe} job ran out of GPU memory{where}. configs/gpu-h200.yaml is sized for a 141 GB "
+    step = "before its first RL step" if err.step == 0 else f"at step {err.step}"
+    return (f"bench step: the {recipe} job ran out of GPU memory{where} in its {err.phase} phase {step} "
+            f"({err.detail}). configs/gpu-h200.yaml is sized for a 141 GB "
             f"H200 (the bf16 job peaked at 77.3 GiB there). Shrink the job in both recipes alike, e.g. "
             f"-o trainer.tokens_per_microbatch=8192 (the same rollouts and update, smaller micro-batches) or "
             f"-o trainer.recompute=true (activations recomputed in the backward); -o rl.prompts_per_step=16 halves "
-            f"the workload itself. ({type(err).__name__}: {str(err).splitlines()[0][:200]})")
+            f"the workload itself.")
 
 
 def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> dict:
     """One job in this process; its per-step metrics and the allocator's peak (and its largest allocation
     sites after the first step when `sites` > 0)."""
     from rl4bit.config import load_config
-    from rl4bit.driver import run
+    from rl4bit.driver import OutOfMemory as JobOutOfMemory, run
     from rl4bit.rundir import create_run_dir
 
     cfg = load_config(config, [*overrides, f"recipe.name={recipe}"])
@@ -139,7 +142,7 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> 
         with tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-") as d:
             records = [r for r in run(cfg, create_run_dir(cfg, Path(d) / "run"), on_step=after_step)
                        if r.get("step", 0) >= 1]
-    except torch.OutOfMemoryError as err:
+    except JobOutOfMemory as err:
         raise OutOfMemory(_oom_message(recipe, cfg.trainer.device, held, err)) from None
     finally:
         if recording:

@@ -48,9 +48,11 @@ RNG state needs saving. Faults (tests/reliability): a Sampler actor that dies
 mid-rollout or mid-sync is restarted by Ray (up to `ray.sampler_restarts` times
 a job), the samplers get the current weights again and the step's rollouts
 are redone (same seeds, so the same rollouts); a dead Trainer, K non-finite steps in a
-row, a rejected weight update or a corrupt checkpoint stop the job with a
-clear error (`rl4bit train: error: ...`, exit status 1) that names what
-failed and, where it applies, the `--resume` command. Output paths are resolved
+row, a rejected weight update, a corrupt checkpoint or running out of GPU
+memory (`OutOfMemory`: which phase at which step, the settings that shrink
+that phase with this job's values) stop the job with a clear error
+(`rl4bit train: error: ...`, exit status 1) that names what failed and,
+where it applies, the `--resume` command. Output paths are resolved
 and checked before anything is written.
 
 Leaves out: asynchronous (off-policy) rollouts, partial-group retries,
@@ -90,7 +92,18 @@ from rl4bit.trainer_group import TrainerGroup
 from rl4bit.weight_sync import WeightSyncError, update_bytes
 
 
-JOB_ERRORS = (ActorDiedError, NonFiniteError, WeightSyncError, CheckpointError)
+class OutOfMemory(RuntimeError):
+    """The job ran out of GPU memory: the message names the phase and the step, the settings that shrink that
+    phase (with this job's values) and where to continue from. Checkpoints already written stay as they are.
+    `phase`, `step` (0: before the first RL step) and `detail` (torch's first sentence) for callers that word
+    their own message (`bench step`)."""
+
+    def __init__(self, message: str, phase: str, step: int, detail: str):
+        super().__init__(message)
+        self.phase, self.step, self.detail = phase, step, detail
+
+
+JOB_ERRORS = (ActorDiedError, NonFiniteError, WeightSyncError, CheckpointError, OutOfMemory)
 """Failures that stop a running job: `main` prints them as one clear line and returns 1."""
 
 
@@ -139,6 +152,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
     cluster = Cluster(cfg, run_dir)
     logger = pool = trainer = None
     world = int(getattr(cfg.trainer, "world_size", 1))
+    phase, step = "setup", 0  # where an out-of-memory error is reported to have happened
     try:
         from rl4bit.sampler.actor import Sampler
 
@@ -169,6 +183,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
             start = meta["step"]
         else:
             if cfg.run.warmup_sft_steps:
+                phase = "warm start"
                 warm = get(trainer.warm_start(train_set))
                 print(f"warm start: {cfg.run.warmup_sft_steps} steps, loss {warm['warmup/loss_first']:.3f} -> {warm['warmup/loss_last']:.3f}")
             get(trainer.setup_rl())
@@ -176,8 +191,10 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                                progress=cfg.run.progress, start_step=start)
         if resume:
             logger.truncate(start)
+        phase = "sync"
         sync_bytes, sync_s = sync_all(trainer, samplers, recover)
         if not resume:
+            phase = "evaluate"
             logger.log(0, evaluate(cfg, tokenizer, samplers, pool, eval_set, recover))
 
         step = start
@@ -188,6 +205,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 mem: dict = {}
                 peaks.step_start(mem)
                 # sample
+                phase = "sample"
                 peaks.start()
                 t0 = time.perf_counter()
                 prompts = stream.next(cfg.rl.prompts_per_step)
@@ -199,6 +217,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 t_sample = time.perf_counter() - t0
                 peaks.end("sample", mem)
                 # score
+                phase = "score"
                 t0 = time.perf_counter()
                 G = cfg.rl.samples_per_prompt
                 samples = [prompts[k // G] for k in range(len(rollouts))]
@@ -215,12 +234,14 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                     advantages=adv.tolist(),
                 )
                 # train
+                phase = "train"
                 peaks.start()
                 t0 = time.perf_counter()
                 m = get(trainer.train_step(batch))
                 t_train = time.perf_counter() - t0
                 peaks.end("train", mem)
                 # sync
+                phase = "sync"
                 peaks.start()
                 sync_bytes, sync_s = sync_all(trainer, samplers, recover)
                 peaks.end("sync", mem)
@@ -231,6 +252,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                           "time/sample_s": t_sample, "time/score_s": t_score, "time/train_s": t_train, "time/sync_s": sync_s})
                 m["rollout/sampler_restarts"] = float(recover.used)
                 if step % cfg.data.eval_every == 0 or step == cfg.rl.steps:
+                    phase = "evaluate"
                     m.update(evaluate(cfg, tokenizer, samplers, pool, eval_set, recover))
                 if cfg.parity.reference:  # live parity against a finished reference run
                     m.update(live_parity_metrics(cfg.parity.reference, run_dir, step, m["reward/mean"], cfg.parity.threshold))
@@ -243,6 +265,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 if on_step is not None:
                     on_step(step, m)
                 # checkpoint
+                phase = "checkpoint"
                 every = cfg.run.checkpoint_every
                 if (every and step % every == 0) or step == cfg.rl.steps:
                     if world > 1:  # every rank writes its own shard into the one checkpoint format
@@ -253,6 +276,9 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                                         keep=cfg.run.keep_checkpoints)
         except ActorDiedError as e:  # a Sampler past its restarts, the Trainer, the reward pool
             raise ActorDiedError(e.actor, e.detail, f"the job stops at step {step}. {_resume_hint(run_dir)}") from None
+    except torch.OutOfMemoryError as e:  # an actor's, re-raised as itself by `get`, or this process's (local mode)
+        detail = str(e).split(". ")[0][:200]
+        raise OutOfMemory(_out_of_memory(cfg, phase, step, detail, run_dir), phase, step, detail) from None
     finally:
         invariant.set_mode(False)  # local mode: the trainer and samplers turned it on in this process
         if logger is not None:
@@ -282,6 +308,33 @@ def reward_limits(cfg: JobConfig) -> dict:
     """RewardPool's per-call limits from the rewards section (memory_mb / cpu_s default where the config lacks them)."""
     r = cfg.rewards
     return {"timeout_s": r.timeout_s, "memory_mb": int(getattr(r, "memory_mb", 2048)), "cpu_s": getattr(r, "cpu_s", None)}
+
+
+def _out_of_memory(cfg: JobConfig, phase: str, step: int, detail: str, run_dir: Path) -> str:
+    """The OutOfMemory message: where, what shrinks that phase (this job's values), where to continue."""
+    s, t, r = cfg.sampler, cfg.trainer, cfg.rl
+    sampler = (f"sampler.gpu_memory_utilization (now {s.gpu_memory_utilization}: vLLM's share of the GPU)"
+               if s.backend == "vllm" else
+               f"sampler.max_batch_size (now {s.max_batch_size}: the KV cache is allocated for that many sequences "
+               f"of model.max_seq_len={cfg.model.max_seq_len} tokens)")
+    train = (f"trainer.tokens_per_microbatch (now {t.tokens_per_microbatch}: the same update in smaller "
+             f"micro-batches)" + ("" if t.recompute else ", trainer.recompute=true (activations recomputed in the "
+                                  "backward, the same gradients)"))
+    shrink = {
+        "setup": f"the models themselves (model.*), or a smaller {sampler}",
+        "warm start": f"run.warmup_batch_size (now {cfg.run.warmup_batch_size})",
+        "sample": f"{sampler}, or fewer rollouts a step (rl.prompts_per_step={r.prompts_per_step} x "
+                  f"rl.samples_per_prompt={r.samples_per_prompt})",
+        "evaluate": f"{sampler}, or data.eval_size (now {cfg.data.eval_size})",
+        "train": train,
+        "sync": f"the sampler's share of the GPU, {sampler}: trainer and samplers hold their weights while the "
+                f"update passes between them",
+        "checkpoint": f"the trainer's memory: {train}",
+        "score": "the reward functions' GPU use (rewards run on the CPU unless they move tensors)",
+    }[phase]
+    where = "before its first RL step" if step == 0 else f"at step {step}"
+    return (f"the job ran out of GPU memory in its {phase} phase {where} ({detail}). Lower {shrink}. "
+            f"{_resume_hint(run_dir)}")
 
 
 def _resume_hint(run_dir: Path) -> str:

@@ -24,6 +24,7 @@ from rl4bit.config import load_config
 from rl4bit.metrics import read_metrics
 from rl4bit.rewards import RewardError
 from rl4bit.rundir import create_run_dir
+from rl4bit.sampler.actor import Sampler
 from rl4bit.trainer.actor import Trainer
 
 from .conftest import QUICKSTART, SMALL, learned, strip_timing
@@ -249,6 +250,38 @@ def test_k_non_finite_steps_in_a_row_stop_the_job(tmp_path, monkeypatch, capsys,
     err = capsys.readouterr().err
     assert "rl4bit train: error: 2 optimizer steps in a row had a non-finite loss or gradient" in err, err
     assert not (tmp_path / "run" / "checkpoints" / "latest.json").exists(), "no checkpoint of a poisoned state"
+
+
+# --------------------------------------------------------------------------- out of GPU memory
+
+
+@pytest.mark.parametrize("phase,cls,method,nth", [("train", Trainer, "train_step", 2),
+                                                  ("sample", Sampler, "generate", 3)])  # call 1: step 0's evaluation
+def test_out_of_memory_names_phase_step_and_settings_and_the_run_resumes(tmp_path, reference, monkeypatch, capsys,
+                                                                          phase, cls, method, nth):
+    """torch's out-of-memory error at step 2 (injected: CPU runs have no GPU allocator) stops the job with one
+    line naming the phase, the step, the settings that shrink that phase with their values, and the resume
+    command; the step-1 checkpoint is intact and the resumed run equals the uninterrupted one."""
+    real, calls = getattr(cls, method), {"n": 0}
+
+    def failing(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == nth:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total "
+                                         "capacity of 79.18 GiB of which 38.19 MiB is free.")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(cls, method, failing)
+    run_dir = tmp_path / "run"
+    assert driver.main(QUICKSTART, out=str(run_dir), overrides=CFG) == 1
+    err = capsys.readouterr().err
+    assert (f"rl4bit train: error: the job ran out of GPU memory in its {phase} phase at step 2 "
+            f"(CUDA out of memory). Lower ") in err, err
+    shrink = "trainer.tokens_per_microbatch (now 4096" if phase == "train" else "sampler.max_batch_size (now 64"
+    assert shrink in err and "Continue from the last checkpoint (step 1): rl4bit train --resume" in err, err
+    monkeypatch.setattr(cls, method, real)
+    assert driver.main(None, resume=str(run_dir)) == 0
+    _same_as(reference, run_dir)
 
 
 # --------------------------------------------------------------------------- a sampler dying, as the driver sees it
