@@ -11,6 +11,14 @@ product's rounding is ~1e-7 of it; a wrong form is off by order 1). It lifts MIN
 calls only and changes nothing else. Under TRITON_INTERPRET=1 (CPU) it runs too, but there a 64-wide step
 sums in numpy's order, so only the error column means anything.
 
+The eighteenth session's run (H100) found BOTH forms wrong at 16, pre-decoded x or not, and every 32-wide
+config right. Pre-decoded x is decoded at a 64-wide step by its own kernel, so the fault is in the weights'
+tile at a 16-wide step: its decode (`_decode_tile` on [R, 2] words) or the k16 dot. Two further sections say
+which: the 16-wide GEMM under each decode ("asm", the GPU default; "bits", the same trick in Triton ops; "f32"),
+and `_predecode_kernel` (the same `_decode_tile`) run at 16- and 32-wide steps against its 64-wide tile, bit
+for bit, for each decode. A decode that is wrong at 16 alone shows in the second; a right decode with a wrong
+GEMM points at the dot.
+
 Leaves out: timing (these steps are not candidates), MXFP8.
 """
 
@@ -54,6 +62,42 @@ def configs() -> list[qg.Config]:
     return out
 
 
+def decodes(device: str) -> list[str]:
+    return ["asm", "bits", "f32"] if device == "cuda" else ["bits", "f32"]  # no inline PTX under the interpreter
+
+
+def predecoded(qx, block_k: int, decode: str) -> torch.Tensor:
+    """x decoded by `_predecode_kernel` at a K step of block_k (the values do not depend on it when it is right)."""
+    rows, k = qx.data.shape[0], qx.data.shape[1] * 2
+    xh = torch.empty((rows, k), dtype=torch.float16, device=qx.data.device)
+    qg._predecode_kernel[(-(-rows // 16), -(-k // block_k))](
+        qg._words(qx.data), qx.scale.contiguous().view(torch.uint8), xh, rows, k, BLOCK_R=16, BLOCK_K=block_k,
+        DECODE=qg.DECODES[decode], num_warps=1)
+    return xh
+
+
+def decode_sections(qx, qw, counts, want, scale, device) -> int:
+    """The 16-wide GEMM under each decode, then the decode alone at 16 / 32 against 64; the count of wrong ones."""
+    wrong = 0
+    print(f"{'block_k':>7} {'warps':>5} {'decode':>6} {'rel error':>9}   (x-first, x decoded in the loop, 3 stages)")
+    for warps, decode in itertools.product((2, 1), decodes(device)):
+        y = qg.grouped_nvfp4(qx, qw, counts, torch.float32, decode=decode,
+                             config=qg.Config(16, 32, warps, 3, False, block_k=16))
+        rel = float((y.double() - want).abs().max()) / scale
+        wrong += rel > BAD
+        print(f"{16:>7} {warps:>5} {decode:>6} {rel:>9.2e}")
+    print(f"{'block_k':>7} {'decode':>6}  _predecode_kernel tile = its 64-wide tile (values off)")
+    for decode in decodes(device):
+        ref = predecoded(qx, 64, decode)
+        for bk in (16, 32):
+            got = predecoded(qx, bk, decode)
+            same = torch.equal(got.view(torch.int16), ref.view(torch.int16))
+            wrong += not same
+            print(f"{bk:>7} {decode:>6}  {str(same):>5} ({int((got.view(torch.int16) != ref.view(torch.int16)).sum())} "
+                  f"of {ref.numel()})")
+    return wrong
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="the small shape and the failing tile's neighbours only")
@@ -84,9 +128,11 @@ def main() -> int:
                     off = f"  row {row}: {(err[row] > BAD * scale).nonzero().flatten().tolist()[:40]}"
                 print(f"{c.block_k:>7} {str(c.w_first):>7} {str(c.predecode_x):>5} {c.num_warps:>5} "
                       f"{c.num_stages:>6} {str(torch.equal(y, ref)):>7} {rel:>9.2e}{off}")
+            wrong += decode_sections(qx, qw, counts, want, scale, device)
     finally:
         qg.MIN_COMPILED_BLOCK_K = saved
-    print(f"\n{wrong} config-shape pairs off by more than {BAD:g} of the output scale")
+    print(f"\n{wrong} checks wrong (off by more than {BAD:g} of the output scale, or a decoded tile unlike the "
+          f"64-wide one)")
     return 0
 
 
