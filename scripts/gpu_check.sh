@@ -13,8 +13,8 @@
 #   decode: which 16-wide-step form is wrong (check_k16), the decode tile sweep on bench rollout's experts at
 #         1 / 16 / 64 tokens (w_first and 8-warp tiles included), then the NVFP4 engine's rollout with the
 #         default tile beside the sweep's best, side by side (scripts/ab_decode_config.py; ~8 min predicted)
-#   kernels: `bench gemm --decode` (the whole table), the attention split sweep (batch 8 added) and the
-#         batch-1 decode profile (~4.5 min predicted)
+#   kernels: `bench gemm --decode` (the whole table), the attention split sweep (batch 8 added), the
+#         batch-1 decode profile (87 s on a warm H100, eighteenth session) and the activation quantize's warp sweep
 #   all (the default): tests, then the profile and `bench rollout` (~9.7 min warm on the H200, the fourteenth
 #         session's first call; past the 10-minute call limit on a cold H100: there, `tests` and `perf` apart)
 # Every step runs under `timeout` so that one slow step cannot take the call's later output with it.
@@ -78,7 +78,9 @@ case "$mode" in
         run attention 120 python3 -P scripts/sweep_attention.py
         tail -40 "$out/attention.txt"
         run profile1 90 python3 -P scripts/profile_decode.py --batch 1 --new 128 --temperature 1.0 --rows 30
-        grep -A 30 "GPU kernels" "$out/profile1.txt" | head -70 ;;
+        grep -A 30 "GPU kernels" "$out/profile1.txt" | head -70
+        run quantize 120 python3 -P scripts/sweep_quantize.py  # written in the eighteenth session, not yet run
+        cat "$out/quantize.txt" ;;
     rl)
         for invariant in true false; do
             rm -rf /tmp/rl-$invariant  # a second call on a warm machine: no stale run dir

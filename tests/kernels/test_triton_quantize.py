@@ -187,3 +187,19 @@ def test_gpu_mxfp8_s2f6_requantize(shape):
     assert_bitwise_equal(td.rht_quantize_s2f6(x, SEED), q_ref, "rht + s2f6")
     assert_bitwise_equal(td.dequantize_s2f6_inverse_rht(q_ref, SEED), inverse_rht(dequantize_s2f6(q_ref), SEED),
                          "s2f6 + inverse rht decode")
+
+
+def test_sweep_quantize_script_checks_every_variant_here():
+    """`scripts/sweep_quantize.py --quick` (the warp sweep of the experts' activation quantize at decode sizes)
+    runs every launch variant of both served quantizes and finds their outputs equal to the default launch's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "-P", str(root / "scripts" / "sweep_quantize.py"), "--device", "cpu",
+                          "--quick"], capture_output=True, text=True, timeout=600, cwd=root,
+                         env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("same") == 4 * 9 and "every variant's outputs equal" in run.stdout, run.stdout
