@@ -311,29 +311,28 @@ def reward_limits(cfg: JobConfig) -> dict:
 
 
 def _out_of_memory(cfg: JobConfig, phase: str, step: int, detail: str, run_dir: Path) -> str:
-    """The OutOfMemory message: where, what shrinks that phase (this job's values), where to continue."""
+    """The OutOfMemory message: where, what makes that phase fit (with this job's values), where to continue."""
     s, t, r = cfg.sampler, cfg.trainer, cfg.rl
-    sampler = (f"sampler.gpu_memory_utilization (now {s.gpu_memory_utilization}: vLLM's share of the GPU)"
+    sampler = (f"lower sampler.gpu_memory_utilization (now {s.gpu_memory_utilization}: vLLM's share of the GPU)"
                if s.backend == "vllm" else
-               f"sampler.max_batch_size (now {s.max_batch_size}: the KV cache is allocated for that many sequences "
-               f"of model.max_seq_len={cfg.model.max_seq_len} tokens)")
-    train = (f"trainer.tokens_per_microbatch (now {t.tokens_per_microbatch}: the same update in smaller "
-             f"micro-batches)" + ("" if t.recompute else ", trainer.recompute=true (activations recomputed in the "
-                                  "backward, the same gradients)"))
-    shrink = {
-        "setup": f"the models themselves (model.*), or a smaller {sampler}",
-        "warm start": f"run.warmup_batch_size (now {cfg.run.warmup_batch_size})",
-        "sample": f"{sampler}, or fewer rollouts a step (rl.prompts_per_step={r.prompts_per_step} x "
+               f"lower sampler.max_batch_size (now {s.max_batch_size}: the KV cache is allocated for that many "
+               f"sequences of model.max_seq_len={cfg.model.max_seq_len} tokens)")
+    train = (f"lower trainer.tokens_per_microbatch (now {t.tokens_per_microbatch}: the same update in smaller "
+             f"micro-batches)" + ("" if t.recompute else " or set trainer.recompute=true (activations recomputed in "
+                                  "the backward, the same gradients)"))
+    advice = {
+        "setup": f"a smaller model (model.*), or {sampler}",
+        "warm start": f"lower run.warmup_batch_size (now {cfg.run.warmup_batch_size})",
+        "sample": f"{sampler}, or sample fewer rollouts a step (rl.prompts_per_step={r.prompts_per_step} x "
                   f"rl.samples_per_prompt={r.samples_per_prompt})",
-        "evaluate": f"{sampler}, or data.eval_size (now {cfg.data.eval_size})",
+        "evaluate": f"{sampler}, or lower data.eval_size (now {cfg.data.eval_size})",
         "train": train,
-        "sync": f"the sampler's share of the GPU, {sampler}: trainer and samplers hold their weights while the "
-                f"update passes between them",
-        "checkpoint": f"the trainer's memory: {train}",
-        "score": "the reward functions' GPU use (rewards run on the CPU unless they move tensors)",
+        "sync": f"{sampler}: trainer and samplers hold their weights while the update passes between them",
+        "checkpoint": train,
+        "score": "keep the reward functions off the GPU",
     }[phase]
     where = "before its first RL step" if step == 0 else f"at step {step}"
-    return (f"the job ran out of GPU memory in its {phase} phase {where} ({detail}). Lower {shrink}. "
+    return (f"the job ran out of GPU memory in its {phase} phase {where} ({detail}). To fit: {advice}. "
             f"{_resume_hint(run_dir)}")
 
 

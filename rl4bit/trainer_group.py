@@ -129,7 +129,8 @@ def _errors() -> dict:
 
     builtin = (ValueError, RuntimeError, TypeError, KeyError, IndexError, FileNotFoundError, TimeoutError,
                NotImplementedError, AssertionError, MemoryError)
-    return {c.__name__: c for c in (*builtin, NonFiniteError, WeightSyncError, CheckpointError, ConfigError)}
+    return {c.__name__: c for c in (*builtin, NonFiniteError, WeightSyncError, CheckpointError, ConfigError,
+                                    torch.OutOfMemoryError)}  # the driver names the phase and what to shrink
 
 
 def encode(obj, blobs: list[bytes]):

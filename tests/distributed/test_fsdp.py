@@ -203,3 +203,19 @@ def test_rank_messages_are_json_and_safetensors_and_round_trip():
     assert got == msg and isinstance(got["header"], tuple)
     with pytest.raises(TypeError, match="cannot cross between trainer ranks"):
         send_msg(a, {"x": object()})
+
+
+def test_a_rank_out_of_gpu_memory_reaches_the_driver_as_torchs_error():
+    """A rank's CUDA out-of-memory error is rebuilt as torch's type on the driver (with the rank's traceback as
+    a note), so the driver's OutOfMemory message (phase, step, what to shrink) covers trainer groups too."""
+    import torch
+
+    from rl4bit.trainer_group import _error, _raise
+
+    try:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB.")
+    except torch.OutOfMemoryError as e:
+        sent = _error(e)
+    with pytest.raises(torch.OutOfMemoryError, match="CUDA out of memory. Tried") as exc:
+        _raise(1, sent)
+    assert "raised on trainer rank 1" in "".join(exc.value.__notes__)

@@ -276,8 +276,9 @@ def test_out_of_memory_names_phase_step_and_settings_and_the_run_resumes(tmp_pat
     assert driver.main(QUICKSTART, out=str(run_dir), overrides=CFG) == 1
     err = capsys.readouterr().err
     assert (f"rl4bit train: error: the job ran out of GPU memory in its {phase} phase at step 2 "
-            f"(CUDA out of memory). Lower ") in err, err
-    shrink = "trainer.tokens_per_microbatch (now 4096" if phase == "train" else "sampler.max_batch_size (now 64"
+            f"(CUDA out of memory). To fit: lower ") in err, err
+    shrink = ("trainer.tokens_per_microbatch (now 4096: the same update in smaller micro-batches) or set "
+              "trainer.recompute=true" if phase == "train" else "sampler.max_batch_size (now 64: the KV cache")
     assert shrink in err and "Continue from the last checkpoint (step 1): rl4bit train --resume" in err, err
     monkeypatch.setattr(cls, method, real)
     assert driver.main(None, resume=str(run_dir)) == 0
