@@ -96,14 +96,13 @@ class Config:
 
 
 MIN_COMPILED_BLOCK_K = 64
-"""Smallest K step a compiled kernel takes. A 16-wide step is wrong on the GPU: on an H100 (Triton 3.6), the
-seventeenth session saw the W-first and x-first forms of a 16 x 32 tile disagree at block_k=16, and the
-eighteenth's `scripts/check_k16.py` found BOTH forms wrong there (every 16 x 32 config: 1 or 2 warps, 1 or 3
-stages, x pre-decoded or not; relative error 1.6-1.9 against the exact FP64 product, columns scattered over the
-row, the wrong set moving with the warp count), while every 32-wide-step config was bitwise equal to TRAIN. The
-interpreter is right at 16, so the fault is in how the compiled 16-wide step lays out or decodes its operands,
-not in the algorithm; not found (no GPU time left). 32 passed once, on check_k16's shapes; 64 and up are what
-the tests and sweeps cover, hence this bound."""
+"""Smallest K step a compiled kernel takes. A 16-wide step is wrong on the GPU (H100, Triton 3.6,
+`scripts/check_k16.py`): every 16 x 32 config, x-first and W-first, x pre-decoded or not, 1 or 2 warps, is off
+by order 1 against the exact FP64 product, the wrong columns moving with the warp count, while every 32-wide
+config is bitwise equal to TRAIN. The interpreter is right at 16, so the fault is in how the compiled 16-wide
+step decodes or multiplies the weights' tile (pre-decoded x does not help), not in the algorithm; where exactly
+is not known yet (check_k16's decode sections tell). 32 was right on check_k16's shapes only; 64 and up are
+what the tests and sweeps cover, hence this bound (PERF_NOTES_RL.md, seventeenth and eighteenth sessions)."""
 
 
 DECODE = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=True, block_k=256)

@@ -21,10 +21,11 @@ what the step-start figure is made of. `-o KEY=VALUE` overrides a config value i
 
 The jobs run one after the other: before each, the process frees what it can (`gc`, the allocator's cache)
 and the job's result records what was still allocated (`held_at_start_gib`: counted in its peak). A job that
-runs out of GPU memory ends the bench with an error naming the job, the device's memory and the overrides that
-shrink the job, after writing the finished job's row to `bench_step.json` (`--out`): `configs/gpu-h200.yaml`
-is sized for a 141 GB H200, where the bf16 job peaked at 77.3 GiB; on an 80 GB H100 that job runs out (the
-eighteenth session's run) unless its micro-batches shrink.
+runs out of GPU memory ends the bench with an error naming the job, its phase and step, the device's memory
+and the overrides that shrink both jobs alike; the finished job's figures are printed first and
+`bench_step.json` (`--out`) says the run is incomplete. `configs/gpu-h200.yaml` is sized for a 141 GB H200
+(its bf16 job peaked at 77.3 GiB there and ran out of memory on an 80 GB H100; half-size micro-batches, the
+suggested override, are not yet run there).
 
 Leaves out: Ray actors (the device image has no Ray), several samplers, and the
 warm start (its cost is the same under both recipes).
@@ -46,6 +47,7 @@ from pathlib import Path
 import torch
 
 from rl4bit.atomic import atomic_write_text
+from rl4bit.driver import JOB_ERRORS, OutOfMemory as JobOutOfMemory
 from rl4bit.metrics import MEMORY_KEYS
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu-h200.yaml"
@@ -88,6 +90,10 @@ class OutOfMemory(RuntimeError):
     """A bench job ran out of GPU memory; the message says which, on what device and what to shrink."""
 
 
+ERRORS = (OutOfMemory, *JOB_ERRORS)
+"""Failures `rl4bit bench step` prints as one line (exit status 1)."""
+
+
 def _free_cuda() -> int:
     """Bytes still allocated by torch on the current CUDA device once garbage is collected and the cache freed."""
     gc.collect()
@@ -95,18 +101,19 @@ def _free_cuda() -> int:
     return torch.cuda.memory_allocated()
 
 
-def _oom_message(recipe: str, device: str, held: int, err) -> str:
-    """`err`: the driver's OutOfMemory (phase, step, detail)."""
+def _oom_message(recipe: str, cfg, config: Path, held: int, err) -> str:
+    """`err`: the driver's OutOfMemory (phase, step, detail); `cfg` the job's config, loaded from `config`."""
     where = ""
-    if device.startswith("cuda") and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(torch.device(device))
+    if cfg.trainer.device.startswith("cuda") and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(torch.device(cfg.trainer.device))
         where = f" on {props.name} ({props.total_memory / 2**30:.1f} GiB; {held / 2**30:.1f} GiB held before the job)"
     step = "before its first RL step" if err.step == 0 else f"at step {err.step}"
-    return (f"bench step: the {recipe} job ran out of GPU memory{where} in its {err.phase} phase {step} "
-            f"({err.detail}). configs/gpu-h200.yaml is sized for a 141 GB "
-            f"H200 (the bf16 job peaked at 77.3 GiB there). Shrink the job in both recipes alike, e.g. "
-            f"-o trainer.tokens_per_microbatch=8192 (the same rollouts and update, smaller micro-batches) or "
-            f"-o trainer.recompute=true (activations recomputed in the backward); -o rl.prompts_per_step=16 halves "
+    size = " (sized for a 141 GB H200: its bf16 job peaked at 77.3 GiB there)" if config == CONFIG else ""
+    half = max(1, cfg.trainer.tokens_per_microbatch // 2)
+    return (f"the {recipe} job of {config.name}{size} ran out of GPU memory{where} in its {err.phase} "
+            f"phase {step} ({err.detail}). Shrink both jobs alike, e.g. -o trainer.tokens_per_microbatch={half} "
+            f"(the same rollouts and update in smaller micro-batches) or -o trainer.recompute=true (activations "
+            f"recomputed in the backward); -o rl.prompts_per_step={max(1, cfg.rl.prompts_per_step // 2)} halves "
             f"the workload itself.")
 
 
@@ -114,7 +121,7 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> 
     """One job in this process; its per-step metrics and the allocator's peak (and its largest allocation
     sites after the first step when `sites` > 0)."""
     from rl4bit.config import load_config
-    from rl4bit.driver import OutOfMemory as JobOutOfMemory, run
+    from rl4bit.driver import run
     from rl4bit.rundir import create_run_dir
 
     cfg = load_config(config, [*overrides, f"recipe.name={recipe}"])
@@ -143,7 +150,7 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> 
             records = [r for r in run(cfg, create_run_dir(cfg, Path(d) / "run"), on_step=after_step)
                        if r.get("step", 0) >= 1]
     except JobOutOfMemory as err:
-        raise OutOfMemory(_oom_message(recipe, cfg.trainer.device, held, err)) from None
+        raise OutOfMemory(_oom_message(recipe, cfg, config, held, err)) from None
     finally:
         if recording:
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -177,7 +184,11 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, confi
         try:
             rows.append(run_job(config, recipe, overrides, memory_sites))
         except OutOfMemory:
-            if out and rows:  # the finished job's figures are kept
+            for row in rows:  # the finished job's figures are kept: printed, and in bench_step.json
+                print(f"\n{row['recipe']} (finished): " + ", ".join(f"{p} {row['seconds'][p]:.3f} s"
+                                                                 for p in (*PHASES, "step"))
+                      + (f", peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else ""))
+            if out:  # also when no job finished: an earlier run's file must not pass for this one's
                 atomic_write_text(Path(out) / "bench_step.json", json.dumps(
                     {"device": device, "config": str(config), "quick": quick, "rows": rows,
                      "incomplete": f"the {recipe} job ran out of GPU memory"}, indent=1))
@@ -224,8 +235,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     try:
         run(a.device, a.quick, a.out, a.config, a.steps, a.new_tokens, a.memory_sites, a.override)
-    except OutOfMemory as err:
-        raise SystemExit(str(err)) from None
+    except ERRORS as err:
+        raise SystemExit(f"rl4bit bench step: error: {err}") from None
 
 
 if __name__ == "__main__":

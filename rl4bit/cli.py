@@ -143,7 +143,11 @@ def cmd_bench(args) -> int:
             print(f"rl4bit bench {args.what}: takes no decode argument (only `bench gemm --decode`)", file=sys.stderr)
             return 2
         kwargs["decode_only"] = True
-    mod.run(**kwargs)
+    try:
+        mod.run(**kwargs)
+    except getattr(mod, "ERRORS", ()) as e:  # a bench's own failures, named by its module (`bench step`'s OOM)
+        print(f"rl4bit bench {args.what}: error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

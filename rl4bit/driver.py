@@ -95,8 +95,8 @@ from rl4bit.weight_sync import WeightSyncError, update_bytes
 class OutOfMemory(RuntimeError):
     """The job ran out of GPU memory: the message names the phase and the step, the settings that shrink that
     phase (with this job's values) and where to continue from. Checkpoints already written stay as they are.
-    `phase`, `step` (0: before the first RL step) and `detail` (torch's first sentence) for callers that word
-    their own message (`bench step`)."""
+    `phase`, `step` (0: before the run's first RL step) and `detail` (torch's first two sentences) for callers
+    that word their own message (`bench step`)."""
 
     def __init__(self, message: str, phase: str, step: int, detail: str):
         super().__init__(message)
@@ -152,7 +152,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
     cluster = Cluster(cfg, run_dir)
     logger = pool = trainer = None
     world = int(getattr(cfg.trainer, "world_size", 1))
-    phase, step = "setup", 0  # where an out-of-memory error is reported to have happened
+    phase, step, start = "setup", 0, 0  # where an out-of-memory error is reported to have happened
     try:
         from rl4bit.sampler.actor import Sampler
 
@@ -186,6 +186,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 phase = "warm start"
                 warm = get(trainer.warm_start(train_set))
                 print(f"warm start: {cfg.run.warmup_sft_steps} steps, loss {warm['warmup/loss_first']:.3f} -> {warm['warmup/loss_last']:.3f}")
+                phase = "setup"
             get(trainer.setup_rl())
         logger = MetricsLogger(run_dir, total_steps=cfg.rl.steps, tensorboard=cfg.run.tensorboard,
                                progress=cfg.run.progress, start_step=start)
@@ -277,8 +278,9 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         except ActorDiedError as e:  # a Sampler past its restarts, the Trainer, the reward pool
             raise ActorDiedError(e.actor, e.detail, f"the job stops at step {step}. {_resume_hint(run_dir)}") from None
     except torch.OutOfMemoryError as e:  # an actor's, re-raised as itself by `get`, or this process's (local mode)
-        detail = str(e).split(". ")[0][:200]
-        raise OutOfMemory(_out_of_memory(cfg, phase, step, detail, run_dir), phase, step, detail) from None
+        detail = ". ".join(str(e).split(". ")[:2])[:200]  # "CUDA out of memory. Tried to allocate X GiB"
+        at = step if step > start else 0  # 0: before the run's first RL step (after a resume too)
+        raise OutOfMemory(_out_of_memory(cfg, phase, at, detail, run_dir), phase, at, detail) from None
     finally:
         invariant.set_mode(False)  # local mode: the trainer and samplers turned it on in this process
         if logger is not None:
@@ -328,7 +330,7 @@ def _out_of_memory(cfg: JobConfig, phase: str, step: int, detail: str, run_dir: 
         "evaluate": f"{sampler}, or lower data.eval_size (now {cfg.data.eval_size})",
         "train": train,
         "sync": f"{sampler}: trainer and samplers hold their weights while the update passes between them",
-        "checkpoint": train,
+        "checkpoint": f"{sampler} (the samplers' caches stay allocated while the trainer's state is copied out)",
         "score": "keep the reward functions off the GPU",
     }[phase]
     where = "before its first RL step" if step == 0 else f"at step {step}"
@@ -454,7 +456,7 @@ def sync_weights(trainer, samplers) -> tuple[int, float]:
                 get(s.abort_update(str(e)))
             except Exception:  # a dead sampler cannot abort; the job stops anyway
                 pass
-        if isinstance(e, ActorDiedError):  # the run loop names it and adds the resume hint
+        if isinstance(e, (ActorDiedError, torch.OutOfMemoryError)):  # the run loop names them, adds the resume hint
             raise
         if isinstance(e, WeightSyncError):
             raise WeightSyncError(f"{e}; the job stops (fail-stop)") from e

@@ -95,7 +95,7 @@ case "$mode" in
         # (eighteenth session): there, the same rollouts in half-size micro-batches
         mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
         small=(); [ "${mib:-0}" -lt 100000 ] && small=(-o trainer.tokens_per_microbatch=8192)
-        run step 230 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128 "${small[@]}"
+        run step 230 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128 --out "$out" "${small[@]}"
         tail -30 "$out/step.txt" ;;
     *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | rl | all]" >&2; exit 2 ;;
 esac

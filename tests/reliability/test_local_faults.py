@@ -256,7 +256,8 @@ def test_k_non_finite_steps_in_a_row_stop_the_job(tmp_path, monkeypatch, capsys,
 
 
 @pytest.mark.parametrize("phase,cls,method,nth", [("train", Trainer, "train_step", 2),
-                                                  ("sample", Sampler, "generate", 3)])  # call 1: step 0's evaluation
+                                                  ("sample", Sampler, "generate", 3),  # call 1: step 0's evaluation
+                                                  ("sync", Trainer, "weight_tensors", 3)])  # call 1: before step 0
 def test_out_of_memory_names_phase_step_and_settings_and_the_run_resumes(tmp_path, reference, monkeypatch, capsys,
                                                                           phase, cls, method, nth):
     """torch's out-of-memory error at step 2 (injected: CPU runs have no GPU allocator) stops the job with one
@@ -276,7 +277,7 @@ def test_out_of_memory_names_phase_step_and_settings_and_the_run_resumes(tmp_pat
     assert driver.main(QUICKSTART, out=str(run_dir), overrides=CFG) == 1
     err = capsys.readouterr().err
     assert (f"rl4bit train: error: the job ran out of GPU memory in its {phase} phase at step 2 "
-            f"(CUDA out of memory). To fit: lower ") in err, err
+            f"(CUDA out of memory. Tried to allocate 2.00 GiB). To fit: lower ") in err, err
     shrink = ("trainer.tokens_per_microbatch (now 4096: the same update in smaller micro-batches) or set "
               "trainer.recompute=true" if phase == "train" else "sampler.max_batch_size (now 64: the KV cache")
     assert shrink in err and "Continue from the last checkpoint (step 1): rl4bit train --resume" in err, err
