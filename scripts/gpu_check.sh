@@ -2,12 +2,15 @@
 # GPU checks on the lent H200 image (torch, triton, transformers; no ray, no vllm), one device call a mode (each
 # under the 10-minute call limit; fourteenth-session times), outputs into $OUT (or ./gpu-check-out), at most 8
 # files a mode (what the device tool brings back). Stops at nothing: every step's exit code is in steps.txt.
-#   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | rl | all]
+#   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | rl | step | all]
 #   tests: the GPU tests of the decode path's kernels (~5.5 min on the H200; on a cold H100 the first call
 #          passed 6 minutes at half the tests, the same tests warm took 2.8 min: seventeenth session)
 #   perf: the batch-1 decode profile, `bench rollout` (4.5 min on the H100), `bench gemm --decode`, the one-token decode GEMM sweep and
 #         the attention split sweep (~7 min)
-#   rl:   RL parity (2 steps, invariant kernels on and off) and `bench step` (~6.5 min)
+#   rl:   RL parity (2 steps, invariant kernels on and off; 6.3 min on a cold H100, eighteenth session, where
+#         the "on" run's 160 s limit cut its final evaluation: now 220 s)
+#   step: `bench step` alone (the nvfp4 job took ~3 min on the H100 before the bf16 job ran out of memory;
+#         both jobs, half-size micro-batches on GPUs under 100 GB: predicted 6-8 min, not yet run)
 #   profile: decode profiles at batch 16 and 64 (where the NVFP4 / BF16 targets are), the routing kernel's
 #         warp sweep and the decode GEMM sweep at those batches (not yet run; ~7 min predicted)
 #   decode: which 16-wide-step form is wrong (check_k16), the decode tile sweep on bench rollout's experts at
@@ -84,18 +87,20 @@ case "$mode" in
     rl)
         for invariant in true false; do
             rm -rf /tmp/rl-$invariant  # a second call on a warm machine: no stale run dir
-            run parity-$invariant 160 python3 -P -m rl4bit.cli train configs/gpu-h200.yaml \
+            run parity-$invariant $([ $invariant = true ] && echo 220 || echo 160) python3 -P -m rl4bit.cli train configs/gpu-h200.yaml \
                 -o model.invariant_kernels=$invariant -o rl.steps=2 -o sampler.max_new_tokens=32 \
                 -o sampler.ignore_eos=true -o run.warmup_sft_steps=0 -o data.eval_size=8 --out /tmp/rl-$invariant
             cp /tmp/rl-$invariant/metrics.jsonl "$out/metrics-$invariant.jsonl" 2>/dev/null
             grep -oE '"(step|mismatch/k3|mismatch/max_abs|time/[a-z_]+)": [-0-9.e]+' \
                 "$out/metrics-$invariant.jsonl" | head -24
-        done
+        done ;;
+    step)
         # configs/gpu-h200.yaml's bf16 job peaked at 77.3 GiB on the H200 and ran out of memory on an 80 GB H100
         # (eighteenth session): there, the same rollouts in half-size micro-batches
         mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
         small=(); [ "${mib:-0}" -lt 100000 ] && small=(-o trainer.tokens_per_microbatch=8192)
-        run step 230 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128 --out "$out" "${small[@]}"
+        run step 540 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128 --out "$out" "${small[@]}"
         tail -30 "$out/step.txt" ;;
-    *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | rl | all]" >&2; exit 2 ;;
+    *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | rl | step | all]" >&2
+       exit 2 ;;
 esac
