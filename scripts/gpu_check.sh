@@ -15,7 +15,7 @@
 #         warp sweep and the decode GEMM sweep at those batches (not yet run; ~7 min predicted)
 #   decode: which 16-wide-step form is wrong (check_k16), the decode tile sweep on bench rollout's experts at
 #         1 / 16 / 64 tokens (w_first and 8-warp tiles included), then the NVFP4 engine's rollout with the
-#         default tile beside the sweep's best, side by side (scripts/ab_decode_config.py; ~8 min predicted)
+#         default tile beside the sweep's best, side by side (scripts/ab_decode_config.py; 235 s, cold H100)
 #   kernels: `bench gemm --decode` (the whole table), the attention split sweep (batch 8 added), the
 #         batch-1 decode profile (87 s on a warm H100, eighteenth session) and the activation quantize's warp sweep
 #   all (the default): tests, then the profile and `bench rollout` (~9.7 min warm on the H200, the fourteenth
