@@ -88,9 +88,9 @@ class Config:
     with x as A, every k16 step gathers x's A fragment from four 128-bit shared loads into a register quad (~90
     register moves a 256-wide K step, DECODE's sm_90 SASS); as B, x's fragment is a pair from one load. sm_90
     SASS (Triton 3.6), thread instructions a weight element in the K loop: DECODE (16 x 64, 4 warps) 4.45,
-    w_first 16 x 64 with 2 warps 3.92, 16 x 32 with 2 warps 4.22. Bitwise equal to TRAIN on an H100 (seventeenth
-    session: 16 x 64 and 16 x 32 with 2 warps at a 256 step, 16 x 32 with 1 warp at 64). Timed on the bench model's experts at 1-64 tokens in the eighteenth session
-    (`sweep_decode_gemm.py --one-token --rollout`, H100, best W-first tile against DECODE, µs): the down
+    w_first 16 x 64 with 2 warps 3.92, 16 x 32 with 2 warps 4.22. Bitwise equal to TRAIN on an H100 (16 x 64 and
+    16 x 32 with 2 warps at a 256 step, 16 x 32 with 1 warp at 64). Timed on the bench model's experts at 1-64
+    tokens (`sweep_decode_gemm.py --one-token --rollout`, H100, best W-first tile against DECODE, µs): the down
     projection at 1 / 2 / 4 tokens 8.9 / 10.6 / 12.6 against 9.1 / 10.9 / 12.9 (2-3% faster), everything else
     3-16% slower (gate_up at 1 token 11.8 against 10.2, at 64 tokens 36.4 against 32.5): not a default."""
 

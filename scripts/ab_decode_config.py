@@ -62,7 +62,8 @@ def main() -> int:
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--new", type=int, default=512, help="generated tokens a sequence (bench rollout: 512)")
     p.add_argument("--prompt", type=int, default=128)
-    p.add_argument("--model", default="1b", choices=sorted(MODELS), help="bench rollout's model (small: a CPU smoke run)")
+    p.add_argument("--model", default="1b", choices=sorted(MODELS),
+                   help="bench rollout's model (small: a CPU smoke run)")
     p.add_argument("--device", default="cuda", help="cpu: the script's logic only (the CPU experts run no tiles)")
     p.add_argument("--out")
     args = p.parse_args()

@@ -90,7 +90,8 @@ def main() -> int:
                 if args.quick or not same:
                     cells.append("same" if same else "DIFFERS")
                     continue
-                cells.append(f"{_time_us([lambda i=i: run(kind, i, decode, w, b) for i in inputs], args.device, args.reps):.2f}")
+                calls = [lambda i=i: run(kind, i, decode, w, b) for i in inputs]
+                cells.append(f"{_time_us(calls, args.device, args.reps):.2f}")
             print(f"{kind:>8} {t:>6} " + " ".join(f"{c:>8}" for c in cells))
     if bad:
         print(f"{bad} variants' outputs differ from the default launch's", file=sys.stderr)
