@@ -510,6 +510,17 @@ def shared_tile_map(maps: dict | None, counts, groups: int, rows: int, block_m: 
     return maps[key]
 
 
+def predecode(qx, decode: str, block_k: int = BLOCK_K) -> torch.Tensor:
+    """x's codes decoded to the FP16 operand of a config that pre-decodes x (`_predecode_kernel`, `decode` a key of
+    DECODES), walking K in steps of block_k: the values do not depend on the step (scripts/check_k16.py checks)."""
+    rows, k = qx.data.shape[0], qx.data.shape[1] * 2
+    xh = torch.empty((rows, k), dtype=torch.float16, device=qx.data.device)
+    _predecode_kernel[(triton.cdiv(rows, 16), triton.cdiv(k, block_k))](
+        _words(qx.data), qx.scale.contiguous().view(torch.uint8), xh, rows, k, BLOCK_R=16, BLOCK_K=block_k,
+        DECODE=DECODES[decode], num_warps=1)
+    return xh
+
+
 def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, config: Config | None = None,
                   decode: str | None = None, xh: torch.Tensor | None = None, maps: dict | None = None) -> torch.Tensor:
     """y [R, N] in out_dtype = grouped dequant(qx) @ dequant(qw[e])ᵀ; rows of expert e contiguous (counts[e]).
@@ -537,9 +548,7 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
     if not cfg.predecode_x:
         xh = xd  # unused
     elif xh is None:
-        xh = torch.empty((rows, k), dtype=torch.float16, device=dev)
-        _predecode_kernel[(triton.cdiv(rows, 16), triton.cdiv(k, BLOCK_K))](
-            xd, xs, xh, rows, k, BLOCK_R=16, BLOCK_K=BLOCK_K, DECODE=DECODES[decode], num_warps=1)
+        xh = predecode(qx, decode)
     elif xh.shape != (rows, k) or xh.dtype != torch.float16 or not xh.is_contiguous() or xh.device != dev:
         raise ValueError(f"xh: need x decoded as a contiguous float16 [{rows}, {k}] tensor on {dev}, got {xh.dtype} "
                          f"{tuple(xh.shape)} on {xh.device}")

@@ -66,16 +66,6 @@ def decodes(device: str) -> list[str]:
     return ["asm", "bits", "f32"] if device == "cuda" else ["bits", "f32"]  # no inline PTX under the interpreter
 
 
-def predecoded(qx, block_k: int, decode: str) -> torch.Tensor:
-    """x decoded by `_predecode_kernel` at a K step of block_k (the values do not depend on it when it is right)."""
-    rows, k = qx.data.shape[0], qx.data.shape[1] * 2
-    xh = torch.empty((rows, k), dtype=torch.float16, device=qx.data.device)
-    qg._predecode_kernel[(-(-rows // 16), -(-k // block_k))](
-        qg._words(qx.data), qx.scale.contiguous().view(torch.uint8), xh, rows, k, BLOCK_R=16, BLOCK_K=block_k,
-        DECODE=qg.DECODES[decode], num_warps=1)
-    return xh
-
-
 def decode_sections(qx, qw, counts, want, scale, device) -> int:
     """The 16-wide GEMM under each decode, then the decode alone at 16 / 32 against 64; the count of wrong ones."""
     wrong = 0
@@ -88,13 +78,11 @@ def decode_sections(qx, qw, counts, want, scale, device) -> int:
         print(f"{16:>7} {warps:>5} {decode:>6} {rel:>9.2e}")
     print(f"{'block_k':>7} {'decode':>6}  _predecode_kernel tile = its 64-wide tile (values off)")
     for decode in decodes(device):
-        ref = predecoded(qx, 64, decode)
+        ref = qg.predecode(qx, decode, 64).view(torch.int16)
         for bk in (16, 32):
-            got = predecoded(qx, bk, decode)
-            same = torch.equal(got.view(torch.int16), ref.view(torch.int16))
-            wrong += not same
-            print(f"{bk:>7} {decode:>6}  {str(same):>5} ({int((got.view(torch.int16) != ref.view(torch.int16)).sum())} "
-                  f"of {ref.numel()})")
+            off = int((qg.predecode(qx, decode, bk).view(torch.int16) != ref).sum())
+            wrong += off > 0
+            print(f"{bk:>7} {decode:>6}  {str(off == 0):>5} ({off} of {ref.numel()})")
     return wrong
 
 
