@@ -56,6 +56,13 @@ from rl4bit.kernels.swiglu_triton import swiglu_values
 
 NV_BLOCK = 16
 MAX_ROW_K = 16384  # widest row held in one program; wider rows get their amax from torch first
+SWIGLU_PER_THREAD = 4
+"""Elements a thread of a ``swiglu=True`` launch, which holds one row a program (the SwiGLU's exp and two loads a
+value make it heavier than a plain quantize's 16 a thread). `scripts/sweep_quantize.py`, H100, the bench model's
+768-wide down input with 4/6 and the pre-decoded operand, µs a call at 1 / 16 / 64 tokens: 3.07 / 3.18 / 3.65 for
+one row and 8 warps (this) against 5.15 / 5.25 / 5.43 for the former two rows and 4 warps (16 a thread); 16 warps
+two rows 3.74 / 3.83 / 4.02, 4 warps one row 3.36 / 3.49 / 3.80 (nineteenth session). The tile cannot change a bit
+(a row's amax is a max, the 4/6 errors pairwise sums within a block): the sweep checked every output."""
 
 
 @triton.jit
@@ -277,7 +284,10 @@ def quantize_nvfp4(x: torch.Tensor, *, outer: str = "tensor", four_over_six: boo
     # Elements a thread: 32 for round-to-nearest; 16 for 4/6 (two candidates live) and SR (Philox
     # state), where 32 needs ~255 registers. Fewer warps a row also means a cheaper row amax.
     per_thread = 16 if four_over_six or stochastic else 32
-    block_r, block_k = _tile(K, row_amax, block_elems or 128 * per_thread)  # 4 warps
+    target = 128 * per_thread  # 4 warps
+    if swiglu:  # one row a program, SWIGLU_PER_THREAD elements a thread
+        per_thread, target = SWIGLU_PER_THREAD, 1
+    block_r, block_k = _tile(K, row_amax, block_elems or target)
     grid = (triton.cdiv(R, block_r), triton.cdiv(K, block_k))
     warps = num_warps or min(16, max(1, block_r * block_k // (32 * per_thread)))
     if decoded is not None:

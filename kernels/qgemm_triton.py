@@ -100,9 +100,13 @@ MIN_COMPILED_BLOCK_K = 64
 `scripts/check_k16.py`): every 16 x 32 config, x-first and W-first, x pre-decoded or not, 1 or 2 warps, is off
 by order 1 against the exact FP64 product, the wrong columns moving with the warp count, while every 32-wide
 config is bitwise equal to TRAIN. The interpreter is right at 16, so the fault is in how the compiled 16-wide
-step decodes or multiplies the weights' tile (pre-decoded x does not help), not in the algorithm; where exactly
-is not known yet (check_k16's decode sections tell). 32 was right on check_k16's shapes only; 64 and up are
-what the tests and sweeps cover, hence this bound (PERF_NOTES_RL.md, seventeenth and eighteenth sessions)."""
+step decodes or multiplies the weights' tile (pre-decoded x does not help), not in the algorithm. The nineteenth
+session's check_k16 (H100) narrowed it: at 16 the plain FP32 decode ("f32") is right inside the GEMM and both
+bit-trick decodes ("asm", "bits") are wrong there, while `_predecode_kernel` at 16 stores the same values as at
+64 for all three: the bit-trick tile (`_pairs_in_k_order`'s joins) is decoded right but reaches the k16 dot's
+operand layout wrong, a layout conversion of the compiler at that width. 32 was right on check_k16's shapes
+only; 64 and up are what the tests and sweeps cover, hence this bound (PERF_NOTES_RL.md, seventeenth to
+nineteenth sessions)."""
 
 
 DECODE = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=True, block_k=256)
