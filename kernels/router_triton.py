@@ -1,4 +1,4 @@
-"""An MoE router's gate in one Triton launch: logits, softmax, top-k and the renormalized top-k weights.
+"""An MoE router's gate in two Triton launches: logits, softmax, top-k and the renormalized top-k weights.
 
     logits, weights, index = route_topk(x, w, top_k, normalize, compute_dtype)
 
@@ -6,8 +6,8 @@ For x [T, H] (any float dtype) and the gate weight w [E, H], per token row (C = 
 `F.linear` would run in, the autocast dtype or the operands' promotion; FP32 for rl4bit's FP32 routers):
 
     part_c = sum over the CHUNK hidden columns of chunk c of C(x_k) * C(w_ek)     FP32 products, no FMA;
-             BLOCK_K columns at a time summed by `tl.sum`, those steps added in order   (`_partial`)
-    logits = C((part_0 + part_1) + ...)       the chunks in order                        (`_topk_rows`)
+             BLOCK_K columns at a time summed by `tl.sum`, those steps added in order   (`_partial_kernel`)
+    logits = C((part_0 + part_1) + ...)       the chunks in order                        (`_topk_kernel`)
     p = exp(logits - max) / sum(exp(...))     FP32 (IEEE division), over the E experts
     index = the top_k largest p, largest first; equal values: the lower expert first; NaN counts as largest
     weights = C(p_index / ((p_0 + p_1) + ...)) with `normalize` (left to right, in the order chosen),
@@ -18,19 +18,8 @@ renormalization, `.to(logits.dtype)`), to rounding: other sum orders and `tl.exp
 promises instead is rl4bit's rule for every fused kernel: a row's bits depend on that row alone (every tile
 shape and the chunking come from E and C, never from T), and the trainer (`trainer/fused_router.py`,
 training through an autograd Function) and the samplers run these same kernels, so they agree bitwise. On a
-decode step one launch replaces about seven (the FP32 input cast, cuBLAS's GEMM and split-K reduce, softmax,
+decode step two launches replace about seven (the FP32 input cast, cuBLAS's GEMM and split-K reduce, softmax,
 top-k's two kernels, the sum and the division); the chunks spread a one-token GEMV over H / CHUNK programs.
-
-One launch, not a partial-sum kernel and a top-k kernel: each (token block, chunk) program stores its partials
-and counts itself done on its row group's counter (ROWS tokens a group), and the group's last program to finish
-adds the group's partials in chunk order and takes the top-k (`_router_kernel`; the counter goes back to 0 for
-the next call). The hand-off is the attention's (`attention_triton`: CUTLASS's split-K semaphore, a CTA barrier
-then one thread's acq_rel atomic at GPU scope, the partials read from L2). Which program comes last changes
-nothing: the sums are the same ops in the same order. The nineteenth session's H100 profile had the two
-kernels at 2.70 + 3.53 µs a layer of a batch-1 decode step. The top-k now runs in the partial programs' one
-warp (it had four), so its softmax sum may group differently from the two-launch version's: other bits than
-that version's, the same bits in every pass that runs this kernel.
-
 No `tl.dot`: an FP32 `tl.dot` (FMA) ran 75 µs for one token on the H200, and under TRITON_INTERPRET=1 it is
 numpy's matmul, whose row bits moved with the row's place in the tile (`invariant_triton.interpreter_dot`).
 
@@ -55,7 +44,7 @@ CHUNK = 128
 """Hidden columns a partial sum covers: logits add the partials of chunks 0, 1, ... in order."""
 
 ROWS = 16
-"""Token rows of a row group: one top-k (by the group's last program) covers them. A multiple of BLOCK_T."""
+"""Token rows a softmax / top-k program takes."""
 
 MAX_EXPERTS = 256
 
@@ -66,12 +55,14 @@ def block_k(experts: int) -> int:
     return min(CHUNK, max(8, 4096 // max(16, triton.next_power_of_2(experts))))
 
 
-@triton.jit
-def _partial(x_ptr, w_ptr, part_ptr, t, chunk, T, H, E, s_xt, s_we, C: tl.constexpr, X_IS_C: tl.constexpr,
-             W_IS_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
-             CHUNK: tl.constexpr):
-    """part[chunk, t, e] for the BLOCK_T token rows t: the sum over hidden columns of the chunk of C(x[t, k]) *
-    C(w[e, k]) (FP32 products, each BLOCK_K step summed by `tl.sum`, the steps added in order)."""
+@triton.jit(do_not_specialize=["T"])
+def _partial_kernel(x_ptr, w_ptr, part_ptr, T, H, E, s_xt, s_we, C: tl.constexpr, X_IS_C: tl.constexpr,
+                    W_IS_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                    CHUNK: tl.constexpr):
+    """part[c, t, e] = sum over hidden columns of chunk c of C(x[t, k]) * C(w[e, k]) (FP32 products, each
+    BLOCK_K step summed by `tl.sum`, the steps added in order)."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    chunk = tl.program_id(1).to(tl.int64)
     t_ok = t < T
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
@@ -88,13 +79,11 @@ def _partial(x_ptr, w_ptr, part_ptr, t, chunk, T, H, E, s_xt, s_we, C: tl.conste
     tl.store(part_ptr + (chunk * T + t[:, None]) * E + e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
 
 
-@triton.jit
-def _topk_rows(part_ptr, logit_ptr, weight_ptr, index_ptr, group, T, E, n_chunks, TOP_K: tl.constexpr,
-               NORMALIZE: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-               K_PAD: tl.constexpr):
-    """Logits, top-k weights and indices of the ROWS token rows of row group `group` from their partials (read
-    from L2: other programs wrote them)."""
-    t = group.to(tl.int64) * ROWS + tl.arange(0, ROWS)
+@triton.jit(do_not_specialize=["T"])
+def _topk_kernel(part_ptr, logit_ptr, weight_ptr, index_ptr, T, E, n_chunks, TOP_K: tl.constexpr,
+                 NORMALIZE: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
+                 K_PAD: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     t_ok = t < T
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
@@ -102,7 +91,7 @@ def _topk_rows(part_ptr, logit_ptr, weight_ptr, index_ptr, group, T, E, n_chunks
     acc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
     rows = part_ptr + t[:, None] * E + e[None, :]  # chunk 0's partials; chunk c's lie c * T * E further
     for c in range(0, n_chunks):
-        acc = acc + tl.load(rows, mask=ok, other=0.0, cache_modifier=".cg")
+        acc = acc + tl.load(rows, mask=ok, other=0.0)
         rows += T * E
     logits = round_to(acc, C)
     tl.store(logit_ptr + t[:, None] * E + e[None, :], logits.to(logit_ptr.dtype.element_ty), mask=ok)
@@ -132,50 +121,6 @@ def _topk_rows(part_ptr, logit_ptr, weight_ptr, index_ptr, group, T, E, n_chunks
     tl.store(index_ptr + t[:, None] * TOP_K + c[None, :], index, mask=keep)
 
 
-@triton.jit(do_not_specialize=["T"])
-def _router_kernel(x_ptr, w_ptr, part_ptr, cnt_ptr, logit_ptr, weight_ptr, index_ptr, T, H, E, n_chunks, s_xt, s_we,
-                   C: tl.constexpr, X_IS_C: tl.constexpr, W_IS_C: tl.constexpr, BLOCK_T: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr, TOP_K: tl.constexpr,
-                   NORMALIZE: tl.constexpr, ROWS: tl.constexpr, K_PAD: tl.constexpr):
-    """Program (token block, chunk): its partials (`_partial`), then it counts itself done on its row group's
-    counter; the group's last program to finish runs `_topk_rows` for the group and sets the counter back to 0."""
-    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    _partial(x_ptr, w_ptr, part_ptr, t, tl.program_id(1).to(tl.int64), T, H, E, s_xt, s_we, C, X_IS_C, W_IS_C,
-             BLOCK_T, BLOCK_E, BLOCK_K, CHUNK)
-    group = tl.program_id(0) // (ROWS // BLOCK_T)
-    rows_in_group = tl.minimum(ROWS, T - group * ROWS)
-    programs = ((rows_in_group + BLOCK_T - 1) // BLOCK_T) * n_chunks
-    tl.debug_barrier()  # every thread's stores, then one thread's release (CUTLASS's semaphore arrive)
-    done = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")  # programs of the group done before this
-    if done == programs - 1:
-        tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")  # 0 again for the next call
-        _topk_rows(part_ptr, logit_ptr, weight_ptr, index_ptr, group, T, E, n_chunks, TOP_K, NORMALIZE, C, ROWS,
-                   BLOCK_E, K_PAD)
-
-
-_COUNTERS: dict = {}
-MIN_COUNTERS = 4096
-"""Row-group counters allocated at a device's first call (16 KB): 65,536 token rows without growing."""
-
-
-def counters(device: torch.device, groups: int) -> torch.Tensor:
-    """The device's zeroed int32 row-group counters, at least `groups` of them. Every call leaves them zero (each
-    group's last program resets its own), so one buffer serves every router on the device; calls sharing it
-    must not run concurrently (one stream, as the engine and the trainer run). Grown outside CUDA-graph capture
-    only: a buffer allocated inside a capture would live in the graph's private pool."""
-    key = str(device)
-    buf = _COUNTERS.get(key)
-    if buf is None or buf.numel() < groups:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"route_topk: {groups} row groups of {ROWS} tokens need more counters than the "
-                               f"{0 if buf is None else buf.numel()} allocated on {device}; call the router once "
-                               f"with at least this many tokens before capturing a CUDA graph")
-        buf = torch.zeros(max(groups, MIN_COUNTERS, 2 * (0 if buf is None else buf.numel())), dtype=torch.int32,
-                          device=device)
-        _COUNTERS[key] = buf
-    return buf
-
-
 def route_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, normalize: bool,
                compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits [T, E] in C, weights [T, top_k] in C, index [T, top_k] int64) of x [T, H] and w [E, H] (see the
@@ -197,11 +142,13 @@ def route_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, normalize: bool,
     n_chunks = triton.cdiv(h, CHUNK)
     bd = max(16, triton.next_power_of_2(e))
     part = torch.empty(n_chunks, t, e, dtype=torch.float32, device=x.device)
-    cnt = counters(x.device, triton.cdiv(t, ROWS))
     with _on_device(x):
-        _router_kernel[(triton.cdiv(t, BLOCK_T), n_chunks)](
-            x, w, part, cnt, logits, weights, index, t, h, e, n_chunks, x.stride(0), w.stride(0),
-            C=FLOAT_TL[compute_dtype], X_IS_C=x.dtype == compute_dtype, W_IS_C=w.dtype == compute_dtype,
-            BLOCK_T=BLOCK_T, BLOCK_E=bd, BLOCK_K=block_k(e), CHUNK=CHUNK, TOP_K=top_k, NORMALIZE=bool(normalize),
-            ROWS=ROWS, K_PAD=triton.next_power_of_2(top_k), num_warps=1, enable_fp_fusion=False)
+        _partial_kernel[(triton.cdiv(t, BLOCK_T), n_chunks)](
+            x, w, part, t, h, e, x.stride(0), w.stride(0), C=FLOAT_TL[compute_dtype],
+            X_IS_C=x.dtype == compute_dtype, W_IS_C=w.dtype == compute_dtype, BLOCK_T=BLOCK_T, BLOCK_E=bd,
+            BLOCK_K=block_k(e), CHUNK=CHUNK, num_warps=1, enable_fp_fusion=False)
+        _topk_kernel[(triton.cdiv(t, ROWS),)](
+            part, logits, weights, index, t, e, n_chunks, TOP_K=top_k, NORMALIZE=bool(normalize),
+            C=FLOAT_TL[compute_dtype], ROWS=ROWS, BLOCK_E=bd, K_PAD=triton.next_power_of_2(top_k), num_warps=4,
+            enable_fp_fusion=False)
     return logits, weights, index

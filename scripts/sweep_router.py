@@ -1,8 +1,8 @@
-"""Time the fused router's one kernel over tile shapes, beside torch's router ops (GPU).
+"""Time the fused router's partial-sum kernel over tile shapes, beside torch's router ops (H200).
 
     python -P scripts/sweep_router.py [--hidden 2048 --experts 32 --top-k 4]
 
-Prints µs a call (50 calls in one CUDA graph, median of 20 replays) of `router_triton._router_kernel` for each
+Prints µs a call (50 calls in one CUDA graph, median of 20 replays) of `router_triton._partial_kernel` for each
 (BLOCK_T, BLOCK_K, CHUNK, warps) at 1, 16 and 128 tokens, FP32 (rl4bit's router) and BF16, then
 `route_topk` as shipped and torch's ops (`fused_router.reference`: `F.linear`, softmax, top-k, renormalize)
 as the baseline. Tile shapes change the bits (the sum order), not the results' meaning: pick one, then every
@@ -60,22 +60,17 @@ def main() -> None:
                     continue
                 n_chunks = triton.cdiv(h, chunk)
                 part = torch.empty(n_chunks, t, e, device="cuda")
-                outs = (torch.empty(t, e, device="cuda", dtype=dtype), torch.empty(t, args.top_k, device="cuda",
-                        dtype=dtype), torch.empty(t, args.top_k, device="cuda", dtype=torch.int64))
-                cnt = rr.counters(x.device, triton.cdiv(t, rr.ROWS))
 
                 def call():
-                    rr._router_kernel[(triton.cdiv(t, bt), n_chunks)](
-                        x, w, part, cnt, *outs, t, h, e, n_chunks, x.stride(0), w.stride(0), C=rr.FLOAT_TL[dtype],
-                        X_IS_C=True, W_IS_C=True, BLOCK_T=bt, BLOCK_E=bd, BLOCK_K=bk, CHUNK=chunk,
-                        TOP_K=args.top_k, NORMALIZE=True, ROWS=rr.ROWS,
-                        K_PAD=triton.next_power_of_2(args.top_k), num_warps=warps, enable_fp_fusion=False)
+                    rr._partial_kernel[(triton.cdiv(t, bt), n_chunks)](
+                        x, w, part, t, h, e, x.stride(0), w.stride(0), C=rr._TL[dtype], X_IS_C=True, W_IS_C=True,
+                        BLOCK_T=bt, BLOCK_E=bd, BLOCK_K=bk, CHUNK=chunk, num_warps=warps, enable_fp_fusion=False)
                 rows.append((_time(call), bt, bk, chunk, warps))
             rows.sort()
             shipped = _time(lambda: rr.route_topk(x, w, args.top_k, True, dtype))
             torch_us = _time(lambda: reference(x, w, args.top_k, True, dtype))
             print(f"{dtype} T={t}: route_topk as shipped {shipped:.1f} µs, torch ops {torch_us:.1f} µs; "
-                  f"router kernel fastest (µs, BLOCK_T, BLOCK_K, CHUNK, warps): {rows[:6]}; slowest {rows[-1]}")
+                  f"partial kernel fastest (µs, BLOCK_T, BLOCK_K, CHUNK, warps): {rows[:6]}; slowest {rows[-1]}")
 
 
 if __name__ == "__main__":

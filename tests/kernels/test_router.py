@@ -60,42 +60,6 @@ def test_a_row_is_the_same_bits_alone_and_among_others():
             assert torch.equal(a[0], b[r])
 
 
-def test_one_launch_hands_off_per_row_group_and_leaves_the_counters_zero():
-    """Each row group's last program takes its top-k: 37 rows are three groups (the last partial), every row's
-    experts are torch's (a group whose top-k no program took would leave its rows unwritten), the counters are
-    all zero after the call, and a second call gives the same bits (a counter left non-zero would hand the
-    top-k to the wrong program, or to none)."""
-    import rl4bit.kernels.router_triton as rt
-
-    x, w = _inputs(37, 300, 16, torch.float32, seed=2)
-    first = route_topk(x, w, 4, True, torch.float32)
-    cnt = rt.counters(x.device, 1)
-    assert cnt.numel() >= rt.MIN_COUNTERS and not cnt.any()
-    again = route_topk(x, w, 4, True, torch.float32)
-    for a, b in zip(first, again):
-        assert torch.equal(a, b)
-    assert not rt.counters(x.device, 1).any()
-    want_l, _, want_i = reference(x, w, 4, True, torch.float32)
-    assert torch.equal(first[2], want_i)
-    torch.testing.assert_close(first[0], want_l, atol=1e-5, rtol=1e-5)
-
-
-def test_counters_grow_and_never_inside_a_capture(monkeypatch):
-    import rl4bit.kernels.router_triton as rt
-
-    monkeypatch.setattr(rt, "_COUNTERS", {})
-    dev = torch.device(DEVICE)
-    small = rt.counters(dev, 3)
-    assert small.numel() == rt.MIN_COUNTERS and small.dtype == torch.int32
-    assert rt.counters(dev, 5) is small  # enough already: the same buffer
-    big = rt.counters(dev, rt.MIN_COUNTERS + 1)
-    assert big.numel() >= rt.MIN_COUNTERS + 1 and not big.any()
-    if dev.type == "cuda":
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-        with pytest.raises(RuntimeError, match="before capturing a CUDA graph"):
-            rt.counters(dev, 4 * big.numel())
-
-
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's numpy on the NaN row
 def test_ties_pick_the_lower_expert_and_nan_is_largest():
     x = torch.zeros(2, 16, device=DEVICE)

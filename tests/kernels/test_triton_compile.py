@@ -132,12 +132,14 @@ def _kernels():
            {r"\bfma\."})  # an FP32 `tl.dot` is FMAs (as an FP32 GEMM is): no reference to match, only itself
     from rl4bit.kernels import router_triton as rr
 
-    router_sig = dict(x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", cnt_ptr="*i32", logit_ptr="*fp32",
-                      weight_ptr="*fp32", index_ptr="*i64", T="i32", H="i32", E="i32", n_chunks="i32", s_xt="i32",
-                      s_we="i32")
-    yield ("fused router (fp32, bf16 input)", rr._router_kernel, router_sig,
-           dict(C=tl.float32, X_IS_C=False, W_IS_C=True, BLOCK_T=1, BLOCK_E=32, BLOCK_K=128, CHUNK=128, TOP_K=4,
-                NORMALIZE=True, ROWS=16, K_PAD=4), 1)
+    part_sig = dict(x_ptr="*bf16", w_ptr="*fp32", part_ptr="*fp32", T="i32", H="i32", E="i32", s_xt="i32",
+                    s_we="i32")
+    yield ("fused router partial sums (fp32, bf16 input)", rr._partial_kernel, part_sig,
+           dict(C=tl.float32, X_IS_C=False, W_IS_C=True, BLOCK_T=1, BLOCK_E=32, BLOCK_K=128, CHUNK=128), 1)
+    topk_sig = dict(part_ptr="*fp32", logit_ptr="*fp32", weight_ptr="*fp32", index_ptr="*i64", T="i32", E="i32",
+                    n_chunks="i32")
+    yield ("fused router top-k", rr._topk_kernel, topk_sig,
+           dict(TOP_K=4, NORMALIZE=True, C=tl.float32, ROWS=16, BLOCK_E=32, K_PAD=4), 4)
     from rl4bit.kernels import mxfp8_gemm_triton as mg
 
     mx_sig = dict(a_ptr="*u8", sa_ptr="*u8", b_ptr="*u8", sb_ptr="*u8", out_ptr="*fp32", map_ptr="*i32",
