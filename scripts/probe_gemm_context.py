@@ -1,0 +1,109 @@
+"""Why does an expert GEMM take longer in the engine's decode step than alone? A probe on the GPU.
+
+    source scripts/device_env.sh && python3 -P scripts/probe_gemm_context.py
+
+The eighteenth and nineteenth sessions' batch-1 profiles (H100) put the NVFP4 grouped GEMM at 13.0 µs a call
+inside the engine's step, while `probe_split_k.py` times the same shapes at 9.0 (gate_up) and 7.8 (down) µs a
+call, tile-map launch included. This times the bench model's one-token gate_up (4 rows, one an expert of 32,
+K 2048, N 1536, DECODE) three ways, each as a CUDA graph of 64 calls, by CUDA events (µs a call) and by the
+profiler (the kernel's own mean duration inside the replays, as `profile_decode.py` reads it):
+
+- rotating: what the microbenchmarks do: 16 weight tensors (100 MB touched, twice the L2), the same 4 experts
+  of each every call, one tile map;
+- footprint: 16 layers x 32 experts of weights (the engine's 0.8 GB of gate_up weights), each call the next
+  layer and 4 other experts (routings drawn beforehand, on the device), like the engine's step;
+- footprint + quantize: the same with the activation quantize kernel before each GEMM (the engine's pair).
+
+A gap between rotating and footprint is the memory system (TLB reach, DRAM pages); one between the events and
+the profiler is the measurement; one that only the quantize opens is the pair's hand-over.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from rl4bit.bench_gemm import _weights
+from rl4bit.kernels import qgemm_triton as qg
+from rl4bit.kernels import quantize
+
+LAYERS, EXPERTS, K, N, TOP_K, CALLS = 16, 32, 2048, 1536, 4, 64
+
+
+def _graph(fns):
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for f in fns:
+            f()
+    return g
+
+
+def _events_us(g, reps=20) -> float:
+    g.replay()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / CALLS)
+    return statistics.median(times)
+
+
+def _profiled_us(g, name: str) -> float:
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            g.replay()
+        torch.cuda.synchronize()
+    from torch.autograd import DeviceType
+
+    durations = [e.time_range.elapsed_us() for e in prof.events()
+                 if getattr(e, "device_type", None) == DeviceType.CUDA and name in e.name]
+    return statistics.mean(durations) if durations else float("nan")
+
+
+def main() -> int:
+    dev = "cuda"
+    layers = [quantize(_weights((EXPERTS, N, K), dev, 100 + i), "nvfp4", outer="group") for i in range(LAYERS)]
+    x = _weights((1, K), dev, 2) * 50
+    g = torch.Generator().manual_seed(0)
+    routes = []
+    for _ in range(CALLS):
+        experts = torch.randperm(EXPERTS, generator=g)[:TOP_K]
+        counts = torch.bincount(experts, minlength=EXPERTS).to(torch.int32).to(dev)
+        routes.append((counts, torch.zeros(TOP_K, dtype=torch.int64, device=dev)))
+    cfg = qg.pick_config(TOP_K, EXPERTS, K, N)
+
+    def gemm(qw, counts, maps, rows):
+        return qg.quantize_and_multiply(x, qw, counts, torch.bfloat16, config=cfg, maps=maps, rows=rows,
+                                        cast=torch.bfloat16)[1]
+
+    qx = qg.quantize_and_multiply(x, layers[0], routes[0][0], config=cfg, rows=routes[0][1])[0]
+    xh = qg.predecode(qx, qg.GPU_DECODE)
+    maps = [{} for _ in range(CALLS)]
+    for m, (counts, _) in zip(maps, routes):  # tile maps built outside the graphs
+        qg.shared_tile_map(m, counts, EXPERTS, TOP_K, cfg.block_m, dev)
+    rotating = [lambda i=i: qg.grouped_nvfp4(qx, layers[i % LAYERS], routes[0][0], torch.bfloat16, config=cfg,
+                                             xh=xh, maps=maps[0]) for i in range(CALLS)]
+    footprint = [lambda i=i: qg.grouped_nvfp4(qx, layers[i % LAYERS], routes[i][0], torch.bfloat16, config=cfg,
+                                              xh=xh, maps=maps[i]) for i in range(CALLS)]
+    paired = [lambda i=i: gemm(layers[i % LAYERS], routes[i][0], maps[i], routes[i][1]) for i in range(CALLS)]
+    print(f"gate_up one token (4 rows over {EXPERTS} experts, K {K}, N {N}), {cfg}; µs a call")
+    print(f"{'case':<22} {'events':>8} {'profiler: GEMM':>15} {'quantize':>9}")
+    for name, fns in (("rotating (16 layers)", rotating), ("footprint (16 layers)", footprint),
+                      ("footprint + quantize", paired)):
+        gr = _graph(fns)
+        print(f"{name:<22} {_events_us(gr):8.2f} {_profiled_us(gr, '_nvfp4_grouped_kernel'):15.2f} "
+              f"{_profiled_us(gr, '_nvfp4_kernel'):9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
