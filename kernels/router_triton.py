@@ -23,6 +23,10 @@ top-k's two kernels, the sum and the division); the chunks spread a one-token GE
 No `tl.dot`: an FP32 `tl.dot` (FMA) ran 75 µs for one token on the H200, and under TRITON_INTERPRET=1 it is
 numpy's matmul, whose row bits moved with the row's place in the tile (`invariant_triton.interpreter_dot`).
 
+Padding rows (`trainer.padding`, the engine's): with a `live` mask the top-k kernel reads row 0's partials for
+every row marked padding, so those rows get row 0's logits, weights and experts (the expert GEMMs then read no
+weights for them that a real row does not need); a live row's outputs are its own, bitwise as without a mask.
+
 Leaves out: more than 256 experts, grouped / biased routing (DeepSeek-V3), a softmax after the top-k (Mixtral).
 """
 
@@ -80,16 +84,19 @@ def _partial_kernel(x_ptr, w_ptr, part_ptr, T, H, E, s_xt, s_we, C: tl.constexpr
 
 
 @triton.jit(do_not_specialize=["T"])
-def _topk_kernel(part_ptr, logit_ptr, weight_ptr, index_ptr, T, E, n_chunks, TOP_K: tl.constexpr,
+def _topk_kernel(part_ptr, live_ptr, logit_ptr, weight_ptr, index_ptr, T, E, n_chunks, TOP_K: tl.constexpr,
                  NORMALIZE: tl.constexpr, C: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr,
-                 K_PAD: tl.constexpr):
+                 K_PAD: tl.constexpr, LIVE: tl.constexpr):
     t = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     t_ok = t < T
     e = tl.arange(0, BLOCK_E)
     e_ok = e < E
     ok = t_ok[:, None] & e_ok[None, :]
     acc = tl.zeros([ROWS, BLOCK_E], dtype=tl.float32)
-    rows = part_ptr + t[:, None] * E + e[None, :]  # chunk 0's partials; chunk c's lie c * T * E further
+    src = t
+    if LIVE:  # a padding row (live 0) takes row 0's partials, hence row 0's logits, weights and experts
+        src = tl.where(tl.load(live_ptr + t, mask=t_ok, other=1) != 0, t, 0)
+    rows = part_ptr + src[:, None] * E + e[None, :]  # chunk 0's partials; chunk c's lie c * T * E further
     for c in range(0, n_chunks):
         acc = acc + tl.load(rows, mask=ok, other=0.0)
         rows += T * E
@@ -121,10 +128,12 @@ def _topk_kernel(part_ptr, logit_ptr, weight_ptr, index_ptr, T, E, n_chunks, TOP
     tl.store(index_ptr + t[:, None] * TOP_K + c[None, :], index, mask=keep)
 
 
-def route_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, normalize: bool,
-               compute_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, normalize: bool, compute_dtype: torch.dtype,
+               live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits [T, E] in C, weights [T, top_k] in C, index [T, top_k] int64) of x [T, H] and w [E, H] (see the
-    module docstring). Raises ValueError for shapes or dtypes it does not cover."""
+    module docstring). live: an int32 / int64 [T] mask on x's device (`trainer.padding`); rows where it is 0 get
+    row 0's outputs (padding rows routed onto a real row's experts), the others their own, bitwise as without it.
+    Raises ValueError for shapes or dtypes it does not cover."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"route_topk: x {tuple(x.shape)}, w {tuple(w.shape)}: need x [T, H] and w [E, H]")
     t, h = x.shape
@@ -132,6 +141,10 @@ def route_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, normalize: bool,
     if not 1 <= top_k <= e <= MAX_EXPERTS or not all(d in FLOAT_TL for d in (compute_dtype, x.dtype, w.dtype)):
         raise ValueError(f"route_topk: top_k {top_k} of {e} experts (1 <= top_k <= E <= {MAX_EXPERTS}), dtypes "
                          f"x {x.dtype}, w {w.dtype}, compute {compute_dtype} (FP32, BF16 or FP16)")
+    if live is not None and (live.shape != (t,) or live.dtype not in (torch.int32, torch.int64)
+                             or live.device != x.device or live.stride(0) != 1):
+        raise ValueError(f"route_topk: live must be a contiguous int32 or int64 [{t}] mask on {x.device}, got "
+                         f"{live.dtype} {tuple(live.shape)} on {live.device}")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     logits = torch.empty(t, e, dtype=compute_dtype, device=x.device)
@@ -148,7 +161,7 @@ def route_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, normalize: bool,
             X_IS_C=x.dtype == compute_dtype, W_IS_C=w.dtype == compute_dtype, BLOCK_T=BLOCK_T, BLOCK_E=bd,
             BLOCK_K=block_k(e), CHUNK=CHUNK, num_warps=1, enable_fp_fusion=False)
         _topk_kernel[(triton.cdiv(t, ROWS),)](
-            part, logits, weights, index, t, e, n_chunks, TOP_K=top_k, NORMALIZE=bool(normalize),
-            C=FLOAT_TL[compute_dtype], ROWS=ROWS, BLOCK_E=bd, K_PAD=triton.next_power_of_2(top_k), num_warps=4,
-            enable_fp_fusion=False)
+            part, part if live is None else live, logits, weights, index, t, e, n_chunks, TOP_K=top_k,
+            NORMALIZE=bool(normalize), C=FLOAT_TL[compute_dtype], ROWS=ROWS, BLOCK_E=bd,
+            K_PAD=triton.next_power_of_2(top_k), LIVE=live is not None, num_warps=4, enable_fp_fusion=False)
     return logits, weights, index

@@ -5,10 +5,11 @@ when run op by op: ~2,000 kernel launches a step for a 16-layer MoE. Here it
 runs at a fixed row count P (the next bucket >= the batch, at least the
 engine's min_rows) from static device buffers:
 
-- `inputs` int64 [3, P]: token ids, cache positions and cache slots of the
-  rows; rows past the batch are padding (token 0, position 0, the cache's
-  scratch slot, which no sequence ever holds, so their K/V writes land
-  nowhere that is read);
+- `inputs` int64 [4, P]: token ids, cache positions, cache slots and liveness
+  (1 for a row of the batch, 0 for padding) of the rows; rows past the batch
+  are padding (token 0, position 0, the cache's scratch slot, which no
+  sequence ever holds, so their K/V writes land nowhere that is read), and
+  the fused router routes them onto row 0's experts (`trainer.padding`);
 - `logits` float32 [P, V]: the rows' next-token logits (the first P rows of
   one buffer all buckets share: a step's logits are read before the next step).
 
@@ -61,6 +62,7 @@ import torch
 
 from rl4bit.kernels import fused
 from rl4bit.sampler.kv_cache import StepLayout, pad_rows
+from rl4bit.trainer import padding
 from rl4bit.trainer.transfer import to_device
 
 MODES = ("off", "static", "cuda")
@@ -126,7 +128,7 @@ class _Bucket:
 
     def __init__(self, rows: int, logits: torch.Tensor):
         self.rows = rows
-        self.inputs = torch.zeros(3, rows, dtype=torch.long, device=logits.device)
+        self.inputs = torch.zeros(4, rows, dtype=torch.long, device=logits.device)
         self.logits = logits[:rows]
         """The first `rows` rows of the output buffer every bucket shares (one step at a time reads it)."""
         self.graph = None
@@ -203,7 +205,7 @@ class DecodeGraphs:
         pad = rows - b
         on_device = isinstance(tokens, torch.Tensor)
         host = torch.tensor([([0] * b if on_device else tokens) + [0] * pad, positions + [0] * pad,
-                             slots + [self.scratch_slot] * pad], dtype=torch.long)
+                             slots + [self.scratch_slot] * pad, [1] * b + [0] * pad], dtype=torch.long)
         bucket.inputs.copy_(to_device(host, bucket.inputs.device))  # pinned, no host wait (a pageable copy syncs)
         if on_device:
             bucket.inputs[0, :b].copy_(tokens)
@@ -228,11 +230,11 @@ class DecodeGraphs:
 
     def _forward(self, bucket: _Bucket) -> torch.Tensor:
         eng = self.engine
-        ids, pos, slot = bucket.inputs[0:1], bucket.inputs[1:2], bucket.inputs[2]
+        ids, pos, slot, live = bucket.inputs[0:1], bucket.inputs[1:2], bucket.inputs[2], bucket.inputs[3]
         layout = DecodeLayout(eng.cache, [], [], [], slot, pos[0], eng.min_rows)
         base = getattr(eng.model, eng.model.base_model_prefix)
-        with torch.autocast(eng.device.type, eng.autocast or torch.bfloat16, enabled=eng.autocast is not None,
-                            cache_enabled=False):
+        with padding.live_rows(live), torch.autocast(eng.device.type, eng.autocast or torch.bfloat16,
+                                                     enabled=eng.autocast is not None, cache_enabled=False):
             hidden = base(input_ids=ids, position_ids=pos, use_cache=False, rl4bit_step=layout).last_hidden_state[0]
             return eng.model.get_output_embeddings()(hidden).float()
 

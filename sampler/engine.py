@@ -78,6 +78,7 @@ from rl4bit.sampler.sampling import policy_logprobs, rows_to_lists, sample_rows,
 from rl4bit.sampler.serving_dtype import precast
 from rl4bit.sampler.stop_strings import StopStrings
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts, request_error
+from rl4bit.trainer import padding
 from rl4bit.trainer.fused_attention import pack_qkv
 
 
@@ -268,7 +269,9 @@ class EmbeddedEngine:
                             torch.tensor(tslot, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), self.min_rows)
         base = getattr(self.model, self.model.base_model_prefix)
-        with torch.autocast(dev.type, self.autocast or torch.bfloat16, enabled=self.autocast is not None):
+        live = torch.tensor([1] * n_real + [0] * pad, dtype=torch.int32, device=dev) if pad else None
+        with padding.live_rows(live), torch.autocast(dev.type, self.autocast or torch.bfloat16,
+                                                     enabled=self.autocast is not None):
             hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,
                           rl4bit_step=layout).last_hidden_state[0]
             h = pad_rows(hidden[torch.tensor(rows, dtype=torch.long, device=dev)], self.min_rows)

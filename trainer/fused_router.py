@@ -33,6 +33,7 @@ from torch import nn
 
 from rl4bit.kernels import fused
 from rl4bit.kernels.attention import compute_dtype
+from rl4bit.trainer import padding
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, top_k: int, normalize: bool, dtype: torch.dtype,
@@ -103,7 +104,8 @@ def kernel_forward(module: nn.Module, hidden_states: torch.Tensor, dtype: torch.
         return _Router.apply(x, weight, module.top_k, module._rl4bit_router_normalize, dtype)
     from rl4bit.kernels.router_triton import route_topk
 
-    return route_topk(x, weight, module.top_k, module._rl4bit_router_normalize, dtype)
+    return route_topk(x, weight, module.top_k, module._rl4bit_router_normalize, dtype,
+                      live=padding.current(x.shape[0], x.device))  # the engine's padding rows: row 0's experts
 
 
 def _forward(module: nn.Module, orig_forward, normalize: bool, hidden_states, *args, use_reference: bool = False,

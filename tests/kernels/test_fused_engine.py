@@ -126,3 +126,57 @@ def test_decode_steps_split_over_key_chunks_give_the_unsplit_bits():
     for a, b, x in zip(runs["off"], runs["static"], recomputed):
         assert (a.completion_ids, a.logprobs) == (b.completion_ids, b.logprobs), a.request_id
         assert x.tolist() == a.logprobs, a.request_id
+
+
+def test_padding_rows_ride_on_row_0s_experts_and_real_rows_keep_their_bits():
+    """The engine pads each forward to MIN_ROWS rows (and each static decode forward to its bucket); with the fused
+    router the padding rows take row 0's experts (`trainer.padding`), so an MoE layer's experts see no expert that
+    only padding picked; the completions and logprobs equal those of the same engine with padding left unmarked
+    (what the router did before), op by op and in the static decode forward."""
+    from rl4bit.trainer import padding
+
+    torch.set_num_threads(1)
+    model = _model()
+    g = torch.Generator().manual_seed(7)
+    reqs = [Request(str(i), torch.randint(1, 48, (4 + 3 * i,), generator=g).tolist(),
+                    SamplingParams(temperature=1.0, seed=i, max_new_tokens=3)) for i in range(2)]
+    dev = torch.device(DEVICE).type
+    saved, mode_was = fused.state(), invariant.enabled()
+    fused.set_enabled(True, dev)
+    if dev == "cuda":
+        invariant.set_mode(True, "CUDA")
+    seen: list[torch.Tensor] = []
+
+    def record(module, args, kwargs):
+        seen.append(args[1].detach().cpu().clone())  # top_k_index [rows, k]
+
+    experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in experts]
+    try:
+        runs = {}
+        for mode in ("off", "static"):
+            engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=2, autocast=torch.bfloat16,
+                                    max_seq_len=32, device=DEVICE, decode_graphs=mode)
+            seen.clear()
+            runs[mode] = engine.generate(reqs[:1])  # one sequence: every forward has padding rows
+            assert seen and all(idx.shape[0] == engine.min_rows for idx in seen)
+            prompt_len = len(reqs[0].prompt_ids)
+            for idx in seen:  # the first forward of each layer is the prefill (prompt_len real rows), then decode
+                real = prompt_len if idx is seen[0] or idx is seen[1] else 1
+                assert (idx[real:] == idx[0]).all(), (mode, idx)
+            unmarked = mock.patch.object(padding, "current", lambda rows, device: None)
+            with unmarked:
+                seen.clear()
+                runs[mode + " unmarked"] = engine.generate(reqs[:1])
+            assert any((idx[1:] != idx[0]).any() for idx in seen[2:])  # unmarked decode padding rows go elsewhere
+            # (else this test could not fail)
+            runs[mode + " batch"] = engine.generate(reqs)
+    finally:
+        for h in hooks:
+            h.remove()
+        fused.set_enabled(saved is not None, saved or "cuda")
+        if dev == "cuda" and not mode_was:
+            invariant.set_mode(False)
+    want = runs["off unmarked"][0]
+    for name, got in runs.items():
+        assert (got[0].completion_ids, got[0].logprobs) == (want.completion_ids, want.logprobs), name

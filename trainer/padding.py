@@ -1,0 +1,54 @@
+"""Which rows of a forward are padding: set by the embedded engine, read by the fused MoE router.
+
+    with padding.live_rows(live):      # live: int [rows] on the model's device, 0 where a row is padding
+        model(...)
+
+The engine pads every forward to at least `kv_cache.MIN_ROWS` rows (16) and each decode graph to its bucket's
+row count. Padding rows are real computations on a dummy token (0 at position 0, in a scratch cache slot), and
+in an MoE layer the router sends them to experts of their own: at batch 1 the padding picks about top-k experts
+beside the real row's, so the step's expert GEMMs read twice the weights the one real token needs (the
+nineteenth session's H100 profile: 13.0 µs a grouped GEMM call in the batch-1 step against 7.8 for the same
+GEMM on the real row's experts alone, `scripts/probe_gemm_context.py`). Under `live_rows` the fused router
+(`trainer/fused_router.py`, `kernels/router_triton.py`) gives every padding row row 0's logits, weights and
+experts, so padding rows land on experts a real row already reads. A real row's outputs do not change: its
+routing is its own, and every expert kernel computes a row from that row alone (their batch invariance).
+Padding rows' outputs stay finite values that nothing reads.
+
+The mask is a device tensor so that a CUDA graph captured under it reads each replay's mask (the decode graphs
+compute it from the rows' cache slots inside the graph). Outside the context (the trainer, the other
+backends) every row is live.
+
+Leaves out: the torch-op router (HF's, or the fused router with the kernels off), which routes padding rows as
+it routes any row: the same outputs, only slower.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+
+_LIVE: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("rl4bit_live_rows", default=None)
+
+
+@contextlib.contextmanager
+def live_rows(live: torch.Tensor | None):
+    """Mark the rows of the forwards run inside: `live` int32 or int64 [rows], non-zero for a real row (row 0 must
+    be one), or None (every row live)."""
+    if live is not None and (live.dim() != 1 or live.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"live_rows: need an int32 or int64 [rows] mask, got {live.dtype} {tuple(live.shape)}")
+    token = _LIVE.set(live)
+    try:
+        yield
+    finally:
+        _LIVE.reset(token)
+
+
+def current(rows: int, device: torch.device) -> torch.Tensor | None:
+    """The live mask of a forward over `rows` rows on `device`, or None: outside `live_rows`, or a call of
+    another row count or device (a module run on other rows than the forward's, which has no mask)."""
+    live = _LIVE.get()
+    if live is None or live.numel() != rows or live.device != device:
+        return None
+    return live
