@@ -211,3 +211,24 @@ def test_the_fp32_wrap_hands_a_bf16_stream_to_the_kernel_uncast():
         off = gate(x)
     assert off[0].dtype == torch.float32  # HF's router on the cast input, autocast off
     torch.testing.assert_close(off[0], got[0].detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_padding_rows_take_row_0s_routing_and_live_rows_keep_their_bits():
+    """With a live mask (the engine's padding rows, `trainer.padding`), a row marked 0 gets row 0's logits, weights
+    and experts; every live row gets exactly what the call without a mask gives it (int32 and int64 masks)."""
+    x, w = _inputs(37, 300, 16, torch.float32, seed=3)  # three top-k programs, padding in the last two
+    plain = route_topk(x, w, 4, True, torch.float32)
+    for dtype in (torch.int32, torch.int64):
+        live = torch.ones(37, dtype=dtype, device=DEVICE)
+        live[20:] = 0
+        live[5] = 0  # any row may be marked, not only trailing ones
+        got = route_topk(x, w, 4, True, torch.float32, live=live)
+        pad = live == 0
+        for a, b in zip(got, plain):
+            assert torch.equal(a[~pad], b[~pad])
+            assert torch.equal(a[pad], b[0].expand_as(a[pad]))
+    assert not torch.equal(plain[2][20:], plain[2][0].expand(17, 4))  # unmasked, they route elsewhere
+    with pytest.raises(ValueError, match="live must be"):
+        route_topk(x, w, 4, True, torch.float32, live=torch.ones(36, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="live must be"):
+        route_topk(x, w, 4, True, torch.float32, live=torch.ones(37, dtype=torch.bool, device=DEVICE))
