@@ -6,7 +6,8 @@ tokens (the whole prompt for a newly admitted one, the last sampled token for
 the others) end to end into one [1, T] row with explicit position ids, runs
 the model's own forward with the attention/experts plug-ins of kv_cache.py
 (per-sequence attention over a preallocated KV slot, GEMMs padded to
-MIN_ROWS), computes the logits of each sequence's last token (padded to
+MIN_ROWS; the padding rows marked so the fused MoE router puts them on row
+0's experts, `trainer.padding`), computes the logits of each sequence's last token (padded to
 MIN_ROWS rows for lm_head) and samples every row at once, each with its own
 noise key (sampling.py, noise.py). Finished sequences leave the batch and free
 their slot; waiting ones are admitted as slots free up.
