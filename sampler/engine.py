@@ -270,7 +270,7 @@ class EmbeddedEngine:
                             torch.tensor(tslot, dtype=torch.long, device=dev),
                             torch.tensor(pos, dtype=torch.long, device=dev), self.min_rows)
         base = getattr(self.model, self.model.base_model_prefix)
-        live = torch.tensor([1] * n_real + [0] * pad, dtype=torch.int32, device=dev) if pad else None
+        live = (torch.arange(n_real + pad, device=dev) < n_real).int() if pad else None  # built on the device
         with padding.live_rows(live), torch.autocast(dev.type, self.autocast or torch.bfloat16,
                                                      enabled=self.autocast is not None):
             hidden = base(input_ids=input_ids, position_ids=position_ids, use_cache=False,

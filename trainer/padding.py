@@ -15,8 +15,8 @@ routing is its own, and every expert kernel computes a row from that row alone (
 Padding rows' outputs stay finite values that nothing reads.
 
 The mask is a device tensor so that a CUDA graph captured under it reads each replay's mask (the decode graphs
-compute it from the rows' cache slots inside the graph). Outside the context (the trainer, the other
-backends) every row is live.
+keep it as row 3 of their static input buffer, which the host rewrites before each replay). Outside the context
+(the trainer, the other backends) every row is live.
 
 Leaves out: the torch-op router (HF's, or the fused router with the kernels off), which routes padding rows as
 it routes any row: the same outputs, only slower.

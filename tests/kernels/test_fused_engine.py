@@ -161,15 +161,15 @@ def test_padding_rows_ride_on_row_0s_experts_and_real_rows_keep_their_bits():
             runs[mode] = engine.generate(reqs[:1])  # one sequence: every forward has padding rows
             assert seen and all(idx.shape[0] == engine.min_rows for idx in seen)
             prompt_len = len(reqs[0].prompt_ids)
-            for idx in seen:  # the first forward of each layer is the prefill (prompt_len real rows), then decode
-                real = prompt_len if idx is seen[0] or idx is seen[1] else 1
-                assert (idx[real:] == idx[0]).all(), (mode, idx)
+            for i, idx in enumerate(seen):  # each layer's first call is the prefill (prompt_len real rows)
+                real = prompt_len if i < len(experts) else 1
+                assert (idx[real:] == idx[0]).all(), (mode, i, idx)
             unmarked = mock.patch.object(padding, "current", lambda rows, device: None)
             with unmarked:
                 seen.clear()
                 runs[mode + " unmarked"] = engine.generate(reqs[:1])
-            assert any((idx[1:] != idx[0]).any() for idx in seen[2:])  # unmarked decode padding rows go elsewhere
-            # (else this test could not fail)
+            assert any((idx[1:] != idx[0]).any() for idx in seen[len(experts):])  # unmarked decode padding rows
+            # go elsewhere (else this test could not fail)
             runs[mode + " batch"] = engine.generate(reqs)
     finally:
         for h in hooks:

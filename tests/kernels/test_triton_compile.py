@@ -138,9 +138,11 @@ def _kernels():
            dict(C=tl.float32, X_IS_C=False, W_IS_C=True, BLOCK_T=1, BLOCK_E=32, BLOCK_K=128, CHUNK=128), 1)
     topk_sig = dict(part_ptr="*fp32", live_ptr="*i32", logit_ptr="*fp32", weight_ptr="*fp32", index_ptr="*i64",
                     T="i32", E="i32", n_chunks="i32")
-    for live, mask in ((False, "*i32"), (True, "*i64")):  # the trainer's call, the decode graphs' (padding marked)
-        yield (f"fused router top-k (live mask {live})", rr._topk_kernel, dict(topk_sig, live_ptr=mask),
-               dict(TOP_K=4, NORMALIZE=True, C=tl.float32, ROWS=16, BLOCK_E=32, K_PAD=4, LIVE=live), 4)
+    # the trainer's call (no mask: the partials' pointer stands in), the engine's op-by-op and graphed forwards
+    for live, mask in ((False, "*fp32"), (True, "*i32"), (True, "*i64")):
+        yield (f"fused router top-k (live mask {mask if live else None})", rr._topk_kernel,
+               dict(topk_sig, live_ptr=mask), dict(TOP_K=4, NORMALIZE=True, C=tl.float32, ROWS=16, BLOCK_E=32,
+                                                   K_PAD=4, LIVE=live), 4)
     from rl4bit.kernels import mxfp8_gemm_triton as mg
 
     mx_sig = dict(a_ptr="*u8", sa_ptr="*u8", b_ptr="*u8", sb_ptr="*u8", out_ptr="*fp32", map_ptr="*i32",
