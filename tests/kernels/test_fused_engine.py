@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from triton_setup import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
+import contextlib
 from unittest import mock
 
 import torch
@@ -41,6 +42,24 @@ def _model(max_positions: int = 64):
     return model.eval().to(DEVICE)
 
 
+@contextlib.contextmanager
+def _fused_kernels():
+    """The fused kernels on for this test's device (CUDA: in the invariant mode too, since cuBLAS picks GEMM
+    kernels by row count and batch invariance on the GPU needs the mode); the settings restored after. Yields
+    the device type."""
+    dev = torch.device(DEVICE).type
+    saved, mode_was = fused.state(), invariant.enabled()
+    fused.set_enabled(True, dev)
+    if dev == "cuda":
+        invariant.set_mode(True, "CUDA")
+    try:
+        yield dev
+    finally:
+        fused.set_enabled(saved is not None, saved or "cuda")
+        if dev == "cuda" and not mode_was:
+            invariant.set_mode(False)
+
+
 def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
     from rl4bit.trainer.actor import sequence_logprobs
 
@@ -49,15 +68,10 @@ def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
     g = torch.Generator().manual_seed(5)
     reqs = [Request(str(i), torch.randint(1, 48, (3 + 2 * i,), generator=g).tolist(),
                     SamplingParams(temperature=1.0, seed=i, max_new_tokens=4)) for i in range(4)]
-    dev = torch.device(DEVICE).type
-    saved, mode_was = fused.state(), invariant.enabled()
-    fused.set_enabled(True, dev)
-    if dev == "cuda":  # cuBLAS picks GEMM kernels by row count: batch invariance on the GPU needs the mode
-        invariant.set_mode(True, "CUDA")
     spies = [mock.patch.object(m, n, wraps=getattr(m, n)) for m, n in
              ((rmsnorm_triton, "rms_norm"), (qk_rope_triton, "qk_norm_rope"), (combine_triton, "combine"),
               (attention_triton, "attention"), (router_triton, "route_topk"), (rmsnorm_triton, "add_rms_norm"))]
-    try:
+    with _fused_kernels() as dev:
         with spies[0] as norms, spies[1] as ropes, spies[2] as combines, spies[3] as attentions, spies[4] as routers, \
                 spies[5] as add_norms:
             engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=4, autocast=torch.bfloat16,
@@ -75,10 +89,6 @@ def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
             with mock.patch.object(attention, "reference", wraps=attention.reference) as backwards:
                 trained[0].sum().backward()  # through the fused attention's backward
         assert all(s.call_count for s in (norms, ropes, combines, attentions, routers, add_norms))
-    finally:
-        fused.set_enabled(saved is not None, saved or "cuda")
-        if dev == "cuda" and not mode_was:
-            invariant.set_mode(False)
     for a, b in zip(alone, together):
         assert (a.completion_ids, a.logprobs) == (b.completion_ids, b.logprobs), a.request_id
     for a, b in zip(static, together):
@@ -102,12 +112,7 @@ def test_decode_steps_split_over_key_chunks_give_the_unsplit_bits():
     g = torch.Generator().manual_seed(6)
     reqs = [Request(str(i), torch.randint(1, 48, (KEY_CHUNK + 5 - 7 * i,), generator=g).tolist(),
                     SamplingParams(temperature=1.0, seed=i, max_new_tokens=3)) for i in range(2)]
-    dev = torch.device(DEVICE).type
-    saved, mode_was = fused.state(), invariant.enabled()
-    fused.set_enabled(True, dev)
-    if dev == "cuda":
-        invariant.set_mode(True, "CUDA")
-    try:
+    with _fused_kernels() as dev:
         runs = {}
         for mode in ("off", "static"):
             engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=2, autocast=torch.bfloat16,
@@ -119,10 +124,6 @@ def test_decode_steps_split_over_key_chunks_give_the_unsplit_bits():
         prompts, completions = [r.prompt_ids for r in reqs], [r.completion_ids for r in runs["off"]]
         with torch.autocast(dev, torch.bfloat16), torch.no_grad():
             recomputed = sequence_logprobs(model, prompts, completions, 1.0, KEY_CHUNK + 32)[0]
-    finally:
-        fused.set_enabled(saved is not None, saved or "cuda")
-        if dev == "cuda" and not mode_was:
-            invariant.set_mode(False)
     for a, b, x in zip(runs["off"], runs["static"], recomputed):
         assert (a.completion_ids, a.logprobs) == (b.completion_ids, b.logprobs), a.request_id
         assert x.tolist() == a.logprobs, a.request_id
@@ -140,19 +141,15 @@ def test_padding_rows_ride_on_row_0s_experts_and_real_rows_keep_their_bits():
     g = torch.Generator().manual_seed(7)
     reqs = [Request(str(i), torch.randint(1, 48, (4 + 3 * i,), generator=g).tolist(),
                     SamplingParams(temperature=1.0, seed=i, max_new_tokens=3)) for i in range(2)]
-    dev = torch.device(DEVICE).type
-    saved, mode_was = fused.state(), invariant.enabled()
-    fused.set_enabled(True, dev)
-    if dev == "cuda":
-        invariant.set_mode(True, "CUDA")
     seen: list[torch.Tensor] = []
 
     def record(module, args, kwargs):
         seen.append(args[1].detach().cpu().clone())  # top_k_index [rows, k]
 
     experts = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
-    hooks = [m.register_forward_pre_hook(record, with_kwargs=True) for m in experts]
-    try:
+    with _fused_kernels(), contextlib.ExitStack() as hooks:
+        for m in experts:
+            hooks.callback(m.register_forward_pre_hook(record, with_kwargs=True).remove)
         runs = {}
         for mode in ("off", "static"):
             engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=2, autocast=torch.bfloat16,
@@ -171,12 +168,6 @@ def test_padding_rows_ride_on_row_0s_experts_and_real_rows_keep_their_bits():
             assert any((idx[1:] != idx[0]).any() for idx in seen[len(experts):])  # unmarked decode padding rows
             # go elsewhere (else this test could not fail)
             runs[mode + " batch"] = engine.generate(reqs)
-    finally:
-        for h in hooks:
-            h.remove()
-        fused.set_enabled(saved is not None, saved or "cuda")
-        if dev == "cuda" and not mode_was:
-            invariant.set_mode(False)
     want = runs["off unmarked"][0]
     for name, got in runs.items():
         assert (got[0].completion_ids, got[0].logprobs) == (want.completion_ids, want.logprobs), name
