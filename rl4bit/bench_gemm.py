@@ -55,6 +55,12 @@ def _time_us(fns, device: str, reps: int) -> float:
                 f()
             times.append((time.perf_counter() - t0) * 1e6 / len(fns))
         return statistics.median(times)
+    return replay_us(capture(fns), reps) / len(fns)
+
+
+def capture(fns) -> "torch.cuda.CUDAGraph":
+    """One CUDA graph of the callables in `fns`, called in order (run them once before: compiles, allocator); the
+    quantize kernels' non-finite checks deferred (a capture cannot read the flag)."""
     from rl4bit.kernels.triton_dispatch import deferred_checks
 
     torch.cuda.synchronize()
@@ -62,6 +68,11 @@ def _time_us(fns, device: str, reps: int) -> float:
     with deferred_checks(), torch.cuda.graph(graph):
         for f in fns:
             f()
+    return graph
+
+
+def replay_us(graph, reps: int) -> float:
+    """Median µs of a replay of `graph` (one warm-up replay, then `reps` between CUDA events)."""
     graph.replay()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -70,7 +81,7 @@ def _time_us(fns, device: str, reps: int) -> float:
         graph.replay()
         e.record()
     torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)) / len(fns)
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
 
 
 def copy_gbps(device: str, reps: int, nbytes: int = 2**30) -> float:

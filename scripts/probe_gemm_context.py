@@ -24,7 +24,7 @@ import statistics
 
 import torch
 
-from rl4bit.bench_gemm import _weights
+from rl4bit.bench_gemm import _weights, capture, replay_us
 from rl4bit.kernels import qgemm_triton as qg
 from rl4bit.kernels import quantize
 
@@ -32,29 +32,9 @@ LAYERS, EXPERTS, K, N, TOP_K, CALLS = 16, 32, 2048, 1536, 4, 64
 
 
 def _graph(fns):
-    from rl4bit.kernels.triton_dispatch import deferred_checks
-
     for f in fns:
         f()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with deferred_checks(), torch.cuda.graph(g):  # the quantize's non-finite check reads the flag later
-        for f in fns:
-            f()
-    return g
-
-
-def _events_us(g, reps=20) -> float:
-    g.replay()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / CALLS)
-    return statistics.median(times)
+    return capture(fns)
 
 
 def _profiled_us(g, name: str) -> float:
@@ -102,7 +82,7 @@ def main() -> int:
     for name, fns in (("rotating (16 layers)", rotating), ("footprint (16 layers)", footprint),
                       ("footprint + quantize", paired)):
         gr = _graph(fns)
-        print(f"{name:<22} {_events_us(gr):8.2f} {_profiled_us(gr, '_nvfp4_grouped_kernel'):15.2f} "
+        print(f"{name:<22} {replay_us(gr, 20) / CALLS:8.2f} {_profiled_us(gr, '_nvfp4_grouped_kernel'):15.2f} "
               f"{_profiled_us(gr, '_nvfp4_kernel'):9.2f}")
     return 0
 
