@@ -116,7 +116,18 @@ def _forward(module: nn.Module, orig_forward, normalize: bool, hidden_states, *a
         x = hidden_states.reshape(-1, module.hidden_dim)
         return reference(x, module.weight, module.top_k, normalize, compute_dtype(x, module.weight))
     out = kernel_forward(module, hidden_states)
-    return orig_forward(hidden_states) if out is None else out
+    return padding_on_row_0(orig_forward(hidden_states), hidden_states) if out is None else out
+
+
+def padding_on_row_0(out, hidden_states: torch.Tensor):
+    """The torch path's (logits, weights, index) with the engine's padding rows (`trainer.padding`) given row 0's,
+    as the kernel gives them (`route_topk(live=)`); unchanged outside the engine's forwards."""
+    x = hidden_states.reshape(-1, hidden_states.shape[-1])
+    live = padding.current(x.shape[0], x.device)
+    if live is None or not isinstance(out, tuple) or any(t.shape[0] != x.shape[0] for t in out):
+        return out
+    keep = (live != 0)[:, None]
+    return tuple(torch.where(keep, t, t[:1]) for t in out)
 
 
 def reproduces(module: nn.Module) -> bool | None:

@@ -18,8 +18,9 @@ The mask is a device tensor so that a CUDA graph captured under it reads each re
 keep it as row 3 of their static input buffer, which the host rewrites before each replay). Outside the context
 (the trainer, the other backends) every row is live.
 
-Leaves out: the torch-op router (HF's, or the fused router with the kernels off), which routes padding rows as
-it routes any row: the same outputs, only slower.
+The fused router's torch path (kernels off, the CPU engine) does the same with three `torch.where`s on HF's
+outputs (`fused_router.padding_on_row_0`). Leaves out: routers rl4bit does not fuse (other formulas keep HF's
+forward), which route padding rows as any row: the same real outputs, only slower.
 """
 
 from __future__ import annotations
