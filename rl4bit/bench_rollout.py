@@ -33,7 +33,9 @@ The engine runs its defaults: decode steps as CUDA graphs on CUDA, RMSNorms
 and the other decode-path kernels fused (`rl4bit.kernels.fused`, as the
 trainer's converted models run them); HF `generate` runs with them off (HF's
 own norms). `--compare-unfused`: also the NVFP4 engine with them off, their
-gain side by side. Leaves out: the vLLM
+gain side by side. `--compare-unmarked`: also both engines with their padding
+rows routed as any row (`trainer.padding.ignored`: what the router did before
+the engine marked them), the mark's gain side by side. Leaves out: the vLLM
 backend.
 
     python -m rl4bit.bench_rollout --quick
@@ -224,13 +226,23 @@ def unfused(fn, *args, **kwargs) -> dict:
         return fn(*args, **kwargs)
 
 
+def unmarked(fn, *args, **kwargs) -> dict:
+    """`fn(*args, **kwargs)` with the engine's padding rows routed as any row (`trainer.padding.ignored`)."""
+    from rl4bit.trainer import padding
+
+    with padding.ignored():
+        return fn(*args, **kwargs)
+
+
 def run(device: str = "cpu", quick: bool = False, out: str | None = None, batches: list[int] | None = None,
-        new_tokens: int | None = None, samples: int = 1, compare_unfused: bool = False) -> dict:
+        new_tokens: int | None = None, samples: int = 1, compare_unfused: bool = False,
+        compare_unmarked: bool = False) -> dict:
     """Benchmark, print the table, write results.json under `out`; returns the results.
 
     new_tokens: generated tokens a sequence (default: 512 on CUDA as issue 6 states, 128 on CPU, 32 quick).
     samples > 1: also n samples a prompt, shared prefill beside one prefill per sample (BF16 weights).
-    compare_unfused: also the NVFP4-weights engine with the fused kernels off."""
+    compare_unfused: also the NVFP4-weights engine with the fused kernels off.
+    compare_unmarked: also both engines with their padding rows unmarked (routed as any row)."""
 
     cuda = torch.device(device).type == "cuda"
     if cuda and not quick:
@@ -259,6 +271,9 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
         rows.append(dict(batch=b, engine=e, hf=h, engine_nvfp4=q, floor=floor))
         if compare_unfused:
             rows[-1]["engine_nvfp4_unfused"] = _figures(unfused(bench_engine, qmodel, prompts, new, device), b, p)
+        if compare_unmarked:
+            rows[-1]["engine_unmarked"] = _figures(unmarked(bench_engine, bmodel, prompts, new, device), b, p)
+            rows[-1]["engine_nvfp4_unmarked"] = _figures(unmarked(bench_engine, qmodel, prompts, new, device), b, p)
         print(f"batch {b}: engine {e['gen_tok_s']:.0f} tok/s, HF generate {h['gen_tok_s']:.0f} tok/s"
               + (f", engine NVFP4 weights {q['gen_tok_s']:.0f} tok/s" if q else "")
               + (f", NVFP4 unfused {u['gen_tok_s']:.0f} tok/s" if (u := rows[-1].get("engine_nvfp4_unfused"))
@@ -289,10 +304,12 @@ def _print_table(res: dict) -> None:
                     f"{res['prompt_len']} prompt + {res['new_tokens']} new tokens, {res['device']}, "
                     f"{res['threads']} threads; engine / HF generate (x = engine over HF)")
     has_unfused = any("engine_nvfp4_unfused" in r for r in res["rows"])
+    has_unmarked = any("engine_unmarked" in r for r in res["rows"])
     for col in ("batch", "prompt tok/s", "generated tok/s", "ms / decode step", "prefill s", "decode s",
                 "NVFP4 weights: gen tok/s, ms/step (x vs BF16 engine)",
                 "read floor ms/step BF16 / NVFP4 (step over floor)", "NVFP4/BF16 ceiling") + (
-                ("NVFP4, unfused: ms/step (fused x)",) if has_unfused else ()):
+                ("NVFP4, unfused: ms/step (fused x)",) if has_unfused else ()) + (
+                ("padding unmarked: ms/step BF16 / NVFP4 (marked x)",) if has_unmarked else ()):
         t.add_column(col, justify="right")
 
     def pair(e, h, fmt, higher_better=True):
@@ -309,7 +326,8 @@ def _print_table(res: dict) -> None:
                    if (q := r["engine_nvfp4"]) else "missing"),
                   _floor_cell(r), f"{r['floor']['bf16']['step_ms'] / r['floor']['nvfp4']['step_ms']:.2f}x",
                   *((f"{u['ms_per_step']:.2f} ({u['ms_per_step'] / q['ms_per_step']:.2f}x)"
-                     if (u := r.get("engine_nvfp4_unfused")) and q else "-",) if has_unfused else ()))
+                     if (u := r.get("engine_nvfp4_unfused")) and q else "-",) if has_unfused else ()),
+                  *((_unmarked_cell(r),) if has_unmarked else ()))
     Console(width=max(Console().width, 150)).print(t)
     print(f"NVFP4 weights in the engine: {res['nvfp4_weights']}")
     gb = res["copy_gbps"] * 1e9
@@ -319,6 +337,15 @@ def _print_table(res: dict) -> None:
           f"write); the ceiling is the BF16 floor over the NVFP4 floor. All weights once: BF16 "
           f"{w['bf16'] / 1e9:.2f} GB ({1e3 * w['bf16'] / gb:.3f} ms), NVFP4 experts {w['nvfp4'] / 1e9:.2f} GB "
           f"({1e3 * w['nvfp4'] / gb:.3f} ms).")
+
+
+def _unmarked_cell(r: dict) -> str:
+    """Unmarked ms/step of both engines, each over the marked engine's (> 1: the mark made the step faster)."""
+    cells = []
+    for marked, off in (("engine", "engine_unmarked"), ("engine_nvfp4", "engine_nvfp4_unmarked")):
+        m, u = r.get(marked), r.get(off)
+        cells.append(f"{u['ms_per_step']:.2f} ({u['ms_per_step'] / m['ms_per_step']:.2f}x)" if m and u else "-")
+    return " / ".join(cells)
 
 
 def _floor_cell(r: dict) -> str:
@@ -336,10 +363,12 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--new-tokens", type=int, help="generated tokens a sequence")
     a.add_argument("--samples", type=int, default=1, help="> 1: also n samples a prompt, shared prefill vs not")
     a.add_argument("--compare-unfused", action="store_true", help="also the NVFP4 engine with the fused kernels off")
+    a.add_argument("--compare-unmarked", action="store_true",
+                   help="also both engines with their padding rows routed as any row")
     args = a.parse_args(argv)
     run(device=args.device, quick=args.quick, out=args.out,
         batches=[int(x) for x in args.batches.split(",")] if args.batches else None, new_tokens=args.new_tokens,
-        samples=args.samples, compare_unfused=args.compare_unfused)
+        samples=args.samples, compare_unfused=args.compare_unfused, compare_unmarked=args.compare_unmarked)
 
 
 if __name__ == "__main__":

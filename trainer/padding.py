@@ -31,6 +31,7 @@ import contextvars
 import torch
 
 _LIVE: contextvars.ContextVar[torch.Tensor | None] = contextvars.ContextVar("rl4bit_live_rows", default=None)
+_IGNORED: contextvars.ContextVar[bool] = contextvars.ContextVar("rl4bit_padding_ignored", default=False)
 
 
 @contextlib.contextmanager
@@ -46,10 +47,21 @@ def live_rows(live: torch.Tensor | None):
         _LIVE.reset(token)
 
 
+@contextlib.contextmanager
+def ignored():
+    """Forwards inside route padding rows as any row, marked or not (what the router did before the mark): the
+    A/B of `rl4bit bench rollout --compare-unmarked`."""
+    token = _IGNORED.set(True)
+    try:
+        yield
+    finally:
+        _IGNORED.reset(token)
+
+
 def current(rows: int, device: torch.device) -> torch.Tensor | None:
-    """The live mask of a forward over `rows` rows on `device`, or None: outside `live_rows`, or a call of
-    another row count or device (a module run on other rows than the forward's, which has no mask)."""
+    """The live mask of a forward over `rows` rows on `device`, or None: outside `live_rows`, inside `ignored`, or
+    a call of another row count or device (a module run on other rows than the forward's, which has no mask)."""
     live = _LIVE.get()
-    if live is None or live.numel() != rows or live.device != device:
+    if live is None or _IGNORED.get() or live.numel() != rows or live.device != device:
         return None
     return live

@@ -161,8 +161,7 @@ def test_padding_rows_ride_on_row_0s_experts_and_real_rows_keep_their_bits():
             for i, idx in enumerate(seen):  # each layer's first call is the prefill (prompt_len real rows)
                 real = prompt_len if i < len(experts) else 1
                 assert (idx[real:] == idx[0]).all(), (mode, i, idx)
-            unmarked = mock.patch.object(padding, "current", lambda rows, device: None)
-            with unmarked:
+            with padding.ignored():
                 seen.clear()
                 runs[mode + " unmarked"] = engine.generate(reqs[:1])
             assert any((idx[1:] != idx[0]).any() for idx in seen[len(experts):])  # unmarked decode padding rows

@@ -13,6 +13,8 @@ def test_the_mask_is_seen_only_inside_for_its_row_count_and_device():
     assert padding.current(3, live.device) is None
     with padding.live_rows(live):
         assert padding.current(3, live.device) is live
+        with padding.ignored():  # the benchmark's A/B: as if unmarked
+            assert padding.current(3, live.device) is None
         assert padding.current(4, live.device) is None  # a call over other rows than the forward's
         with padding.live_rows(None):  # nested: cleared inside, restored after
             assert padding.current(3, live.device) is None
@@ -53,8 +55,6 @@ def _converted_model():
 def test_the_torch_router_puts_the_engines_padding_on_row_0s_experts():
     """Kernels off (the CPU engine): the fused router's torch path gives padding rows row 0's routing, real rows
     keep theirs, and the engine's completions and logprobs equal those with the padding unmarked."""
-    from unittest import mock
-
     from rl4bit.bench_rollout import _NullTokenizer
     from rl4bit.kernels import fused
     from rl4bit.sampler.engine import EmbeddedEngine
@@ -74,7 +74,7 @@ def test_the_torch_router_puts_the_engines_padding_on_row_0s_experts():
         real = 4 if i < len(experts) else 1
         assert (idx[real:] == idx[0]).all(), (i, idx)
     seen.clear()
-    with mock.patch.object(padding, "current", lambda rows, device: None):
+    with padding.ignored():
         unmarked = engine.generate([req])[0]
     assert any((idx[1:] != idx[0]).any() for idx in seen[len(experts):])  # else this test could not fail
     assert (marked.completion_ids, marked.logprobs) == (unmarked.completion_ids, unmarked.logprobs)
