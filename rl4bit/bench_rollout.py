@@ -226,14 +226,6 @@ def unfused(fn, *args, **kwargs) -> dict:
         return fn(*args, **kwargs)
 
 
-def unmarked(fn, *args, **kwargs) -> dict:
-    """`fn(*args, **kwargs)` with the engine's padding rows routed as any row (`trainer.padding.ignored`)."""
-    from rl4bit.trainer import padding
-
-    with padding.ignored():
-        return fn(*args, **kwargs)
-
-
 def run(device: str = "cpu", quick: bool = False, out: str | None = None, batches: list[int] | None = None,
         new_tokens: int | None = None, samples: int = 1, compare_unfused: bool = False,
         compare_unmarked: bool = False) -> dict:
@@ -271,9 +263,12 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
         rows.append(dict(batch=b, engine=e, hf=h, engine_nvfp4=q, floor=floor))
         if compare_unfused:
             rows[-1]["engine_nvfp4_unfused"] = _figures(unfused(bench_engine, qmodel, prompts, new, device), b, p)
-        if compare_unmarked:
-            rows[-1]["engine_unmarked"] = _figures(unmarked(bench_engine, bmodel, prompts, new, device), b, p)
-            rows[-1]["engine_nvfp4_unmarked"] = _figures(unmarked(bench_engine, qmodel, prompts, new, device), b, p)
+        if compare_unmarked:  # padding rows routed as any row (`trainer.padding.ignored`)
+            from rl4bit.trainer import padding
+
+            with padding.ignored():
+                rows[-1]["engine_unmarked"] = _figures(bench_engine(bmodel, prompts, new, device), b, p)
+                rows[-1]["engine_nvfp4_unmarked"] = _figures(bench_engine(qmodel, prompts, new, device), b, p)
         print(f"batch {b}: engine {e['gen_tok_s']:.0f} tok/s, HF generate {h['gen_tok_s']:.0f} tok/s"
               + (f", engine NVFP4 weights {q['gen_tok_s']:.0f} tok/s" if q else "")
               + (f", NVFP4 unfused {u['gen_tok_s']:.0f} tok/s" if (u := rows[-1].get("engine_nvfp4_unfused"))
