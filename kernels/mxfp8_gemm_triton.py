@@ -38,7 +38,8 @@ import triton
 import triton.language as tl
 
 from rl4bit.kernels.formats_triton import pow2
-from rl4bit.kernels.qgemm_triton import Config, alloc_out, as_counts, grouped_shapes, interpret, map_entry, tile_map
+from rl4bit.kernels.qgemm_triton import (Config, alloc_out, as_counts, grouped_shapes, interpret, map_entry, tile_first,
+                                         tile_map)
 
 FP8_CORES = False
 """Default path: False = BF16 dequantize (exact products, FP32 sums); True = FP8 tensor cores. Pick by bench_gemm."""
@@ -113,8 +114,7 @@ def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC,
     """out[rows of e, :NC] = A[rows, :KR] @ B[e, :NC, :KR]ᵀ; the row tiles come from qgemm_triton.tile_map.
     KS = KR // 32 scales a row (an argument: Triton then knows its divisibility for the addresses).
     EVEN_N / EVEN_K: NC, KR are multiples of the tile (no column / K masks; same bits)."""
-    pid_t = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_t, pid_n = tile_first(NC, BLOCK_N)
     e, row0, row1 = map_entry(map_ptr, n_tiles, pid_t)
     if e >= 0:
         rows = row0 + tl.arange(0, BLOCK_M)
@@ -183,7 +183,7 @@ def grouped_mxfp8(qa, qb, counts, out_dtype: torch.dtype = torch.float32, *, fp8
     out = alloc_out(rows, nc, out_dtype, a.device)
     if rows:
         bk = 32 if fp8 else BF16_BLOCK_K
-        _mx_rows_kernel[(cmap.shape[1], triton.cdiv(nc, cfg.block_n))](
+        _mx_rows_kernel[(cmap.shape[1] * triton.cdiv(nc, cfg.block_n),)](
             a, sa, b, sb, out, cmap, cmap.shape[1], nc, kr, kr // 32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             FP8=fp8, BK=bk, INTERPRET=interpret(), EVEN_N=nc % cfg.block_n == 0, EVEN_K=kr % bk == 0,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -16,6 +16,12 @@ profiler (the kernel's own mean duration inside the replays, as `profile_decode.
 
 A gap between rotating and footprint is the memory system (TLB reach, DRAM pages); one between the events and
 the profiler is the measurement; one that only the quantize opens is the pair's hand-over.
+
+`--padding` (twentieth session) times the engine's batch-1 call instead: 16 rows (one real, 15 padding) x top-4
+= 64 grouped rows, gate_up and down over the 16-layer footprint, four ways: the real row's 4 entries alone (the
+grid of a 4-row call), the padding on row 0's experts (16 rows on each of 4 experts: the nineteenth session's
+mark), the padding uncounted (64-row call whose counts cover the 4 real entries: what routing padding rows to
+the expert-parallel sentinel would give), and the padding unmarked (its own 4 experts, 15 rows each).
 """
 
 from __future__ import annotations
@@ -87,5 +93,43 @@ def main() -> int:
     return 0
 
 
+def padding_cases() -> int:
+    dev = "cuda"
+    g = torch.Generator().manual_seed(0)
+    rows_real, rows_padded = TOP_K, 16 * TOP_K
+    for what, n, k in (("gate_up", N, K), ("down", 2048, 768)):
+        layers = [quantize(_weights((EXPERTS, n, k), dev, 200 + i), "nvfp4", outer="group") for i in range(LAYERS)]
+        cases = {"real rows only (4-row call)": [], "padding on row 0's experts": [], "padding uncounted": [],
+                 "padding unmarked": []}
+        for _ in range(CALLS):
+            perm = torch.randperm(EXPERTS, generator=g)
+            real, own = perm[:TOP_K], perm[TOP_K:2 * TOP_K]
+            one = torch.bincount(real, minlength=EXPERTS).to(torch.int32)
+            cases["real rows only (4-row call)"].append((one, rows_real))
+            cases["padding on row 0's experts"].append((one * 16, rows_padded))
+            cases["padding uncounted"].append((one, rows_padded))
+            cases["padding unmarked"].append((one + 15 * torch.bincount(own, minlength=EXPERTS).to(torch.int32),
+                                              rows_padded))
+        print(f"{what} (K {k}, N {n}, {EXPERTS} experts, 16-layer footprint); µs a call")
+        print(f"{'case':<30} {'config':>6} {'events':>8} {'profiler: GEMM':>15}")
+        for name, routes in cases.items():
+            rows = routes[0][1]
+            cfg = qg.pick_config(rows, EXPERTS, k, n)
+            qx = quantize(_weights((rows, k), dev, 3) * 50, "nvfp4", outer="row")
+            xh = qg.predecode(qx, qg.GPU_DECODE) if cfg.predecode_x else None
+            maps = [{} for _ in routes]
+            for m, (counts, r) in zip(maps, routes):
+                qg.shared_tile_map(m, counts.to(dev), EXPERTS, r, cfg.block_m, dev)
+            fns = [lambda i=i: qg.grouped_nvfp4(qx, layers[i % LAYERS], maps[i]["counts"], torch.bfloat16,
+                                                config=cfg, xh=xh, maps=maps[i]) for i in range(CALLS)]
+            gr = _graph(fns)
+            label = "DECODE" if cfg == qg.DECODE else ("SHORT" if cfg == qg.DECODE_SHORT_K else "other")
+            print(f"{name:<30} {label:>6} {replay_us(gr, 20) / CALLS:8.2f} "
+                  f"{_profiled_us(gr, '_nvfp4_grouped_kernel'):15.2f}")
+    return 0
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    raise SystemExit(padding_cases() if "--padding" in sys.argv[1:] else main())

@@ -23,6 +23,8 @@ from triton_setup import DEVICE, HAS_CUDA  # first: sets TRITON_INTERPRET on CPU
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from bitwise import assert_bitwise_equal
 
 from rl4bit.kernels import dequantize, mxfp8_gemm_triton as mg, qgemm_triton as qg, quantize
@@ -386,6 +388,31 @@ def test_tile_map_covers_each_row_once(block_m, counts):
         assert start[e] <= r0 < r1 == start[e] + counts[e], (e, r0, r1)
         seen[r0:min(r0 + block_m, r1)] += 1
     assert bool((seen == 1).all()), seen
+
+
+@triton.jit
+def _launch_order_kernel(map_ptr, out_ptr, n_tiles, N, BLOCK_N: tl.constexpr):
+    t, c = qg.tile_first(N, BLOCK_N)
+    e, _, _ = qg.map_entry(map_ptr, n_tiles, t)
+    p = out_ptr + tl.program_id(0) * 3
+    tl.store(p, t)
+    tl.store(p + 1, c)
+    tl.store(p + 2, e)
+
+
+def test_grouped_grid_starts_every_live_tile_before_any_dead_one():
+    """The grouped GEMMs' one-dimensional grid (`tile_first`): each (row tile, column tile) pair once, and every
+    program of a live tile (an expert's) ahead of every dead one, the order the GPU starts them in (a decode
+    step's grid is mostly dead tiles: twentieth session)."""
+    counts, block_n, n = [3, 0, 17, 1, 0], 16, 40  # n not a multiple of block_n: 3 column tiles
+    cmap = qg.tile_map(counts, 64, 16, DEVICE)  # a grid bound for 64 rows: 4 + 5 row tiles, 4 live
+    n_tiles, n_cols = cmap.shape[1], -(-n // block_n)
+    out = torch.full((n_tiles * n_cols, 3), -2, dtype=torch.int32, device=DEVICE)
+    _launch_order_kernel[(n_tiles * n_cols,)](cmap, out, n_tiles, n, BLOCK_N=block_n)
+    got = [tuple(r) for r in out.tolist()]
+    assert sorted((t, c) for t, c, _ in got) == [(t, c) for t in range(n_tiles) for c in range(n_cols)]
+    live = [e >= 0 for _, _, e in got]
+    assert sum(live) == 4 * n_cols and live == sorted(live, reverse=True), live
 
 
 def test_nvfp4_batch_invariance():
