@@ -2,7 +2,7 @@
 # GPU checks on the lent H200 image (torch, triton, transformers; no ray, no vllm), one device call a mode (each
 # under the 10-minute call limit; fourteenth-session times), outputs into $OUT (or ./gpu-check-out), at most 8
 # files a mode (what the device tool brings back). Stops at nothing: every step's exit code is in steps.txt.
-#   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | padding | rl | step | all]
+#   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | padding | grid | rl | step | all]
 #   tests: the GPU tests of the decode path's kernels (~5.5 min on the H200; on a cold H100 the first call
 #          passed 6 minutes at half the tests, the same tests warm took 2.8 min: seventeenth session)
 #   perf: the batch-1 decode profile, `bench rollout` (4.5 min on the H100), `bench gemm --decode`, the one-token decode GEMM sweep and
@@ -18,7 +18,10 @@
 #         default tile beside the sweep's best, side by side (scripts/ab_decode_config.py; 235 s, cold H100)
 #   kernels: `bench gemm --decode` (the whole table), the attention split sweep (batch 8 added), the
 #         batch-1 decode profile (87 s on a warm H100, eighteenth session) and the activation quantize's warp sweep
-#   padding: the batch-1 profile and `bench rollout --compare-unmarked` at batch 1 / 4 / 16 (twentieth session)
+#   padding: the batch-1 profile and `bench rollout --compare-unmarked` at batch 1 / 4 / 16 (twentieth session,
+#         174 s warm on an H100)
+#   grid: `probe_gemm_context.py --padding`, the grouped GEMM GPU tests, then `padding` (the twentieth session's
+#         grid change, not yet run: ~8 min predicted, cold)
 #   all (the default): tests, then the profile and `bench rollout` (~9.7 min warm on the H200, the fourteenth
 #         session's first call; past the 10-minute call limit on a cold H100: there, `tests` and `perf` apart)
 # Every step runs under `timeout` so that one slow step cannot take the call's later output with it.
@@ -93,6 +96,14 @@ case "$mode" in
         run unmarked 300 python3 -P -m rl4bit.bench_rollout --device cuda --batches 1,4,16 --new-tokens 256 \
             --compare-unmarked --out "$out"
         tail -30 "$out/unmarked.txt" ;;
+    grid)
+        # the grouped GEMMs' live-tiles-first grid (twentieth session, built on the CPU): the probe's 64-row cases
+        # against the 4-row call, the grouped GEMM GPU tests, then what `padding` runs
+        run probe 120 python3 -P scripts/probe_gemm_context.py --padding
+        grep -v Warn "$out/probe.txt" | tail -12
+        run qgemm 300 python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_qgemm_triton.py
+        tail -3 "$out/qgemm.txt"
+        bash "$0" padding ;;
     rl)
         for invariant in true false; do
             rm -rf /tmp/rl-$invariant  # a second call on a warm machine: no stale run dir
@@ -111,6 +122,6 @@ case "$mode" in
         small=(); [ "${mib:-0}" -lt 100000 ] && small=(-o trainer.tokens_per_microbatch=8192)
         run step 540 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128 --out "$out" "${small[@]}"
         tail -30 "$out/step.txt" ;;
-    *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | padding | rl | step | all]" >&2
+    *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | padding | grid | rl | step | all]" >&2
        exit 2 ;;
 esac
