@@ -111,7 +111,8 @@ def _mx_step(a_ptr, ca, a_rows, amask, b_ptr, cb, b_rows, bmask, k0, kend, LD, a
 def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC, KR, KS,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr,
                     INTERPRET: tl.constexpr, EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False):
-    """out[rows of e, :NC] = A[rows, :KR] @ B[e, :NC, :KR]ᵀ; the row tiles come from qgemm_triton.tile_map.
+    """out[rows of e, :NC] = A[rows, :KR] @ B[e, :NC, :KR]ᵀ; the row tiles come from qgemm_triton.tile_map, the
+    programs in `tile_first`'s order (a one-dimensional grid, live tiles first).
     KS = KR // 32 scales a row (an argument: Triton then knows its divisibility for the addresses).
     EVEN_N / EVEN_K: NC, KR are multiples of the tile (no column / K masks; same bits)."""
     pid_t, pid_n = tile_first(NC, BLOCK_N)
