@@ -96,38 +96,32 @@ def main() -> int:
 def padding_cases() -> int:
     dev = "cuda"
     g = torch.Generator().manual_seed(0)
-    rows_real, rows_padded = TOP_K, 16 * TOP_K
-    for what, n, k in (("gate_up", N, K), ("down", 2048, 768)):
+    for what, n, k in (("gate_up", N, K), ("down", K, N // 2)):  # down: hidden-size outputs from the SwiGLU's
         layers = [quantize(_weights((EXPERTS, n, k), dev, 200 + i), "nvfp4", outer="group") for i in range(LAYERS)]
-        cases = {"real rows only (4-row call)": [], "padding on row 0's experts": [], "padding uncounted": [],
-                 "padding unmarked": []}
+        cases = {"real rows only (4-row call)": (TOP_K, []), "padding on row 0's experts": (16 * TOP_K, []),
+                 "padding uncounted": (16 * TOP_K, []), "padding unmarked": (16 * TOP_K, [])}  # name: (rows, counts)
         for _ in range(CALLS):
             perm = torch.randperm(EXPERTS, generator=g)
-            real, own = perm[:TOP_K], perm[TOP_K:2 * TOP_K]
-            one = torch.bincount(real, minlength=EXPERTS).to(torch.int32)
-            cases["real rows only (4-row call)"].append((one, rows_real))
-            cases["padding on row 0's experts"].append((one * 16, rows_padded))
-            cases["padding uncounted"].append((one, rows_padded))
-            cases["padding unmarked"].append((one + 15 * torch.bincount(own, minlength=EXPERTS).to(torch.int32),
-                                              rows_padded))
+            picks = (perm[:TOP_K], perm[TOP_K:2 * TOP_K])  # the real row's experts, the unmarked padding's
+            one, own = (torch.bincount(e, minlength=EXPERTS).to(torch.int32) for e in picks)
+            for (_, counts), c in zip(cases.values(), (one, one * 16, one, one + 15 * own)):
+                counts.append(c.to(dev))
         print(f"{what} (K {k}, N {n}, {EXPERTS} experts, 16-layer footprint); µs a call")
         print(f"{'case':<30} {'config':>6} {'events':>8} {'profiler: GEMM':>15}")
-        for name, routes in cases.items():
-            rows = routes[0][1]
+        for name, (rows, counts) in cases.items():
             cfg = qg.pick_config(rows, EXPERTS, k, n)
             qx = quantize(_weights((rows, k), dev, 3) * 50, "nvfp4", outer="row")
             xh = qg.predecode(qx, qg.GPU_DECODE) if cfg.predecode_x else None
-            maps = [{} for _ in routes]
-            for m, (counts, r) in zip(maps, routes):
-                qg.shared_tile_map(m, counts.to(dev), EXPERTS, r, cfg.block_m, dev)
-            fns = [lambda i=i: qg.grouped_nvfp4(qx, layers[i % LAYERS], maps[i]["counts"], torch.bfloat16,
-                                                config=cfg, xh=xh, maps=maps[i]) for i in range(CALLS)]
+            maps = [{} for _ in counts]
+            for m, c in zip(maps, counts):  # tile maps built outside the graphs
+                qg.shared_tile_map(m, c, EXPERTS, rows, cfg.block_m, dev)
+            fns = [lambda i=i: qg.grouped_nvfp4(qx, layers[i % LAYERS], counts[i], torch.bfloat16, config=cfg,
+                                                xh=xh, maps=maps[i]) for i in range(CALLS)]
             gr = _graph(fns)
             label = "DECODE" if cfg == qg.DECODE else ("SHORT" if cfg == qg.DECODE_SHORT_K else "other")
             print(f"{name:<30} {label:>6} {replay_us(gr, 20) / CALLS:8.2f} "
                   f"{_profiled_us(gr, '_nvfp4_grouped_kernel'):15.2f}")
     return 0
-
 
 if __name__ == "__main__":
     import sys

@@ -6,13 +6,13 @@
 The engine pads every forward to at least `kv_cache.MIN_ROWS` rows (16) and each decode graph to its bucket's
 row count. Padding rows are real computations on a dummy token (0 at position 0, in a scratch cache slot), and
 in an MoE layer the router sends them to experts of their own: at batch 1 the padding picks about top-k experts
-beside the real row's, so the step's expert GEMMs read twice the weights the one real token needs (the
-nineteenth session's H100 profile: 13.0 µs a grouped GEMM call in the batch-1 step against 7.8 for the same
-GEMM on the real row's experts alone, `scripts/probe_gemm_context.py`). Under `live_rows` the fused router
-(`trainer/fused_router.py`, `kernels/router_triton.py`) gives every padding row row 0's logits, weights and
-experts, so padding rows land on experts a real row already reads. A real row's outputs do not change: its
+beside the real row's, so the step's expert GEMMs read twice the weights the one real token needs. Under
+`live_rows` the fused router (`trainer/fused_router.py`, `kernels/router_triton.py`) gives every padding row
+row 0's logits, weights and experts, so padding rows land on experts a real row already reads. A real row's outputs do not change: its
 routing is its own, and every expert kernel computes a row from that row alone (their batch invariance).
-Padding rows' outputs stay finite values that nothing reads.
+Padding rows' outputs stay finite values that nothing reads. Measured (twentieth session, H100, `bench_rollout
+--compare-unmarked`): the batch-1 decode step 1.17x faster in the BF16 engine, 1.04x in the NVFP4 engine (its
+grouped GEMM 13.0 -> 10.9 µs a call; the rest of its gap to a 4-row call is the grid, `qgemm_triton.tile_first`).
 
 The mask is a device tensor so that a CUDA graph captured under it reads each replay's mask (the decode graphs
 keep it as row 3 of their static input buffer, which the host rewrites before each replay). Outside the context
