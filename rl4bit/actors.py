@@ -16,7 +16,9 @@ gets `run.cpu_threads` torch threads. `local` mode builds the same classes
 in-process; calls run when made, so pdb and pytest work.
 
 A dead actor (killed, OOM, segfault) surfaces from `get` as `ActorDiedError`
-naming its class (e.g. "the Trainer actor died"), never as a bare Ray error.
+naming it (e.g. "the Trainer actor died", "the Sampler 2 of 4 actor died"),
+never as a bare Ray error; an exception an actor's method raises comes back as
+itself, with a note naming the actor.
 `cluster.actor(cls, ..., restarts=N)` lets Ray restart it up to N times (it is
 rebuilt from the same constructor arguments); the caller decides what a
 restarted actor needs (the driver re-sends the samplers the current weights
@@ -54,13 +56,31 @@ class _Done:
         self.value = value
 
 
+def _value(x):
+    return x.value if isinstance(x, _Done) else x
+
+
+def _named(e: BaseException, label: str) -> BaseException:
+    """`e` with a note naming the actor that raised it (its type kept, so callers still catch it as before)."""
+    note = f"raised by the {label} actor"
+    if note not in getattr(e, "__notes__", ()):
+        e.add_note(note)
+    return e
+
+
 class _LocalProxy:
-    def __init__(self, obj):
-        self._obj = obj
+    def __init__(self, obj, label: str):
+        self._obj, self._label = obj, label
 
     def __getattr__(self, name):
         fn = getattr(self._obj, name)
-        return lambda *a, **k: _Done(fn(*[x.value if isinstance(x, _Done) else x for x in a], **k))
+
+        def call(*a, **k):
+            try:
+                return _Done(fn(*[_value(x) for x in a], **{n: _value(v) for n, v in k.items()}))
+            except Exception as e:
+                raise _named(e, self._label)
+        return call
 
 
 def is_local(actor) -> bool:
@@ -69,18 +89,19 @@ def is_local(actor) -> bool:
 
 
 class ActorDiedError(RuntimeError):
-    """An actor process died (killed, out of memory, crashed); `actor` is its class name."""
+    """An actor process died (killed, out of memory, crashed); `actor` is its class name, `label` the name the
+    message gives it (e.g. "Sampler 2 of 4" where several replicas run)."""
 
-    def __init__(self, actor: str, detail: str, hint: str = ""):
-        self.actor, self.detail = actor, detail
-        super().__init__(f"the {actor} actor died ({detail})" + (f"; {hint}" if hint else ""))
+    def __init__(self, actor: str, detail: str, hint: str = "", label: str | None = None):
+        self.actor, self.detail, self.label = actor, detail, label or actor
+        super().__init__(f"the {self.label} actor died ({detail})" + (f"; {hint}" if hint else ""))
 
 
 class _RayFuture:
-    """A Ray ObjectRef plus the class name of the actor computing it (for ActorDiedError)."""
+    """A Ray ObjectRef plus the class name and label of the actor computing it (for the errors `get` raises)."""
 
-    def __init__(self, ref, actor: str):
-        self.ref, self.actor = ref, actor
+    def __init__(self, ref, actor: str, label: str):
+        self.ref, self.actor, self.label = ref, actor, label
 
 
 def _ref(x):
@@ -88,20 +109,21 @@ def _ref(x):
 
 
 class _RayProxy:
-    def __init__(self, handle, actor: str):
-        self._handle, self._actor = handle, actor
+    def __init__(self, handle, actor: str, label: str):
+        self._handle, self._actor, self._label = handle, actor, label
 
     def __getattr__(self, name):
         method = getattr(self._handle, name)
         return lambda *a, **k: _RayFuture(method.remote(*[_ref(x) for x in a], **{n: _ref(v) for n, v in k.items()}),
-                                          self._actor)
+                                          self._actor, self._label)
 
 
 def get(futures):
     """Wait for one future or a list of them (the results, in order).
 
-    An actor's exception is re-raised as itself; a dead actor raises
-    ActorDiedError naming its class.
+    An actor's exception is re-raised as itself, with a note naming the actor
+    (its label: "Sampler 2 of 4"); a dead actor raises ActorDiedError naming it.
+    The futures are awaited in order, so the first one that failed is the one named.
     """
     many = isinstance(futures, list)
     items = futures if many else [futures]
@@ -110,16 +132,18 @@ def get(futures):
     else:
         import ray
 
-        try:
-            values = ray.get([_ref(f) for f in items])
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, ray.exceptions.RayActorError):  # a future argument's actor died
-                raise _died(items, e.cause) from None
-            if isinstance(e.cause, Exception):
-                raise e.cause from None
-            raise
-        except ray.exceptions.RayActorError as e:
-            raise _died(items, e) from None
+        values = []
+        for f in items:
+            try:
+                values.append(ray.get(_ref(f)))
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, ray.exceptions.RayActorError):  # a future argument's actor died
+                    raise _died(items, e.cause) from None
+                if isinstance(e.cause, Exception):
+                    raise (_named(e.cause, f.label) if isinstance(f, _RayFuture) else e.cause) from None
+                raise
+            except ray.exceptions.RayActorError as e:
+                raise _died(items, e) from None
     return values if many else values[0]
 
 
@@ -127,19 +151,19 @@ def _died(items: list, err: Exception) -> ActorDiedError:
     """ActorDiedError naming the first of `items` whose actor is dead."""
     import ray
 
-    name = next((f.actor for f in items if isinstance(f, _RayFuture)), "?")
-    for f in items:
-        if not isinstance(f, _RayFuture):
-            continue
+    futures = [f for f in items if isinstance(f, _RayFuture)]
+    dead = futures[0] if futures else None
+    for f in futures:
         try:
             ray.get(f.ref, timeout=0)
         except ray.exceptions.RayActorError:
-            name = f.actor
+            dead = f
             break
         except Exception:  # not ready, or failed for another reason
             continue
     detail = str(err).strip().splitlines()
-    return ActorDiedError(name, detail[0] if detail else type(err).__name__)
+    return ActorDiedError(dead.actor if dead else "?", detail[0] if detail else type(err).__name__,
+                          label=dead.label if dead else None)
 
 
 def wait_alive(proxy, timeout_s: float = 300.0) -> dict:
@@ -200,19 +224,21 @@ class Cluster:
             configure_logging=False,
         )
 
-    def actor(self, cls, *args, num_gpus: float = 0, restarts: int = 0, **kwargs):
+    def actor(self, cls, *args, num_gpus: float = 0, restarts: int = 0, label: str | None = None, **kwargs):
         """An instance of the plain class `cls` here (local) or as a Ray actor (ray); calls return futures.
 
-        `restarts`: how often Ray may rebuild a dead actor from these arguments (ray mode only).
+        `restarts`: how often Ray may rebuild a dead actor from these arguments (ray mode only). `label`: the
+        name its errors give it (default: the class name; "Sampler 2 of 4" for one of several replicas).
         """
+        label = label or cls.__name__
         if self.mode == "local":
-            return _LocalProxy(cls(*args, **kwargs))
+            return _LocalProxy(cls(*args, **kwargs), label)
         import ray
 
         handle = ray.remote(cls).options(num_cpus=0, num_gpus=num_gpus, max_restarts=restarts,
                                          max_task_retries=0).remote(*args, **kwargs)
         self._handles.append(handle)
-        return _RayProxy(handle, cls.__name__)
+        return _RayProxy(handle, cls.__name__, label)
 
     def shutdown(self) -> None:
         if self.mode != "ray":

@@ -102,7 +102,7 @@ class SamplerConfig:
     top_p: float = 1.0
     """Nucleus sampling mass (1 = off)."""
     top_k: int = 0
-    """Keep the k most likely tokens (0 = off)."""
+    """Keep the k most likely tokens (0 or -1 = off)."""
     min_p: float = 0.0
     """Drop tokens below min_p x the top probability (0 = off)."""
     stop: list[str] = field(default_factory=list)

@@ -163,7 +163,8 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         restarts = int(getattr(cfg.ray, "sampler_restarts", 3))
         samplers = [cluster.actor(Sampler, builder, tokenizer, cfg.sampler, device=device, max_seq_len=cfg.model.max_seq_len,
                                   autocast=autocast_dtype(cfg.model), invariant_kernels=cfg.model.invariant_kernels,
-                                  num_gpus=gpu, restarts=restarts) for _ in range(cfg.sampler.replicas)]
+                                  num_gpus=gpu, restarts=restarts, label=_replica(i, cfg.sampler.replicas))
+                    for i in range(cfg.sampler.replicas)]
         pool = cluster.actor(RewardPool, specs, [r.weight for r in cfg.rewards.functions], workers=cfg.rewards.workers,
                              max_error_fraction=cfg.rewards.max_error_fraction, **limits)
         recover = SamplerRecovery(trainer, samplers, restarts)
@@ -276,7 +277,8 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                         save_checkpoint(run_dir, step, tensors, {"trainer": meta, "data": stream.state()},
                                         keep=cfg.run.keep_checkpoints)
         except ActorDiedError as e:  # a Sampler past its restarts, the Trainer, the reward pool
-            raise ActorDiedError(e.actor, e.detail, f"the job stops at step {step}. {_resume_hint(run_dir)}") from None
+            raise ActorDiedError(e.actor, e.detail, f"the job stops at step {step}. {_resume_hint(run_dir)}",
+                                 label=e.label) from None
     except torch.OutOfMemoryError as e:  # an actor's, re-raised as itself by `get`, or this process's (local mode)
         detail = ". ".join(str(e).split(". ")[:2])[:200]  # "CUDA out of memory. Tried to allocate X GiB"
         at = step if step > start else 0  # 0: before the run's first RL step (after a resume too)
@@ -346,6 +348,11 @@ def _resume_hint(run_dir: Path) -> str:
 
     step = json.loads(latest.read_text()).get("step")
     return f"Continue from the last checkpoint (step {step}): rl4bit train --resume {run_dir}"
+
+
+def _replica(i: int, replicas: int) -> str:
+    """The name a sampler replica's errors give it."""
+    return "Sampler" if replicas == 1 else f"Sampler {i + 1} of {replicas}"
 
 
 class SamplerRecovery:

@@ -7,7 +7,7 @@
     sampler.commit_update(version)                  #   switched all-or-nothing
     sampler.apply_tensors(update, quantized)        # or, trainer in this process: the same values as device tensors
     sampler.update_weights(WeightUpdate(version=1, tensors=state_dict))   # dense tensors by name (tests, tools)
-    sampler.health()  # {"version", "tokens_generated", "tokens_per_s", "ok", ...}
+    sampler.health()  # {"version", "tokens_generated", "tokens_per_s", "ok", "last_error", "errors", ...}
 
 The model's quantized modules (a model converted by the recipe, e.g.
 `rl4bit.models.build_policy_model`) are switched to serving mode at start:
@@ -88,32 +88,59 @@ class Sampler:
             with torch.no_grad():  # serving mode: the QTensors the forward would quantize now; masters dropped
                 load_quantized(self.engine.model, quantized_weights(self.engine.model))
         self.receiver = WeightReceiver(self.engine)
+        self._generate_failed = False
+        """Whether the last generate call raised (health's `ok`; a later successful one clears it)."""
         self._last_error: str | None = None
+        """The last error of any call (generate or a weight update), `phase: Type: message`, kept as history."""
+        self._errors = 0
+
+    def _failed(self, phase: str, e: Exception) -> None:
+        self._last_error = f"{phase}: {type(e).__name__}: {e}"
+        self._errors += 1
 
     def generate(self, requests: list[Request]) -> list[Rollout]:
         try:
-            return self.engine.generate(requests)
+            rollouts = self.engine.generate(requests)
         except Exception as e:  # recorded for health(), then re-raised to the caller
-            self._last_error = f"{type(e).__name__}: {e}"
+            self._generate_failed = True
+            self._failed("generate", e)
             raise
+        self._generate_failed = False
+        return rollouts
 
     def update_weights(self, update: WeightUpdate) -> int:
         """Apply `update` (all-or-nothing; ValueError keeps the old version). Returns the serving version."""
-        self.engine.update_weights(update)
+        try:
+            self.engine.update_weights(update)
+        except Exception as e:
+            self._failed("update_weights", e)
+            raise
         return self.engine.version
 
     def begin_update(self, version: int, count: int, layout: dict) -> None:
         """Start staging update `version` of `count` buckets (WeightSyncError if not newer than the serving one)."""
-        self.receiver.begin(version, count, layout)
+        try:
+            self.receiver.begin(version, count, layout)
+        except Exception as e:
+            self._failed("begin_update", e)
+            raise
 
     def receive_bucket(self, bucket: Bucket) -> int:
         """Verify (SHA-256) and stage one bucket; returns its payload bytes. WeightSyncError drops the update."""
-        self.receiver.receive(bucket.version, bucket.index, bucket.payload, bucket.sha256)
+        try:
+            self.receiver.receive(bucket.version, bucket.index, bucket.payload, bucket.sha256)
+        except Exception as e:
+            self._failed("receive_bucket", e)
+            raise
         return len(bucket.payload)
 
     def commit_update(self, version: int) -> int:
         """Switch to `version` if every bucket arrived and fits (all-or-nothing); returns the serving version."""
-        return self.receiver.commit(version)
+        try:
+            return self.receiver.commit(version)
+        except Exception as e:
+            self._failed("commit_update", e)
+            raise
 
     def accepts_tensors(self) -> bool:
         """Whether `apply_tensors` may be used: the embedded engine yes; vLLM (its own copy of the weights) takes buckets."""
@@ -128,7 +155,11 @@ class Sampler:
         if not self.accepts_tensors():
             raise WeightSyncError(f"sampler.backend={self.config.backend} takes weight updates as buckets only "
                                   f"(begin_update / receive_bucket / commit_update); v{self.version} keeps serving")
-        return self.receiver.apply(update, quantized)
+        try:
+            return self.receiver.apply(update, quantized)
+        except Exception as e:
+            self._failed("apply_tensors", e)
+            raise
 
     def abort_update(self, reason: str = "aborted by the driver") -> None:
         self.receiver.abort(reason)
@@ -148,8 +179,9 @@ class Sampler:
             "tokens_generated": e.tokens_generated,
             "prompt_tokens": e.prompt_tokens,
             "tokens_per_s": e.tokens_generated / e.busy_s if e.busy_s > 0 else 0.0,
-            "ok": self._last_error is None and getattr(e, "broken", None) is None,
+            "ok": not self._generate_failed and getattr(e, "broken", None) is None,
             "last_error": self._last_error,
+            "errors": self._errors,
             "backend": self.config.backend,
             "device": str(getattr(e, "device", "vllm")),
             "kv_cache_bytes": e.cache.nbytes if hasattr(e, "cache") else None,

@@ -173,6 +173,7 @@ class EmbeddedEngine:
         self.shared_prompt_tokens = 0
         """Prompt tokens whose prefill was skipped: a sample forked from its request's first sample."""
         self.busy_s = 0.0
+        """Seconds in generate calls, failed ones included (as their sampled tokens are in tokens_generated)."""
         self.prefill_s = 0.0
         """Seconds in steps that held any prompt tokens (prefill, possibly with decode rows)."""
         self.decode_s = 0.0
@@ -211,7 +212,7 @@ class EmbeddedEngine:
         finally:  # an exception mid-generate (e.g. NaN/Inf met by a kernel) must not leak the slots
             for s in active:
                 self.cache.release(s.slot)
-        self.busy_s += time.perf_counter() - t0
+            self.busy_s += time.perf_counter() - t0  # a failed call's time too: its tokens were counted
         return results  # type: ignore[return-value]
 
     def _run(self, waiting: list[_Seq], active: list[_Seq], results: list, version: int) -> None:

@@ -9,7 +9,7 @@ is the forward, see kv_cache.py).
 Logprob semantics (rl4bit.sampler.types): `policy_logprobs` is
 log_softmax(logits / T) (T = 1 when T = 0, greedy), before any truncation; it
 is what the trainer recomputes. `processed_logprobs` is the log-distribution
-actually sampled from: top-k, then top-p, then min-p on the temperature-scaled
+actually sampled from: min-p, then top-k, then top-p on the temperature-scaled
 distribution, renormalised (-inf outside the kept set). Greedy rows (T = 0) ignore
 truncation, as vLLM does: the argmax is kept by any of them, and their processed
 logprobs are the policy's.
@@ -21,8 +21,12 @@ by the sequence's 64-bit key and its token index (`noise.py`: counter-based
 Philox), so it depends on nothing else in the batch, and one kernel draws it
 for every row.
 
+Truncation order is vLLM's (V1 sampler: temperature, then min-p as an argmax-invariant logits processor, then
+top-k and top-p), so both backends sample from the same set. Min-p and top-k keep a set that renormalisation
+does not move (a ratio to the top probability, a rank) and commute; top-p's cut depends on what it sees, so
+taking it after min-p keeps fewer tokens than HF's order (top-k, top-p, min-p) when both are on.
+
 Leaves out: repetition/frequency penalties, logit bias, beam search.
-Matches the truncation order of vLLM/HF (top-k, top-p, min-p).
 """
 
 from __future__ import annotations
@@ -46,13 +50,20 @@ def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 def truncates(params: SamplingParams) -> bool:
     """Whether the params ask for top-k, top-p or min-p truncation (then the processed distribution is computed
-    row by row, `processed_logprobs`; without, it is the policy's)."""
+    row by row, `processed_logprobs`; without, it is the policy's). top_k 0 and -1 are off."""
     return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
 def truncation_mask(logp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Bool mask [V] of the tokens top-k, top-p and min-p keep (applied in that order)."""
+    """Bool mask [V] of the tokens min-p, top-k and top-p keep (applied in that order: vLLM's, module docstring).
+
+    min-p keeps p >= min_p * max p (the top token always, and its ties); top-k the tokens at least the k-th
+    largest (ties kept); top-p, over the kept tokens renormalised and sorted down (stable), each token whose mass
+    before it is below top_p (the top token always)."""
     keep = torch.ones_like(logp, dtype=torch.bool)
+    if params.min_p > 0.0:
+        probs = torch.softmax(logp, dim=-1)
+        keep &= probs >= params.min_p * probs.max()
     if params.top_k > 0 and params.top_k < logp.numel():
         kth = torch.topk(logp, params.top_k).values[-1]
         keep &= logp >= kth
@@ -65,10 +76,6 @@ def truncation_mask(logp: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         keep_p = torch.zeros_like(keep)
         keep_p[order] = keep_sorted
         keep &= keep_p
-    if params.min_p > 0.0:
-        masked = logp.masked_fill(~keep, float("-inf"))
-        probs = torch.softmax(masked, dim=-1)
-        keep &= probs >= params.min_p * probs.max()
     return keep
 
 

@@ -48,7 +48,7 @@ class SamplingParams:
     top_p: float = 1.0
     """Nucleus sampling: keep the smallest set of top tokens with mass >= top_p (1 = off)."""
     top_k: int = 0
-    """Keep only the k most likely tokens (0 = off)."""
+    """Keep only the k most likely tokens, ties with the k-th kept (0 or -1 = off)."""
     min_p: float = 0.0
     """Drop tokens whose probability is below min_p x the top probability (0 = off)."""
     max_new_tokens: int = 32
@@ -75,11 +75,11 @@ class SamplingParams:
         p = self.top_p
         if not _is_number(p) or not (0 < p <= 1):
             raise ValueError(f"top_p: {p!r} must be in (0, 1] (1 = off)")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k: {self.top_k!r} must be an int >= 0 (0 = off)")
+        if not _is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k: {self.top_k!r} must be an int >= 1, or 0 or -1 (off)")
         m = self.min_p
-        if not _is_number(m) or not (0 <= m < 1):
-            raise ValueError(f"min_p: {m!r} must be in [0, 1) (0 = off)")
+        if not _is_number(m) or not (0 <= m <= 1):
+            raise ValueError(f"min_p: {m!r} must be in [0, 1] (0 = off; 1 keeps the top token and its ties)")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: {self.max_new_tokens!r} must be an int >= 1")
         if not _is_int(self.n) or self.n < 1:

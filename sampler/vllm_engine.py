@@ -70,6 +70,7 @@ from rl4bit import checkpoint_format as ckf
 from rl4bit import ct_layout
 from rl4bit.atomic import fsync_tree, replace_dir
 from rl4bit.kernels import QTensor, dequantize
+from rl4bit.kernels.checks import qtensor_problems
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts, request_error
 
@@ -300,6 +301,7 @@ class VLLMEngine:
         self.tokens_generated = 0
         self.prompt_tokens = 0
         self.busy_s = 0.0
+        """Seconds in generate calls, failed ones included (as their sampled tokens are in tokens_generated)."""
         self.broken: str | None = None
         """Why the engine's weights are unknown (a reload failed and so did the restore), or None."""
 
@@ -324,8 +326,8 @@ class VLLMEngine:
         seed = None
         if p.temperature > 0:
             seed = derive_seed(p.seed if p.seed is not None else self._rng.getrandbits(62), i) & (2**63 - 1)
-        return VP(n=1, temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p, max_tokens=max_new,
-                  stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids), include_stop_str_in_output=True,
+        return VP(n=1, temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k, 0), min_p=p.min_p,  # -1: 0, off
+                  max_tokens=max_new, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids), include_stop_str_in_output=True,
                   ignore_eos=bool(getattr(p, "ignore_eos", False)), seed=seed, logprobs=0, skip_special_tokens=True)
 
     def generate(self, requests: list[Request]) -> list[Rollout]:
@@ -350,6 +352,13 @@ class VLLMEngine:
                 params.append(self._vllm_params(req.params, i, max_new))
                 where.append((len(results), req, i))
                 results.append(None)
+        try:
+            return self._collect(results, where, prompts, params, version)
+        finally:
+            self.busy_s += time.perf_counter() - t0  # a failed call's time too: its tokens were counted
+
+    def _collect(self, results: list, where: list, prompts: list, params: list, version: int) -> list[Rollout]:
+        """Run vLLM on the valid requests and put their rollouts in `results` (rescoring truncated ones)."""
         outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
         rescore = []
         for (slot, req, i), out in zip(where, outs):
@@ -369,8 +378,7 @@ class VLLMEngine:
         if rescore:
             for r, lps in zip(rescore, self._score_many([(r.prompt_ids, r.completion_ids) for r in rescore])):
                 r.logprobs = lps
-        self.busy_s += time.perf_counter() - t0
-        return results  # type: ignore[return-value]
+        return results
 
     # ------------------------------------------------------------------ scoring
     def _score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
@@ -457,14 +465,12 @@ class VLLMEngine:
 
 
 def _value_problems(name: str, v, e: ckf.Entry, old) -> list[str]:
+    """What keeps `v` from replacing the served `old` (the embedded engine's rules: a QTensor's format, shapes,
+    part dtypes and NaN/Inf in its codes, scales and outer, `checks.qtensor_problems`), or []."""
     if isinstance(v, QTensor):
-        if not isinstance(old, QTensor) or v.fmt != old.fmt:
-            return [f"{name}: format {v.fmt!r} != the checkpoint's {e.fmt!r}"]
-        if tuple(v.shape) != tuple(old.shape) or v.data.shape != old.data.shape or v.scale.shape != old.scale.shape:
-            return [f"{name}: QTensor shape {tuple(v.shape)} != the served {tuple(old.shape)}"]
-        if not bool(torch.isfinite(v.outer).all()):
-            return [f"{name}: outer scale holds NaN/Inf"]
-        return []
+        if not isinstance(old, QTensor):
+            return [f"{name}: a QTensor for a tensor the checkpoint holds unquantized ({e.fmt!r})"]
+        return qtensor_problems(name, v, old.fmt, tuple(old.shape))
     if not isinstance(v, torch.Tensor):
         return [f"{name}: {type(v).__name__} is not a tensor"]
     want = tuple(old.shape)

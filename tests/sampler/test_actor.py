@@ -50,3 +50,38 @@ def test_default_params_carry_every_job_field():
     shared = {f.name for f in dataclasses.fields(p)} & {f.name for f in dataclasses.fields(cfg)}
     assert shared == {"temperature", "top_p", "top_k", "min_p", "max_new_tokens", "stop", "ignore_eos"}
     assert all(getattr(p, k) == getattr(cfg, k) for k in shared) and p.n == 3
+
+
+def test_health_after_a_failed_generate(tokenizer, monkeypatch):
+    """A generate that raises mid-run: `ok` is False until a later generate succeeds, `last_error` names the
+    phase and stays, the failed call's time is in busy_s beside the tokens it sampled (tokens/s not inflated)."""
+    import time
+
+    s = Sampler(lambda: make_model(seed=0), tokenizer, SamplerConfig(max_batch_size=4, max_new_tokens=8),
+                device="cpu")
+    reqs = [Request(str(i), p, default_params(s.config, n=2, seed=1, ignore_eos=True))
+            for i, p in enumerate(prompts(3, seed=30))]
+    s.generate(reqs)
+    step, calls = s.engine._step, []
+
+    def failing_step(active):
+        calls.append(1)
+        if len(calls) == 4:
+            time.sleep(0.3)
+            raise RuntimeError("a kernel met NaN/Inf")
+        return step(active)
+
+    monkeypatch.setattr(s.engine, "_step", failing_step)
+    busy, tokens = s.engine.busy_s, s.engine.tokens_generated
+    with pytest.raises(RuntimeError, match="NaN/Inf"):
+        s.generate(reqs)
+    h = s.health()
+    assert not h["ok"] and h["last_error"] == "generate: RuntimeError: a kernel met NaN/Inf" and h["errors"] == 1
+    assert s.engine.busy_s - busy >= 0.3 and s.engine.tokens_generated > tokens
+    monkeypatch.setattr(s.engine, "_step", step)
+    with pytest.raises(ValueError):
+        s.update_weights(WeightUpdate(1, {"nope": make_model().lm_head.weight}))
+    assert s.health()["last_error"].startswith("update_weights: ValueError") and s.health()["errors"] == 2
+    s.generate(reqs)
+    h = s.health()
+    assert h["ok"] and h["errors"] == 2 and h["version"] == 0

@@ -118,8 +118,11 @@ def test_malformed_requests_fail_alone(engine):
 
 
 def test_context_end_finishes_with_length(engine):
-    out = engine.generate([Request("edge", [1] * 125, greedy(50))])[0]
-    assert out.finish_reason in ("length", "stop") and len(out.completion_ids) <= 3
+    """A prompt of L tokens in a 128-token context gets exactly 128 - L new tokens, then finishes with length."""
+    for n in (125, 126, 127):
+        params = SamplingParams(temperature=0.0, max_new_tokens=50, ignore_eos=True)
+        out = engine.generate([Request("edge", [1] * n, params)])[0]
+        assert out.error is None and out.finish_reason == "length" and len(out.completion_ids) == 128 - n, out
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])

@@ -21,6 +21,11 @@ def test_truncation_masks():
     assert keep(top_p=0.8) == [True, True, True, False, False]
     assert keep(min_p=0.2) == [True, True, True, False, False]     # 0.07 < 0.2 * 0.5
     assert keep(top_k=3, min_p=0.35) == [True, True, False, False, False]
+    assert keep(min_p=1.0) == [True, False, False, False, False]     # the top token (and its ties) only
+    assert keep(top_k=-1) == keep(top_k=0) == [True] * 5              # both off (vLLM's -1, HF's 0)
+    # min-p before top-p (vLLM's order): min-p keeps 0.5, 0.25, 0.15 (>= 0.1); renormalised to 0.56, 0.28, 0.17,
+    # top-p 0.8 stops after two. HF's order (top-p first, over all five) would keep three.
+    assert keep(top_p=0.8, min_p=0.2) == [True, True, False, False, False]
     lp = processed_logprobs(LOGITS, SamplingParams(top_k=2))
     torch.testing.assert_close(lp[:2].exp(), torch.tensor([2 / 3, 1 / 3]))
     assert torch.isinf(lp[2:]).all()
@@ -73,11 +78,11 @@ def test_processed_logprobs_only_for_the_rows_that_ask():
     ("temperature", 1e-38, ">= 0.01"), ("temperature", 0.005, ">= 0.01"), ("temperature", True, "temperature"),
     ("n", True, "n: True"), ("top_k", False, "top_k"), ("max_new_tokens", True, "max_new_tokens"),
     ("seed", True, "seed"), ("seed", 2**63, "2**63 - 1"), ("stop_token_ids", [True], "stop_token_ids"),
-    ("top_p", True, "top_p"),
+    ("top_p", True, "top_p"), ("top_k", -2, "0 or -1 (off)"), ("min_p", 1.01, "[0, 1]"), ("min_p", -0.1, "[0, 1]"),
 ])
 def test_params_reject_bools_tiny_temperatures_and_wide_seeds(field, value, needle):
     """A bool is not a count, a seed or a temperature; a temperature under 0.01 overflows logits / T (vLLM would
     raise it to 0.01); seeds past 63 bits would collide in the noise keys."""
     with pytest.raises(ValueError, match=re.escape(needle)):
         SamplingParams(**{field: value}).validate()
-    SamplingParams(temperature=0.01, seed=2**63 - 1, n=2).validate()  # the edges themselves are fine
+    SamplingParams(temperature=0.01, seed=2**63 - 1, n=2, top_k=-1, min_p=1.0).validate()  # the edges are fine

@@ -68,7 +68,8 @@ def test_update_a_b_a_follows_each_version(engine, engine_b, models):
 
 @pytest.mark.parametrize("breakage, message", [
     ("unknown", "unknown tensor"), ("shape", "shape"), ("nan", "NaN"), ("old_version", "version"),
-    ("qkv_scales", "global scales differ"), ("format", "format"),
+    ("qkv_scales", "global scales differ"), ("format", "format"), ("nan_block_scale", "scale: holds NaN/Inf"),
+    ("scale_dtype", "scale: dtype and shape"),
 ])
 def test_rejected_update_keeps_old_version_serving(engine, models, breakage, message):
     ps = prompts(3, seed=5)
@@ -85,6 +86,14 @@ def test_rejected_update_keeps_old_version_serving(engine, models, breakage, mes
         update.tensors[name][1, 2] = float("nan")
     elif breakage == "old_version":
         update.version = version - 1
+    elif breakage in ("nan_block_scale", "scale_dtype"):  # an expert's NVFP4 block scales (E4M3 0x7F is NaN)
+        w = q["model.layers.0.mlp.experts"]["down_proj"]
+        scale = w.scale.clone()
+        if breakage == "nan_block_scale":
+            scale.view(torch.uint8)[0, 0, 0] = 0x7F
+        else:
+            scale = scale.float()
+        q["model.layers.0.mlp.experts"]["down_proj"] = type(w)(w.data, scale, w.outer, w.fmt, w.shape)
     elif breakage == "qkv_scales":
         kq = q[f"{attn}.k_proj"]["weight"]
         q[f"{attn}.k_proj"]["weight"] = type(kq)(kq.data, kq.scale, kq.outer * 2, kq.fmt, kq.shape)
@@ -169,6 +178,26 @@ def test_truncated_logprobs_are_pre_truncation_at_t1(engine):
     # renormalising over the top 3 raises every kept token's log-prob
     assert all(lp < plp for lp, plp in zip(r.logprobs, r.processed_logprobs)), (r.logprobs, r.processed_logprobs)
     assert r.logprobs == pytest.approx(engine.score(p, r.completion_ids), abs=1e-6)
+
+
+def test_a_failed_generate_counts_its_time(engine, monkeypatch):
+    """The rescoring pass failing after vLLM sampled: the call raises, its tokens and its time are both counted
+    (tokens per second not inflated), and the engine serves the next call."""
+    import time
+
+    def failing(pairs):
+        time.sleep(0.2)
+        raise RuntimeError("rescoring failed")
+
+    monkeypatch.setattr(engine, "_score_many", failing)
+    busy, tokens = engine.busy_s, engine.tokens_generated
+    with pytest.raises(RuntimeError, match="rescoring failed"):
+        engine.generate([Request("k", prompts(1, seed=9)[0], SamplingParams(temperature=1.0, top_k=3,
+                                                                            max_new_tokens=4, seed=1))])
+    assert engine.busy_s - busy >= 0.2 and engine.tokens_generated > tokens
+    monkeypatch.undo()
+    assert engine.generate([Request("g", prompts(1)[0], SamplingParams(temperature=0.0, max_new_tokens=3))])[0].error \
+        is None
 
 
 def test_logprob_mismatch_against_trainer(engine, record_property):
