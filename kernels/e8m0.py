@@ -3,8 +3,9 @@
 E8M0 byte e encodes 2**(e - 127); 0xFF is NaN; there is no zero and no Inf.
 
 - ``rceil_biased(d)``: smallest power of two >= d, i.e. the biased exponent
-  field of fp32 d plus 1 if its mantissa is non-zero (cuBLAS / TE
-  ``cvt.rp.satfinite.ue8m0``); d = amax / element_max, computed by the caller
+  field of fp32 d plus 1 if its mantissa is non-zero, and for a subnormal d
+  0 (2**-127) up to 2**-127, else 1 (cuBLAS / TE ``cvt.rp.satfinite.ue8m0``,
+  ``float_to_e8m0``); d = amax / element_max, computed by the caller
   as one fp32 division (torchao ``_to_mx_rceil``: ``max_abs / max_pos``).
 - ``floor_biased(amax, emax)``: OCP ``floor(log2 amax) - emax`` from the
   exponent field of amax (torchao ``ScaleCalculationMode.FLOOR``).
@@ -27,10 +28,15 @@ E8M0_MAX_FINITE = 254
 
 
 def rceil_biased(d: torch.Tensor) -> torch.Tensor:
-    """int32 biased E8M0 exponent of the smallest power of two >= d (fp32, finite, >= 0)."""
+    """int32 biased E8M0 exponent of the smallest power of two >= d (fp32, finite, >= 0).
+
+    A subnormal d has exponent field 0: E8M0's smallest scale, 2**-127 (byte 0, fp32 bits 0x400000), covers
+    d <= 2**-127, and 2**-126 (byte 1) the rest (TE's ``float_to_e8m0``: 0 where exponent == 0 and mantissa
+    <= 0x400000)."""
     bits = d.view(torch.int32)
-    e = (bits >> 23) & 0xFF
-    e = e + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    field = (bits >> 23) & 0xFF
+    man = bits & 0x7FFFFF
+    e = torch.where(field == 0, (man > 0x400000).to(torch.int32), field + (man != 0).to(torch.int32))
     return torch.clamp(e, 0, E8M0_MAX_FINITE)
 
 

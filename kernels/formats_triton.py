@@ -173,10 +173,14 @@ def e8m0_rceil_of_quotient(amax, MAN: tl.constexpr, SHIFT: tl.constexpr, ZERO_MA
     reals that round down onto 2**p lie within half an ulp above it, and no fp32
     sits between D * 2**p and D * 2**p * (1 + 2**-24) when D has few mantissa
     bits (448 = 1.75 * 2**8, 127/64 = 1.984375). So with amax = 1.m * 2**E the
-    answer is E_biased - SHIFT, plus 1 if m > man. A subnormal non-zero quotient
-    gives 1 (the reference's exponent 0 + mantissa bump); amax <= ZERO_MAX
-    (the largest amax whose quotient rounds to 0) gives 0. Tested against the
-    reference on every binade and on the mantissa boundary (test_triton_formats).
+    answer is E_biased - SHIFT, plus 1 if m > man. A quotient at most 2**-127
+    gives 0 (E8M0's smallest scale covers it): amax <= ZERO_MAX, the largest amax
+    whose quotient rounds to at most 2**-127 (bits 0x04600001, one ulp above
+    448 * 2**-127, for D = 448: the quotient is subnormal and that ulp rounds
+    away; 127/64 * 2**-127, bits 0x7F0000, for D = 127/64); a larger subnormal
+    quotient gives 1. Tested
+    against the reference on every binade, on the mantissa boundary and around
+    ZERO_MAX (test_triton_formats).
     """
     bits = amax.to(tl.int32, bitcast=True)
     e = (bits >> 23) - SHIFT + ((bits & 0x7FFFFF) > MAN).to(tl.int32)

@@ -58,7 +58,7 @@ def _mx_quant_blocks(ax3, sign3, bits3, AXIS: tl.constexpr, STOCHASTIC: tl.const
     pass for sources that cannot hold NaN (decoded NVFP4).
     """
     amax = tl.max(ax3, axis=AXIS)
-    sc = e8m0_rceil_of_quotient(amax, 0x600000, 8, 224)
+    sc = e8m0_rceil_of_quotient(amax, 0x600000, 8, 0x04600001)
     y = tl.minimum(ax3 * tl.expand_dims(pow2(127 - sc), AXIS), 448.0)
     if STOCHASTIC:
         code = e4m3_code_sr(y, bits3)

@@ -62,7 +62,7 @@ def _s2f6_quant_kernel(x_ptr, data_ptr, scale_ptr, flag_ptr, R, K, seed_lo, seed
         t = t * _signs(seed_lo, seed_hi)[None, :]
         t = _fwht32(t, N) * 0.1767766922712326
     b = tl.max(tl.abs(t), axis=1)
-    e = e8m0_rceil_of_quotient(b, 0x7E0000, 0, 0)  # rceil_biased(f32(b / (127/64)))
+    e = e8m0_rceil_of_quotient(b, 0x7E0000, 0, 0x7F0000)  # rceil_biased(f32(b / (127/64)))
     z = (t * pow2(127 - e)[:, None]) * 64.0
     a = tl.minimum(tl.abs(z), 256.0)
     n = a.to(tl.int32)

@@ -121,7 +121,8 @@ def test_mxfp8_floor_vs_torchao():
 
 
 def test_mxfp8_rceil_differs_from_torchao_only_below_fp32_normal():
-    """torchao's eager RCEIL gives exponent 0 and scale 1 when amax/448 < 2**-127; rl4bit stays exact."""
+    """Where amax/448 <= 2**-127 both pick scale byte 0 (2**-127, E8M0's smallest), but torchao's eager RCEIL
+    encodes that block's values as if the scale were 1 (flushing them to 0); rl4bit divides by 2**-127 exactly."""
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(8, 256, generator=gen)
     tiny = torch.zeros(8, 8, dtype=torch.bool)
@@ -129,11 +130,13 @@ def test_mxfp8_rceil_differs_from_torchao_only_below_fp32_normal():
     x = (x.unflatten(-1, (8, 32)) * torch.where(tiny, 2.0**-121, 1.0).unsqueeze(-1)).flatten(-2)
     ours = quantize_reference(x, "mxfp8")
     scale, data = to_mx(x, torch.float8_e4m3fn, 32, ScaleCalculationMode.RCEIL)
-    differs = ours.scale.view(torch.uint8) != scale.view(torch.uint8)
-    assert torch.equal(differs, tiny)
-    assert int(ours.scale.view(torch.uint8)[tiny].min()) >= 1  # exact RCEIL keeps the block's values
+    assert_bitwise_equal(ours.scale, scale, "mxfp8 RCEIL scale vs torchao")
+    assert int(ours.scale.view(torch.uint8)[tiny].max()) == 0
     keep = (~tiny).repeat_interleave(32, dim=-1)
     assert_bitwise_equal(ours.data[keep], data[keep], "mxfp8 data on normal blocks")
+    exact = (x * 2.0**127).clamp(-448, 448).to(torch.float8_e4m3fn)  # x / 2**-127, exact in fp32, one rounding
+    assert_bitwise_equal(ours.data[~keep], exact[~keep], "mxfp8 data of the 2**-127 blocks")
+    assert bool((data[~keep].float() == 0).all()) and bool((ours.data[~keep].float() != 0).any())
     assert F8E4M3_MAX == 448.0
 
 

@@ -68,9 +68,9 @@ def _codec_kernel(y_ptr, out_ptr, n, seed_lo, seed_hi, OP: tl.constexpr, B: tl.c
     elif OP == 5:
         c = pow2(y.to(tl.int32)).to(tl.int32, bitcast=True)
     elif OP == 6:
-        c = e8m0_rceil_of_quotient(tl.abs(y), 0x600000, 8, 224)
+        c = e8m0_rceil_of_quotient(tl.abs(y), 0x600000, 8, 0x04600001)
     else:
-        c = e8m0_rceil_of_quotient(tl.abs(y), 0x7E0000, 0, 0)
+        c = e8m0_rceil_of_quotient(tl.abs(y), 0x7E0000, 0, 0x7F0000)
     tl.store(out_ptr + i, c, mask=m)
 
 
@@ -143,8 +143,10 @@ def test_e8m0_rceil_of_quotient_equals_division():
     mans = torch.tensor([0, 1, 0x5FFFFF, 0x600000, 0x600001, 0x7DFFFF, 0x7E0000, 0x7E0001, 0x7FFFFF, 0x400000])
     exps = torch.arange(0, 255)
     bits = (exps[:, None] << 23 | mans[None, :]).reshape(-1).to(torch.int32)
-    tiny = torch.arange(0, 400, dtype=torch.int32)  # subnormals, around 7 * 2**-144 (bits 224)
-    a = torch.cat([bits, tiny]).view(torch.float32)
+    tiny = torch.arange(0, 400, dtype=torch.int32)  # the smallest subnormals
+    # around each D's ZERO_MAX, the largest amax whose quotient rounds to at most 2**-127 (scale byte 0)
+    edges = torch.cat([z + torch.arange(-300, 300, dtype=torch.int32) for z in (0x04600001, 0x7F0000, 0x400000)])
+    a = torch.cat([bits, tiny, edges]).view(torch.float32)
     a = torch.cat([a, torch.rand(2000) * torch.exp2(torch.randint(-140, 120, (2000,)).float())])
     ref448 = e8m0.rceil_biased(a / torch.tensor(448.0))
     ref_s2f6 = e8m0.rceil_biased(a / torch.tensor(127.0 / 64.0))

@@ -84,6 +84,34 @@ def test_mxfp8_nan_block_matches_reference():
     assert_bitwise_equal(got, quantize_reference(x, "mxfp8"), "mxfp8 NaN block")
 
 
+def _blocks_with_amax(bits: list[int], seed: int) -> torch.Tensor:
+    """[2, 32 * len(bits)] fp32: block j's amax has fp32 bits bits[j] (at a varying place, either sign), its other
+    values a random fraction of it (rounded to fp32: some underflow to subnormals or 0)."""
+    gen = torch.Generator().manual_seed(seed)
+    amax = torch.tensor(bits, dtype=torch.int32).view(torch.float32).repeat(2)
+    x = torch.rand(len(amax), 32, generator=gen) * amax[:, None]
+    pos = torch.randint(0, 32, (len(amax),), generator=gen)
+    x[torch.arange(len(amax)), pos] = amax
+    x = torch.where(torch.rand(x.shape, generator=gen) < 0.5, -x, x)
+    return x.reshape(2, -1)
+
+
+def test_mx_scales_at_the_smallest_e8m0_scale():
+    """Blocks whose amax / element max lies around 2**-127, E8M0's smallest scale (byte 0): the largest amax
+    that takes it and the next fp32 up, for MXFP8 (448: bits 0x04600001) and S2F6 (127/64: bits 0x7F0000)."""
+    near = lambda z: [z + d for d in range(-40, 41, 3)] + [z, z + 1, z + 2]  # noqa: E731
+    x = _blocks_with_amax(near(0x04600001) + near(0x7F0000) + near(0x400000), seed=11)
+    for rounding in ("nearest", "stochastic"):
+        got = td.quantize(x, "mxfp8", rounding=rounding, seed=SEED)
+        assert_bitwise_equal(got, quantize_reference(x, "mxfp8", rounding=rounding, seed=SEED), f"mxfp8 {rounding}")
+        assert_bitwise_equal(td.quantize_mxfp8_columnwise(x.T.contiguous(), rounding=rounding, seed=SEED),
+                             quantize_mxfp8_columnwise(x.T.contiguous(), rounding=rounding, seed=SEED),
+                             f"mxfp8 columnwise {rounding}")
+    assert_bitwise_equal(td.quantize(x, "s2f6"), quantize_reference(x, "s2f6"), "s2f6")
+    scales = quantize_reference(x, "mxfp8").scale.view(torch.uint8)
+    assert int((scales == 0).sum()) > 0 and int((scales == 1).sum()) > 0  # both sides of the boundary
+
+
 @pytest.mark.parametrize("fmt,bad", [("nvfp4", float("inf")), ("nvfp4", float("nan")), ("mxfp8", float("-inf")),
                                      ("s2f6", float("nan"))])
 def test_non_finite_raises_reference_error(fmt, bad):
