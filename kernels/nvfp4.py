@@ -10,7 +10,7 @@ every op in fp32, in this order:
     v     = b * (S_enc * f32(1/6))                    # ONE rounding chain; not (b/6)*S_enc
     s_b   = e4m3_RN(min(v, 448))                      # no lower clamp: may round to 0
     enc_b = 0 if s_b == 0 else min(1 / (f32(s_b) * S_dec), FLT_MAX)
-    q     = e2m1_RN_satfinite(x * enc_b)              # codes forced to 0 where s_b == 0
+    q     = e2m1_RN_satfinite(x * enc_b)              # where s_b == 0: +-0 (code 8 for a negative x, as TE)
     x_hat = (q * f32(s_b)) * S_dec                    # dequantize (q * s_b is exact)
 
 Outer amax A: "tensor" (one), "row" (one per row of the flattened [M, K] view:
@@ -117,9 +117,8 @@ def block_encode_multiplier(s_b: torch.Tensor, s_dec: torch.Tensor) -> torch.Ten
 
 def encode_codes(xb: torch.Tensor, s_b: torch.Tensor, enc_b: torch.Tensor, u=None) -> torch.Tensor:
     """E2M1 codes [..., K/16, 16] of blocked fp32 xb; u (same shape) selects stochastic rounding."""
-    y = xb * enc_b.unsqueeze(-1)
-    codes = e2m1.round_nearest(y) if u is None else e2m1.round_stochastic(y, u)
-    return torch.where((s_b.to(torch.float32) == 0).unsqueeze(-1), torch.zeros_like(codes), codes)
+    y = xb * enc_b.unsqueeze(-1)  # where s_b == 0, enc_b = 0 and y = +-0: code 0, or 8 (-0) for a negative x (TE)
+    return e2m1.round_nearest(y) if u is None else e2m1.round_stochastic(y, u)
 
 
 def decode_blocks(codes: torch.Tensor, s_b: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,7 @@ same fp32 op order (see those docstrings):
     v = b * (S_enc * f32(1/6))  [* 1.5 for the 4/6 "scale to 4" candidate]  [* 17/16 for SR]
     s_b = e4m3_RN(min(v, 448));  enc_b = 0 if s_b == 0 else min(1 / (s_b * S_dec), FLT_MAX)
     q = e2m1(x * enc_b)  (nearest-even, or SR: Philox counter = flat element index // 4, stream = index % 4),
-        forced to code 0 where s_b == 0
+        where s_b == 0: y = x * 0 = +-0, code 0 or 8 (x's sign, as TE)
     4/6: err_k = pairwise tree sum of (x - (q_k * s_k) * S_dec)^2; pick 4 iff err4 < err6
 
 One program holds BLOCK_R rows x BLOCK_K columns; with ``outer="row"`` it holds
@@ -172,10 +172,8 @@ def _nvfp4_kernel(x_ptr, src_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag
             s_val = tl.where(pick4, s4_val, s_val)
             s_code = tl.where(pick4, s4_code, s_code)
         idx = e2m1_index(m)
-    # sign bit of y = sign bit of x; code 0 where s_b == 0 (nvfp4.encode_codes): there enc_b = 0, so the
-    # index is already 0 and only the sign bit is masked off, per block
-    sign_mask = tl.where(s_val == 0.0, 0, 8)
-    code = idx | ((tl.reshape(x, [BLOCK_R, G, 16]).to(tl.int32, bitcast=True) >> 28) & sign_mask[:, :, None])
+    # sign bit of y = x * enc_b = sign bit of x, also where s_b == 0 (enc_b = 0, y = +-0: index 0, code 0 or 8)
+    code = idx | ((tl.reshape(x, [BLOCK_R, G, 16]).to(tl.int32, bitcast=True) >> 28) & 8)
 
     lo, hi = tl.split(tl.reshape(code, [BLOCK_R, BLOCK_K // 2, 2]))
     packed = (lo | (hi << 4)).to(tl.uint8)

@@ -106,13 +106,19 @@ def test_error_bound_and_saturation(seed, outer):
 
 
 def test_all_zero_blocks_and_negative_zero():
-    x = torch.randn(2, 64)
+    """A zero block scale gives enc_b = 0 and q = e2m1(x * 0) = +-0: code 0, and code 8 (-0) where x is negative
+    or -0 (TE's chain, numerics.md), also for a block whose values underflow to a zero scale."""
+    x = torch.randn(3, 64)
     x[0, 16:32] = 0.0
     x[1, :16] = -0.0
+    x[2, 0] = 1000.0
+    x[2, 16:32] = torch.tensor([-1e-6, 1e-6] * 8)  # block amax far under the outer's: s_b rounds to 0
     qt = q(x)
     codes = e2m1.unpack(qt.data)
-    assert qt.scale[0, 1].float() == 0 and qt.scale[1, 0].float() == 0
-    assert torch.all(codes[0, 16:32] == 0) and torch.all(codes[1, :16] == 0)
+    assert qt.scale[0, 1].float() == 0 and qt.scale[1, 0].float() == 0 and qt.scale[2, 1].float() == 0
+    assert torch.all(codes[0, 16:32] == 0) and torch.all(codes[1, :16] == 8)
+    assert codes[2, 16:32].tolist() == [8, 0] * 8
+    assert torch.equal(torch.signbit(dequantize(qt)[2, 16:32]), torch.signbit(x[2, 16:32]))
     z = q(torch.zeros(3, 32))
     assert z.outer.item() == 1.0 and torch.all(z.data == 0) and torch.all(z.scale.float() == 0)
 
