@@ -227,8 +227,9 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 totals = [None if r.finish_reason == "error" else v for r, v in zip(rollouts, scores.totals)]
                 t_score = time.perf_counter() - t0
                 # advantages
-                rewards = torch.tensor(_fill_masked(totals, G))
-                adv = group_advantages(rewards, G, normalize_std=cfg.rl.normalize_std)
+                rewards = torch.tensor([0.0 if v is None else v for v in totals])
+                valid = torch.tensor([v is not None for v in totals])  # failed samples: no part in their group
+                adv = group_advantages(rewards, G, valid=valid, normalize_std=cfg.rl.normalize_std)
                 batch = TrainBatch(
                     prompt_ids=[r.prompt_ids for r in rollouts],
                     completion_ids=[r.completion_ids if v is not None else [] for r, v in zip(rollouts, totals)],
@@ -483,17 +484,6 @@ def sync_all(trainer, samplers, recover: Callable[[ActorDiedError], bool] | None
         return recover.last_sync
 
 
-def _fill_masked(totals: list, group: int) -> list[float]:
-    """Masked (failed) samples take their group's mean reward, so they add no advantage."""
-    out = []
-    for g in range(0, len(totals), group):
-        vals = totals[g: g + group]
-        ok = [v for v in vals if v is not None]
-        mean = sum(ok) / len(ok) if ok else 0.0
-        out += [mean if v is None else v for v in vals]
-    return out
-
-
 def rollout_metrics(rollouts, totals, scores, group: int, sample_s: float) -> dict:
     ok = [v for v in totals if v is not None]
     groups = [[v for v in totals[g: g + group] if v is not None] for g in range(0, len(totals), group)]
@@ -524,7 +514,7 @@ def evaluate(cfg: JobConfig, tokenizer, samplers, pool, eval_set: list[dict], re
     t0 = time.perf_counter()
     requests = [_request(cfg, tokenizer, s, n=1, seed=0, rid=f"eval-{i}", greedy=True) for i, s in enumerate(eval_set)]
     rollouts = generate(samplers, requests, recover)
-    m = {}
+    m = {"eval/n": float(len(eval_set))}  # the items evaluated (a prompt file may hold fewer than data.eval_size)
     if all(s.get("answer") is not None for s in eval_set):
         m["eval/accuracy"] = sum(exact_match(s["prompt"], r.text, s["answer"]) for s, r in zip(eval_set, rollouts)) / len(eval_set)
     scores = get(pool.score([(s["prompt"], r.text, s) for s, r in zip(eval_set, rollouts)]))

@@ -67,12 +67,16 @@ def final_reward_obs(records: list[dict], window: int) -> np.ndarray:
 
 
 def final_accuracy_obs(records: list[dict], eval_size: int, *, index: int = -1) -> np.ndarray:
-    """An eval/accuracy (default the last; 0 = the warm start's) as `eval_size` 0/1 items (accuracy x eval_size is a count)."""
+    """An eval/accuracy (default the last; 0 = the warm start's) as n 0/1 items (accuracy x n is a count): n the
+    items that eval evaluated (`eval/n`, logged beside it), `eval_size` for records that lack it."""
     _, vals = curve(records, "eval/accuracy")
     if not vals:
         raise ValueError("run has no eval/accuracy records; set data.eval_size > 0 and a task with answers")
-    ones = int(round(vals[index] * eval_size))
-    return np.array([1.0] * ones + [0.0] * (eval_size - ones))
+    sized = [r for r in records if isinstance(r.get("eval/accuracy"), (int, float))
+             and not isinstance(r.get("eval/accuracy"), bool)]  # the records `curve` read, in its order
+    n = int(sized[index].get("eval/n", eval_size))
+    ones = int(round(vals[index] * n))
+    return np.array([1.0] * ones + [0.0] * (n - ones))
 
 
 def reward_window(steps: int) -> int:

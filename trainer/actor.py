@@ -417,6 +417,8 @@ class Trainer:
                         f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
                         f"(loss {loss_total}, grad norm {norm}); lower trainer.lr or try recipe.name=mxfp8")
             self.opt_steps += 1
+            if epoch == 0 and not math.isfinite(loss_total):
+                break  # epoch 0 records the old logprobs the later epochs need: without them, no later epoch
         self.version += 1
         if self.world > 1:
             from rl4bit.trainer.sharding import all_reduce
@@ -434,10 +436,10 @@ class Trainer:
 
             comm = comm_metrics([m for m in (self.model, self.ref_model) if m is not None], reduce=True)  # all ranks
         return comm | {
-            "loss": sums["loss"] / rl.ppo_epochs,
+            "loss": sums["loss"] / len(norms),  # the epochs run (one if the first was non-finite)
             "grad_norm": sum(norms) / len(norms),
             "ppo/clip_frac": sums["clipped"] / nrat,
-            "ratio/mean": sums["ratio_sum"] / nrat,
+            "ratio/mean": sums["ratio_sum"] / nrat if sums["tokens"] else 1.0,
             "ratio/min": rmin if keep else 1.0,
             "ratio/max": rmax if keep else 1.0,
             "tis/truncated_frac": sums["tis_truncated"] / nrat,
@@ -469,7 +471,8 @@ class Trainer:
         old_lp = _stack([old[i] for i in mb])
         samp = _pad([batch.sampler_logprobs[i] for i in mb], self.device)[0]
         if epoch == 0:
-            sums["k3"] += grpo.k3(samp, old_lp)[mask.bool()].sum().item()  # KL(sampler || trainer)
+            # KL(sampler || trainer), in float64: an FP32 k3 is rounding noise below ~1e-7 a token
+            sums["k3"] += grpo.k3(samp.double(), old_lp.double())[mask.bool()].sum().item()
             gap = (samp - old_lp).abs()[mask.bool()]
             sums["max_abs"] = max(sums["max_abs"], gap.max().item() if gap.numel() else 0.0)
         adv = to_device(torch.tensor([batch.advantages[i] for i in mb]), self.device)

@@ -1,8 +1,9 @@
 """GRPO as pure tensor functions: advantages, the PPO-clip loss, and its diagnostics.
 
-- `group_advantages(rewards, group_size)`: A_i = (r_i - mean_g) / (std_g + eps)
+- `group_advantages(rewards, group_size, valid=)`: A_i = (r_i - mean_g) / (std_g + eps)
   per group of `group_size` consecutive samples (std is the unbiased sample std,
-  as TRL's GRPOTrainer; `normalize_std=False` keeps only the centring, Dr. GRPO).
+  as TRL's GRPOTrainer; `normalize_std=False` keeps only the centring, Dr. GRPO),
+  mean and std over the group's valid samples (the others get 0).
 - `ppo_clip_loss(...)`: per token
   `max(-A * ratio, -A * clip(ratio, 1-eps, 1+eps))` with `ratio = exp(logp - old_logp)`,
   times a truncated importance weight `min(exp(old_logp - sampler_logp), cap)`
@@ -14,7 +15,7 @@
   means). `total_tokens` / `total_seqs` let micro-batches add up to exactly the
   full-batch value.
 - `k3(logp, ref_logp)`: the k3 estimator of KL(pi || ref) from samples of pi,
-  `exp(ref - logp) - (ref - logp) - 1` per token; >= 0 and 0 iff equal.
+  `exp(ref - logp) - (ref - logp) - 1` per token (computed as expm1(d) - d); >= 0 and 0 iff equal.
 
 Tensors are [B, T] (B sequences, T completion positions, `mask` 1 on real
 tokens). Leaves out: value functions, entropy bonus, sequence-level ratios (GSPO).
@@ -27,15 +28,25 @@ from __future__ import annotations
 import torch
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, *, normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
-    """Group-normalized advantages for [P * G] rewards laid out group after group."""
+def group_advantages(rewards: torch.Tensor, group_size: int, *, valid: torch.Tensor | None = None,
+                     normalize_std: bool = True, eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalized advantages for [P * G] rewards laid out group after group.
+
+    valid: bool [P * G], False for samples without a reward (a failed rollout): the group's mean and std are taken
+    over its valid samples alone and the others get advantage 0 (their values are never read). A group with
+    fewer than two valid samples has no spread: advantage 0 throughout."""
     if rewards.numel() % group_size:
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}; pass prompts x samples_per_prompt rewards")
     r = rewards.float().view(-1, group_size)
-    adv = r - r.mean(dim=1, keepdim=True)
+    ok = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.view(-1, group_size).bool()
+    r = torch.where(ok, r, 0.0)
+    n = ok.sum(dim=1, keepdim=True).float()
+    mean = r.sum(dim=1, keepdim=True) / n.clamp(min=1)
+    adv = torch.where(ok, r - mean, 0.0)
     if normalize_std:
-        adv = adv / (r.std(dim=1, keepdim=True) + eps)
-    return adv.view(-1)
+        std = (adv.square().sum(dim=1, keepdim=True) / (n - 1).clamp(min=1)).sqrt()  # unbiased over the valid
+        adv = adv / (std + eps)
+    return torch.where(n >= 2, adv, 0.0).view(-1)
 
 
 def aggregate(values: torch.Tensor, mask: torch.Tensor, how: str, *, total_tokens: float | None = None,
@@ -53,9 +64,11 @@ def aggregate(values: torch.Tensor, mask: torch.Tensor, how: str, *, total_token
 
 
 def k3(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi || ref) from tokens sampled by pi."""
+    """Per-token k3 estimate of KL(pi || ref) from tokens sampled by pi, as expm1(d) - d (d = ref - logp): the
+    same value as exp(d) - d - 1 without its cancellation at small d (exp(d) - 1 loses everything below one
+    ulp of 1.0, ~6e-8 in FP32, and could go negative); in the inputs' dtype (pass float64 for a metric)."""
     d = ref_logp - logp
-    return torch.exp(d) - d - 1
+    return torch.expm1(d) - d
 
 
 def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,

@@ -62,6 +62,9 @@ def test_accuracy_observations_and_curves():
                                                                                     "eval/accuracy": 0.625}]
     obs = ps.final_accuracy_obs(recs, 8)
     assert obs.sum() == 5 and len(obs) == 8
+    recs[2]["eval/n"] = 16.0  # the eval set held 16 items, not data.eval_size: the count follows what ran
+    assert ps.final_accuracy_obs(recs, 200).tolist() == [1.0] * 10 + [0.0] * 6
+    assert len(ps.final_accuracy_obs(recs, 200, index=0)) == 200  # a record without eval/n: eval_size
     assert ps.final_reward_obs(recs, 5).tolist() == [0.1, 0.3]
     s, m, lo, hi = ps.mean_curve([([1, 2, 3], [0.0, 1.0, 2.0]), ([1, 2], [2.0, 3.0])])
     assert s.tolist() == [1, 2] and m.tolist() == [1.0, 2.0] and lo.tolist() == [0.0, 1.0] and hi.tolist() == [2.0, 3.0]

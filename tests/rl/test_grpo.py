@@ -21,6 +21,20 @@ def test_group_advantages_by_hand():
         grpo.group_advantages(r, 3)
 
 
+def test_group_advantages_over_the_valid_samples_only():
+    """Failed samples (valid False) take no part in their group's mean and std and get advantage 0: the valid
+    samples' advantages are those of the group without them."""
+    r = torch.tensor([1.0, 0.0, 123.0, -7.0, 1.0, 0.0, 5.0, 2.0, 3.0])
+    valid = torch.tensor([True, True, False, False, True, False, False, False, True])
+    adv = grpo.group_advantages(r, 3, valid=valid)
+    alone = grpo.group_advantages(torch.tensor([1.0, 0.0]), 2)
+    assert adv[:2].tolist() == alone.tolist() and adv[2].item() == 0.0
+    assert adv[3:6].tolist() == [0.0, 0.0, 0.0]  # one valid sample: no spread
+    assert adv[6:].tolist() == [0.0, 0.0, 0.0]
+    assert grpo.group_advantages(r, 3, valid=valid, normalize_std=False)[:3].tolist() == [0.5, -0.5, 0.0]
+    assert grpo.group_advantages(torch.tensor([1.0, 2.0]), 1).tolist() == [0.0, 0.0]  # groups of one: no NaN
+
+
 def test_ppo_clip_loss_token_and_seq_mean_by_hand():
     old = torch.zeros(2, 3)
     logp = torch.log(torch.tensor([[1.5, 1.0, 0.5], [0.9, 1.1, 1.0]]))  # ratios
@@ -67,6 +81,12 @@ def test_truncated_importance_sampling_and_k3():
     # k3(p, q) = exp(q - p) - (q - p) - 1
     p, q = torch.tensor([0.0, -1.0]), torch.tensor([0.0, 0.0])
     assert grpo.k3(p, q).tolist() == pytest.approx([0.0, math.e - 1 - 1])
+    # small gaps: exp(d) - d - 1 in FP32 is rounding noise there (and can go negative); expm1(d) - d is not
+    d = torch.tensor([1e-4, -1e-4, 3e-6, -2e-7], dtype=torch.float64)
+    exact = [math.expm1(x) - x for x in d.tolist()]
+    assert grpo.k3(torch.zeros(4, dtype=torch.float64), d).tolist() == pytest.approx(exact, rel=1e-12)
+    small = grpo.k3(torch.zeros(4), d.float())
+    assert (small >= 0).all() and small.tolist() == pytest.approx(exact, rel=1e-3)
     ref = torch.log(torch.tensor([[0.5, 1.0]]))
     loss_kl, st = grpo.ppo_clip_loss(old.clone(), old, torch.tensor([0.0]), torch.ones(1, 2), ref_logp=ref, kl_coef=0.1)
     assert loss_kl.item() == pytest.approx(0.1 * (0.5 - math.log(0.5) - 1) / 2, rel=1e-6)

@@ -1,0 +1,42 @@
+"""A train step that meets NaN/Inf in its first epoch, and one where every rollout failed: the step is skipped
+(counted in `train/skipped_steps`), the job goes on, the metrics stay numbers."""
+
+from __future__ import annotations
+
+import math
+
+from rl4bit.config import load_config
+from rl4bit.trainer.actor import TrainBatch, Trainer
+
+from .conftest import QUICKSTART
+from .test_trainer_checkpoint import _rollouts
+
+
+def test_nonfinite_first_epoch_skips_the_step_and_empty_batches_train_nothing(small):
+    cfg = load_config(QUICKSTART, small + ["recipe.name=bf16", "rl.ppo_epochs=3", "trainer.tokens_per_microbatch=12",
+                                           "trainer.max_nonfinite_steps=5"])
+    trainer = Trainer(cfg)
+    trainer.setup_rl()
+    outs = _rollouts(cfg, trainer)
+    batch = TrainBatch([o.prompt_ids for o in outs], [o.completion_ids for o in outs], [o.logprobs for o in outs],
+                       [1.0, -1.0, 0.5] * 3)
+    loss, calls = trainer._microbatch_loss, []
+
+    def first_fails(*a, **k):  # what deferred_checks raises when a quantized GEMM met NaN/Inf
+        calls.append(1)
+        if len(calls) == 1:
+            raise FloatingPointError("non-finite input to a quantized GEMM")
+        return loss(*a, **k)
+
+    trainer._microbatch_loss = first_fails
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    steps = trainer.opt_steps
+    m = trainer.train_step(batch)
+    assert m["train/skipped_steps"] == 1.0 and math.isnan(m["loss"]) and trainer.opt_steps == steps + 1
+    assert all(v.equal(before[k]) for k, v in trainer.model.state_dict().items())  # no optimizer step taken
+    trainer._microbatch_loss = loss
+    assert trainer.train_step(batch)["train/skipped_steps"] == 0.0  # the next step trains
+
+    empty = TrainBatch(batch.prompt_ids, [[] for _ in batch.prompt_ids], batch.sampler_logprobs, [0.0] * len(outs))
+    m = trainer.train_step(empty)
+    assert m["ratio/mean"] == m["ratio/min"] == m["ratio/max"] == 1.0 and m["loss"] == 0.0
