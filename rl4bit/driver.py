@@ -75,6 +75,7 @@ import torch
 from rl4bit.actors import ActorDiedError, Cluster, get, is_local, wait_alive
 from rl4bit.checkpoint import load_checkpoint, save_checkpoint
 from rl4bit.checkpoint_format import CheckpointError
+from rl4bit.trainer.resume_checks import config_problems, job_settings
 from rl4bit.config import ConfigError, JobConfig, load_config
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.metrics import MetricsLogger, PhasePeaks, plot, read_metrics
@@ -174,10 +175,12 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         if resume and world > 1:
             get(trainer.setup_rl())
             meta = trainer.load_checkpoint(run_dir)  # manifest + state.json here, every rank verifies its own shard
+            _check_job(meta, cfg)  # before any step: the loaded state is only in memory
             stream.load_state(meta["data"])
             start = meta["step"]
         elif resume:
             tensors, meta = load_checkpoint(run_dir, world=1)
+            _check_job(meta, cfg)
             get(trainer.setup_rl())
             get(trainer.load_state(tensors, meta["trainer"]))
             stream.load_state(meta["data"])
@@ -272,10 +275,12 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 every = cfg.run.checkpoint_every
                 if (every and step % every == 0) or step == cfg.rl.steps:
                     if world > 1:  # every rank writes its own shard into the one checkpoint format
-                        trainer.save_checkpoint(run_dir, step, {"data": stream.state()}, keep=cfg.run.keep_checkpoints)
+                        trainer.save_checkpoint(run_dir, step, {"data": stream.state(), "job": job_settings(cfg)},
+                                                keep=cfg.run.keep_checkpoints)
                     else:
                         tensors, meta = get(trainer.state())
-                        save_checkpoint(run_dir, step, tensors, {"trainer": meta, "data": stream.state()},
+                        save_checkpoint(run_dir, step, tensors, {"trainer": meta, "data": stream.state(),
+                                                                 "job": job_settings(cfg)},
                                         keep=cfg.run.keep_checkpoints)
         except ActorDiedError as e:  # a Sampler past its restarts, the Trainer, the reward pool
             raise ActorDiedError(e.actor, e.detail, f"the job stops at step {step}. {_resume_hint(run_dir)}",
@@ -349,6 +354,13 @@ def _resume_hint(run_dir: Path) -> str:
 
     step = json.loads(latest.read_text()).get("step")
     return f"Continue from the last checkpoint (step {step}): rl4bit train --resume {run_dir}"
+
+
+def _check_job(meta: dict, cfg: JobConfig) -> None:
+    """CheckpointError when the checkpoint was written under other model or recipe settings than `cfg`'s."""
+    problems = config_problems(meta.get("job"), cfg)
+    if problems:
+        raise CheckpointError(problems[0])
 
 
 def _replica(i: int, replicas: int) -> str:

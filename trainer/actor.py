@@ -606,11 +606,21 @@ class Trainer:
         return tensors, meta
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Restore `state()` (call after setup_rl)."""
+        """Restore `state()` (call after setup_rl). CheckpointError, before anything changes, when the state
+        does not fit this trainer (`resume_checks.state_problems`: dtypes, shapes, NaN/Inf, missing parts)."""
+        from rl4bit.checkpoint_format import CheckpointError
+        from rl4bit.trainer.resume_checks import state_problems
+
         model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
         missing = set(self.model.state_dict()) - set(model_sd)
         if missing:
-            raise ValueError(f"checkpoint lacks model tensors {sorted(missing)[:3]}; it was written for another model config")
+            raise CheckpointError(f"checkpoint lacks model tensors {sorted(missing)[:3]}; it was written for another "
+                                  f"model config")
+        problems = state_problems(self, tensors, meta)
+        if problems:
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise CheckpointError(f"the checkpoint's trainer state does not fit this trainer: {'; '.join(problems[:5])}"
+                                  f"{more}. Resume from an earlier checkpoint (delete this one) or start a new run")
         if self.world == 1:
             self.model.load_state_dict(model_sd, strict=True)
         else:
@@ -618,7 +628,7 @@ class Trainer:
         if self.ref_model is not None:
             ref_sd = {k[len("ref."):]: v for k, v in tensors.items() if k.startswith("ref.")}
             if not ref_sd:
-                raise ValueError("checkpoint holds no KL reference model (written with rl.kl_coef=0, or by an rl4bit "
+                raise CheckpointError("checkpoint holds no KL reference model (written with rl.kl_coef=0, or by an rl4bit "
                                  "that did not save it), so rl.kl_coef > 0 cannot resume against the run's reference; "
                                  "resume with -o rl.kl_coef=0 or start a new run")
             if self.world == 1:
