@@ -417,8 +417,8 @@ class Trainer:
                         f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
                         f"(loss {loss_total}, grad norm {norm}); lower trainer.lr or try recipe.name=mxfp8")
             self.opt_steps += 1
-            if epoch == 0 and not math.isfinite(loss_total):
-                break  # epoch 0 records the old logprobs the later epochs need: without them, no later epoch
+            if epoch == 0 and self._old_missing(mbs, old):
+                break  # epoch 0 records the old logprobs the later epochs need; it stopped early: no later epoch
         self.version += 1
         if self.world > 1:
             from rl4bit.trainer.sharding import all_reduce
@@ -452,6 +452,16 @@ class Trainer:
             "train/lr": self.optimizer.param_groups[0]["lr"],
             "policy/version": float(self.version),
         }
+
+    def _old_missing(self, mbs: list[list[int]], old: dict) -> bool:
+        """Whether epoch 0 stopped before recording every "old" logprob (NaN/Inf raised mid-epoch), on any rank."""
+        mine = [i for mb in (mbs if self.world == 1 else [mb[self.rank:: self.world] for mb in mbs]) for i in mb]
+        missing = float(any(i not in old for i in mine))
+        if self.world > 1:
+            from rl4bit.trainer.sharding import all_reduce
+
+            missing = all_reduce([missing], torch.distributed.ReduceOp.MAX)[0]
+        return missing > 0
 
     def _microbatch_loss(self, batch: TrainBatch, mb: list[int], epoch: int, old: dict, ref: dict, sums: dict,
                          **loss_kw):
