@@ -20,8 +20,16 @@ own shard with `read_verified` (in parallel: no process reads all shards).
 Writing: under a temporary name, every file fsynced, then renamed into place
 (`rl4bit.atomic.replace_dir`), and `checkpoints/latest.json` is replaced
 atomically last, so a crash at any point leaves the previous checkpoint intact
-and pointed to. Only the newest `keep` checkpoints are kept (pruned after the
-pointer moved).
+and pointed to. A failed save removes its temporary directory; a save that
+begins clears any `.step_*.tmp` a killed one left.
+
+Rotation (after the pointer moved): the newest `keep` checkpoints up to the
+one just written are kept, ordered by step number (not name: step_1000000 is
+newer than step_999999), and the one latest.json names is never deleted.
+Checkpoints newer than the step just written are deleted: they belong to an
+abandoned timeline (the run resumed from an older checkpoint, e.g. after a
+crash between renaming step_N into place and moving the pointer), and left
+there they would be picked up again as "the newest".
 
 Loading verifies against the manifest: a truncated or corrupted file raises
 CheckpointError naming it and the intact previous checkpoint; deleting the bad
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -60,6 +69,26 @@ def _dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def _step(p: Path) -> int | None:
+    """The step of a checkpoint directory `step_NNNNNN` (any number of digits), None for anything else."""
+    m = re.fullmatch(r"step_(\d+)", p.name)
+    return int(m.group(1)) if m and p.is_dir() else None
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """The checkpoint directories under `root` (RUN_DIR/checkpoints), oldest step first."""
+    return sorted((p for p in root.glob("step_*") if _step(p) is not None), key=_step)
+
+
+def _pointed(root: Path) -> str | None:
+    """The directory name latest.json holds, None when it is missing or damaged."""
+    try:
+        name = json.loads((root / "latest.json").read_text())["dir"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return name if isinstance(name, str) else None
+
+
 def _write(path: Path, data: bytes) -> dict:
     with open(path, "wb") as f:
         f.write(data)
@@ -69,17 +98,24 @@ def _write(path: Path, data: bytes) -> dict:
 def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict, keep: int = 2) -> Path:
     """Write checkpoint `step` atomically and prune to the newest `keep`; returns its directory."""
     tmp = begin_checkpoint(run_dir, step)
-    files = {"state.safetensors": _write(tmp / "state.safetensors", st_save({k: v.contiguous() for k, v in tensors.items()}))}
+    try:
+        files = {"state.safetensors": _write(tmp / "state.safetensors",
+                                             st_save({k: v.contiguous() for k, v in tensors.items()}))}
+    except BaseException:  # a full copy of the training state: do not leave it behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return commit_checkpoint(tmp, step, meta, files, keep=keep)
 
 
 def begin_checkpoint(run_dir: str | Path, step: int) -> Path:
-    """A fresh, empty temporary directory for checkpoint `step` (`checkpoints/.step_NNNNNN.tmp`)."""
+    """A fresh, empty temporary directory for checkpoint `step` (`checkpoints/.step_NNNNNN.tmp`).
+
+    Removes every `.step_*.tmp` left by a save that was killed: saves run one at a time, so none is in use."""
     root = _dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".step_*.tmp"):
+        shutil.rmtree(stale)
     tmp = root / f".step_{step:06d}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     return tmp
 
@@ -89,24 +125,43 @@ def commit_checkpoint(tmp: Path, step: int, meta: dict, files: dict[str, dict], 
     """Add state.json and manifest.json to `tmp`, fsync it, swap it in as `step_NNNNNN`, move latest.json, prune.
 
     `files`: {name: {"sha256", "bytes"}} of the tensor files already in `tmp`;
-    `index`: extra manifest entries of a sharded checkpoint ({"world", "tensors"})."""
+    `index`: extra manifest entries of a sharded checkpoint ({"world", "tensors"}).
+    Pruning (`prune`) also deletes checkpoints newer than `step`: an abandoned timeline.
+    On failure before the swap, `tmp` is removed."""
     root, name = tmp.parent, f"step_{step:06d}"
-    files = {**files, STATE: _write(tmp / STATE, json.dumps({"format": FORMAT, "step": step, **meta}, indent=1).encode())}
-    (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files, **(index or {})}, indent=1))
-    fsync_tree(tmp)
     final = root / name
-    replace_dir(tmp, final)
+    try:
+        state = json.dumps({"format": FORMAT, "step": step, **meta}, indent=1).encode()
+        files = {**files, STATE: _write(tmp / STATE, state)}
+        (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files, **(index or {})}, indent=1))
+        fsync_tree(tmp)
+        replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     atomic_write_text(root / "latest.json", json.dumps({"step": step, "dir": name}))
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-max(keep, 1)]:
-        shutil.rmtree(old)
+    prune(root, step, keep)
     return final
 
 
+def prune(root: Path, step: int, keep: int) -> None:
+    """Delete the checkpoints in `root` newer than `step` (an abandoned timeline) and all but the newest `keep`
+    up to `step`, by step number; the directory latest.json names and `step_NNNNNN` of `step` are never deleted."""
+    spared = {f"step_{step:06d}", _pointed(root)}
+    dirs = step_dirs(root)
+    upto = [p for p in dirs if _step(p) <= step]
+    doomed = [p for p in dirs if _step(p) > step] + upto[:-max(keep, 1)]
+    for old in doomed:
+        if old.name not in spared:
+            shutil.rmtree(old)
+
+
 def _previous(root: Path, ckpt: Path) -> str:
-    older = sorted(p.name for p in root.glob("step_*") if p.is_dir() and p.name < ckpt.name)
+    mine = _step(ckpt)
+    older = [p for p in step_dirs(root) if mine is not None and _step(p) < mine]
     if not older:
         return "no earlier checkpoint is on disk; start the run again"
-    return (f"the previous checkpoint {root / older[-1]} is intact: delete {ckpt} and resume "
+    return (f"the previous checkpoint {older[-1]} is intact: delete {ckpt} and resume "
             f"(--resume falls back to the newest checkpoint left)")
 
 
@@ -155,12 +210,9 @@ def latest_dir(run_dir: str | Path) -> Path:
     pointer = root / "latest.json"
     if not pointer.is_file():
         raise FileNotFoundError(f"{run_dir} has no checkpoint ({pointer} is missing); it stopped before run.checkpoint_every steps")
-    try:
-        ckpt = root / json.loads(pointer.read_text())["dir"]
-    except (ValueError, KeyError, TypeError):
-        ckpt = root / "?"
+    ckpt = root / (_pointed(root) or "?")
     if not ckpt.is_dir():  # deleted by hand after a corruption report, or a damaged pointer: newest left
-        left = sorted(p for p in root.glob("step_*") if p.is_dir())
+        left = step_dirs(root)
         if not left:
             raise FileNotFoundError(f"{run_dir} has no checkpoint left in {root}")
         ckpt = left[-1]

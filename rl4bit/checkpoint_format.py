@@ -12,15 +12,20 @@ Directory (Hugging Face style; vLLM reads it through compressed-tensors):
   the SHA-256 and byte size of every shard plus a CRC-32 per tensor, so a bad
   shard is reported with the tensor it hits;
 - `rl4bit_layout.json`: which stored tensors make up which model weight, in
-  which format and shape (what `load_qtensors` / `load_state_dict` rebuild).
+  which format and shape (what `load_qtensors` / `load_state_dict` rebuild);
+  its SHA-256 is in the index too, so an edited or damaged layout is refused.
 The tensors are the trainer forward's own QTensors (`quantized_weights()`), bit
 for bit: no re-quantization, no calibration.
 
 Safety: the whole directory is written to a temporary sibling (files fsynced),
 then renamed over `out`; the previous `out` is moved aside first and deleted
 only after the rename, so an interrupted export leaves it intact (at worst
-under `<out>.old-*` if the process dies between the two renames). safetensors
-and JSON only: nothing is pickled.
+under `<out>.old-*` if the process dies between the two renames). An `out`
+that is a file, or a non-empty directory that is not an rl4bit export, is
+refused (FileExistsError) rather than deleted. A weight holding NaN/Inf is
+refused when writing and when reading (CheckpointError naming it). Damage the
+checksums cannot describe (unparsable JSON, a malformed safetensors header) is a
+CheckpointError naming the file too. safetensors and JSON only: nothing is pickled.
 
 Leaves out: optimizer state and RNG (the RL checkpoint is rl4bit.checkpoint's),
 streaming loads of shards larger than memory, remote storage.
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -45,6 +51,7 @@ from safetensors.torch import save as st_save
 from rl4bit import ct_layout
 from rl4bit.atomic import fsync_tree, replace_dir
 from rl4bit.kernels import QTensor
+from rl4bit.kernels.checks import all_finite
 
 INDEX = "model.safetensors.index.json"
 LAYOUT = "rl4bit_layout.json"
@@ -148,11 +155,21 @@ def layout_json(entries: list[Entry], plan: dict[str, str], **extra) -> dict:
     return {"format_version": FORMAT_VERSION, "plan": plan, "entries": [asdict(e) for e in entries], **extra}
 
 
-def entries_from_json(d: dict) -> list[Entry]:
+def entries_from_json(d: dict, where: str = LAYOUT) -> list[Entry]:
+    """The entries of a layout (`layout_json`); CheckpointError naming `where` when it is not rl4bit's layout."""
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{where}: a JSON {type(d).__name__}, not rl4bit's layout (damaged); re-export")
     if d.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{LAYOUT}: format_version {d.get('format_version')!r}, this rl4bit reads {FORMAT_VERSION}; "
-                              "re-export with this version")
-    return [Entry(e["module"], e["param"], e["fmt"], tuple(e["shape"]), e["fused"]) for e in d["entries"]]
+        raise CheckpointError(f"{where}: format_version {d.get('format_version')!r}, this rl4bit reads "
+                              f"{FORMAT_VERSION}; re-export with this version")
+    entries = d.get("entries")
+    for i, e in enumerate(entries if isinstance(entries, list) else [None]):
+        if not (isinstance(e, dict) and all(isinstance(e.get(k), str) for k in ("module", "param", "fmt"))
+                and isinstance(e.get("shape"), (list, tuple)) and all(type(n) is int and n >= 0 for n in e["shape"])
+                and isinstance(e.get("fused"), bool)):
+            raise CheckpointError(f"{where}: entry {i} is not a weight entry (module, param, fmt, shape, fused) "
+                                  "(damaged or edited); re-export")
+    return [Entry(e["module"], e["param"], e["fmt"], tuple(e["shape"]), e["fused"]) for e in entries]
 
 
 # ------------------------------------------------------------------ safetensors bytes + checksums
@@ -178,15 +195,39 @@ def pack(tensors: dict[str, torch.Tensor], outers: dict | None = None) -> bytes:
     return st_save(tensors, metadata=meta)
 
 
+def _header_problem(header, meta) -> str | None:
+    """What makes a parsed safetensors header malformed, or None (so a flipped bit is named, not a KeyError)."""
+    if not isinstance(header, dict):
+        return f"a JSON {type(header).__name__}, not an object"
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        return "__metadata__ is not a map of strings"
+    for name, info in header.items():
+        if not isinstance(info, dict) or not isinstance(info.get("dtype"), str):
+            return f"tensor {name!r} has no dtype"
+        shape, offsets = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+            return f"tensor {name!r} has no valid shape"
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(n) is int for n in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            return f"tensor {name!r} has no valid data_offsets"
+    return None
+
+
 def _header(blob: bytes, where: str, meta: dict | None = None) -> tuple[dict, int]:
+    """(tensor entries, data start) of a safetensors blob's header, checked for shape; `meta` gets __metadata__."""
     if len(blob) < 8:
-        raise CheckpointError(f"{where}: {len(blob)} bytes, too short to hold a safetensors header (truncated); re-export")
+        raise CheckpointError(f"{where}: {len(blob)} bytes, too short to hold a safetensors header (truncated); "
+                              "re-export")
     (n,) = struct.unpack("<Q", blob[:8])
     try:
         header = json.loads(blob[8:8 + n])
     except (ValueError, UnicodeDecodeError):
-        raise CheckpointError(f"{where}: the safetensors header is corrupt (or the file is truncated); re-export") from None
-    m = header.pop("__metadata__", None) or {}
+        raise CheckpointError(f"{where}: the safetensors header is corrupt (or the file is truncated); "
+                              "re-export") from None
+    m = (header.pop("__metadata__", None) or {}) if isinstance(header, dict) else {}
+    problem = _header_problem(header, m)
+    if problem is not None:
+        raise CheckpointError(f"{where}: the safetensors header is corrupt ({problem}); re-export / resend it")
     if meta is not None:
         meta.update(m)
     return header, 8 + n
@@ -223,7 +264,30 @@ def unpack(blob: bytes, where: str, sha256: str, crcs: dict[str, str] | None = N
         raise CheckpointError(diagnose(blob, where, crcs, expected_bytes))
     meta: dict = {}
     _header(blob, where, meta)
-    return st_load(blob), json.loads(meta.get(OUTER_KEY, "{}"))
+    try:
+        outers = json.loads(meta.get(OUTER_KEY, "{}"))
+        if not isinstance(outers, dict):
+            raise ValueError
+    except ValueError:
+        raise CheckpointError(f"{where}: metadata {OUTER_KEY} is not a JSON object; re-export / resend it") from None
+    return st_load(blob), outers
+
+
+def nonfinite(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the stored tensors holding NaN/Inf (1-byte floats by bit pattern: `all_finite`)."""
+    bad = []
+    for name, t in tensors.items():
+        if t.dtype == torch.uint8 and name.endswith(".weight_scale"):
+            # MXFP8's E8M0 block scales are stored as uint8 (compressed-tensors); 0xFF is their NaN.
+            # NVFP4's weight_scale is float8_e4m3fn, and its uint8 weight_packed codes are all finite.
+            t = t.view(torch.float8_e8m0fnu)
+        if not all_finite(t):
+            bad.append(name)
+    return bad
+
+
+def _more(names: list) -> str:
+    return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
 # ------------------------------------------------------------------ write
@@ -251,10 +315,37 @@ def group_by_layer(entries: list[Entry]) -> list[list[Entry]]:
     return groups
 
 
+def is_export(path: Path) -> bool:
+    """Whether the directory `path` holds an rl4bit export (complete or not): its layout, or an index rl4bit wrote.
+
+    A Hugging Face model's own model.safetensors.index.json (no rl4bit_format_version) does not count."""
+    if (path / LAYOUT).is_file():
+        return True
+    try:
+        return "rl4bit_format_version" in json.loads((path / INDEX).read_bytes())["metadata"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def _check_out(out: Path) -> None:
+    """Refuse an `out` that replacing would destroy: a file, or a non-empty directory that is not an rl4bit export."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"export: {out} is a file, and exporting there would delete it; "
+                              "pass --out a new directory (or move the file away)")
+    if out.is_dir() and any(out.iterdir()) and not is_export(out):
+        raise FileExistsError(f"export: {out} is a non-empty directory that is not an rl4bit export (no {LAYOUT}, no "
+                              f"{INDEX} written by rl4bit), and exporting there would delete everything in it; "
+                              f"pass --out a new or empty directory, e.g. {out / 'rl4bit_export'}")
+
+
 def write_checkpoint(out: str | Path, model, plan: dict[str, str], *, tokenizer=None, dense_dtype=torch.bfloat16,
                      max_shard_bytes: int = DEFAULT_SHARD_BYTES, extra: dict | None = None) -> Path:
-    """Export `model` (converted per `plan`) to the directory `out`, atomically; returns the path."""
+    """Export `model` (converted per `plan`) to the directory `out`, atomically; returns the path.
+
+    `out` may be new, empty or a previous export (replaced); anything else is refused with FileExistsError.
+    CheckpointError, and nothing written, when a weight holds NaN/Inf."""
     out = Path(out).resolve()
+    _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     entries = model_layout(model, plan)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -276,7 +367,13 @@ def write_checkpoint(out: str | Path, model, plan: dict[str, str], *, tokenizer=
         for group in group_by_layer(entries):
             tensors, group_outers = {}, {}
             for e in group:
-                tensors.update(encode_entry(model, e, dense_dtype, group_outers))
+                stored = encode_entry(model, e, dense_dtype, group_outers)
+                bad = nonfinite(stored)
+                if bad:
+                    raise CheckpointError(f"cannot export {e.name} ({e.fmt}): stored tensor {bad[0]!r}{_more(bad)} "
+                                          f"holds NaN/Inf; nothing was written to {out}. The weights diverged: "
+                                          "export an earlier checkpoint, or find where the NaN/Inf comes from")
+                tensors.update(stored)
             size = sum(t.numel() * t.element_size() for t in tensors.values())
             if pending and sum(t.numel() * t.element_size() for t in pending.values()) + size > max_shard_bytes:
                 flush()
@@ -290,10 +387,12 @@ def write_checkpoint(out: str | Path, model, plan: dict[str, str], *, tokenizer=
             shard_meta[final] = {"sha256": sha, "bytes": nbytes}
             weight_map.update({k: final for k in names})
         total = sum(m["bytes"] for m in shard_meta.values())
+        layout = _json(layout_json(entries, plan, **(extra or {})))
         index = {"metadata": {"total_size": total, "rl4bit_format_version": FORMAT_VERSION, "shards": shard_meta,
-                              "tensor_crc32": crcs}, "weight_map": weight_map}
+                              "tensor_crc32": crcs, "layout_sha256": hashlib.sha256(layout).hexdigest()},
+                 "weight_map": weight_map}
+        _write_file(tmp / LAYOUT, layout)
         _write_file(tmp / INDEX, _json(index))
-        _write_file(tmp / LAYOUT, _json(layout_json(entries, plan, **(extra or {}))))
         cfg = model.config.to_dict()
         if not cfg.get("architectures"):  # built from a config: loaders (vLLM, AutoModel) need the class name
             cfg["architectures"] = [type(model).__name__]
@@ -317,18 +416,54 @@ def write_checkpoint(out: str | Path, model, plan: dict[str, str], *, tokenizer=
 # ------------------------------------------------------------------ read
 
 
+def _read_json(f: Path):
+    try:
+        return json.loads(f.read_bytes())
+    except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
+        raise CheckpointError(f"{f} is not valid JSON (truncated or corrupted); re-export the checkpoint") from None
+
+
+def _index_problem(index) -> str | None:
+    """What keeps a parsed index from being the one `write_checkpoint` writes, or None."""
+    meta = index.get("metadata") if isinstance(index, dict) else None
+    shards = meta.get("shards") if isinstance(meta, dict) else None
+    if not isinstance(shards, dict) or not isinstance(index.get("weight_map"), dict):
+        return "no metadata.shards or weight_map"
+    for name, m in shards.items():
+        if Path(name).name != name or name in ("", ".", ".."):
+            return f"shard name {name!r} is not a file name in the checkpoint directory"
+        if not (isinstance(m, dict) and isinstance(m.get("sha256"), str) and type(m.get("bytes")) is int):
+            return f"shard {name!r} has no sha256 and byte size"
+    stray = [k for k, v in index["weight_map"].items() if v not in shards]
+    if stray:
+        return f"tensor {stray[0]!r} maps to {index['weight_map'][stray[0]]!r}, which is not a listed shard"
+    if not isinstance(meta.get("tensor_crc32", {}), dict) or not isinstance(meta.get("layout_sha256", ""), str):
+        return "tensor_crc32 or layout_sha256 is malformed"
+    return None
+
+
 def read_index(path: str | Path) -> tuple[dict, list[Entry], dict]:
+    """(index, layout entries, layout) of an export, checked; CheckpointError naming the file otherwise.
+
+    The layout is checked against the index's SHA-256 (exports written before it was recorded: not checked)."""
     path = Path(path)
     for f in (INDEX, LAYOUT, "config.json"):
         if not (path / f).is_file():
             raise CheckpointError(f"{path}: {f} is missing; this is not a complete rl4bit checkpoint (re-export it)")
-    index = json.loads((path / INDEX).read_text())
-    layout = json.loads((path / LAYOUT).read_text())
-    return index, entries_from_json(layout), layout
+    index = _read_json(path / INDEX)
+    problem = _index_problem(index)
+    if problem is not None:
+        raise CheckpointError(f"{path / INDEX} is damaged: {problem}; re-export the checkpoint")
+    want = index["metadata"].get("layout_sha256")
+    if want is not None and hashlib.sha256((path / LAYOUT).read_bytes()).hexdigest() != want:
+        raise CheckpointError(f"{path / LAYOUT} does not match the SHA-256 in {INDEX} (edited, truncated or "
+                              "corrupted); re-export the checkpoint")
+    layout = _read_json(path / LAYOUT)
+    return index, entries_from_json(layout, str(path / LAYOUT)), layout
 
 
 def read_tensors(path: str | Path, outers: dict | None = None) -> dict[str, torch.Tensor]:
-    """Every stored tensor, each shard verified against the index (CheckpointError names file and tensor).
+    """Every stored tensor, each shard verified against the index and for NaN/Inf (CheckpointError names file, tensor).
 
     `outers` (optional dict) receives the exact NVFP4 decode outers from the shard metadata.
     """
@@ -340,15 +475,28 @@ def read_tensors(path: str | Path, outers: dict | None = None) -> dict[str, torc
     for fname, m in meta["shards"].items():
         f = path / fname
         if not f.is_file():
-            raise CheckpointError(f"{f}: shard is missing (holds e.g. "
-                                  f"{next(k for k, v in index['weight_map'].items() if v == fname)!r}); re-export")
+            held = [k for k, v in index["weight_map"].items() if v == fname]
+            raise CheckpointError(f"{f}: shard is missing (holds e.g. {held[:1]}); re-export")
         tensors, shard_outers = unpack(f.read_bytes(), str(f), m["sha256"], meta.get("tensor_crc32"), m["bytes"])
+        # the checksums match: NaN/Inf here was exported so (another tool, or an rl4bit without this check)
+        bad = nonfinite(tensors) + [f"{k} (decode outer)" for k, v in shard_outers.items() if not _finite_hex(v)]
+        if bad:
+            raise CheckpointError(f"{f}: tensor {bad[0]!r}{_more(bad)} holds NaN/Inf; the file is intact, the "
+                                  "weights it was exported from were not: re-export from a finite checkpoint")
         out.update(tensors)
         outers.update(shard_outers)
     missing = sorted(set(index["weight_map"]) - set(out))
     if missing:
         raise CheckpointError(f"{path}: tensors {missing[:3]} are in the index but in no shard; re-export")
     return out
+
+
+def _finite_hex(outer) -> bool:
+    """Whether a stored outer (a list of float.hex strings, `ct_layout.outer_hex`) is finite and parses."""
+    try:
+        return isinstance(outer, list) and all(math.isfinite(float.fromhex(h)) for h in outer)
+    except (TypeError, ValueError):
+        return False
 
 
 def load_qtensors(path: str | Path) -> dict[str, dict]:

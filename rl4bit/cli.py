@@ -187,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
     except NotBuilt as e:
         print(f"rl4bit {args.command}: {e}", file=sys.stderr)
         return 2
-    except (ConfigError, FileNotFoundError, FileExistsError) as e:
+    except Exception as e:
+        ckf = sys.modules.get("rl4bit.checkpoint_format")  # a CheckpointError only once a command loaded it
+        known = (ConfigError, FileNotFoundError, FileExistsError) + ((ckf.CheckpointError,) if ckf else ())
+        if not isinstance(e, known):
+            raise
         print(f"rl4bit {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -55,3 +55,17 @@ def test_export_config_then_run_dir_then_inspect(tmp_path, capsys):
     rows = [r for r in module_rows(tmp_path / "b") if r["format"] == "nvfp4"]
     assert rows and all(4.5 <= r["bits"] < 4.8 for r in rows)
     assert sum(r["bytes"] for r in rows) / sum(r["bf16_bytes"] for r in rows) <= 0.30
+
+
+def test_export_into_a_directory_that_is_not_an_export_is_refused(tmp_path, capsys):
+    from rl4bit.cli import main as cli
+
+    home = tmp_path / "my_models"  # `rl4bit export ... --out ~/my_models`, a directory of other things
+    (home / "other_model").mkdir(parents=True)
+    (home / "notes.txt").write_text("precious")
+    capsys.readouterr()
+    assert cli(["export", "configs/quickstart.yaml", "--out", str(home), *sum((["-o", o] for o in OVERRIDES), [])]) == 1
+    err = capsys.readouterr().err
+    assert str(home) in err and "not an rl4bit export" in err, err
+    assert sorted(p.name for p in home.iterdir()) == ["notes.txt", "other_model"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["my_models"], "no temporary export left beside it"

@@ -5,11 +5,13 @@ Run: /work/venv-probe/bin/pytest tests/checkpoint -q
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 
 import pytest
 import torch
+from safetensors.torch import save as st_save
 
 from rl4bit import checkpoint_format as ckf
 from rl4bit import ct_layout
@@ -287,3 +289,150 @@ def test_interrupted_export_keeps_previous(exported, trainer_model, tmp_path, mo
     ckf.write_checkpoint(out, model, plan, max_shard_bytes=60_000)  # a complete re-export replaces it
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     ckf.read_tensors(out)
+
+
+# ------------------------------------------------------------------ what export refuses to overwrite
+
+
+def test_export_refuses_a_file_or_a_directory_that_is_not_an_export(trainer_model, tmp_path):
+    model, plan = trainer_model
+    a_file = tmp_path / "weights.bin"
+    a_file.write_bytes(b"precious")
+    with pytest.raises(FileExistsError, match=re.escape(str(a_file))):
+        ckf.write_checkpoint(a_file, model, plan)
+    assert a_file.read_bytes() == b"precious"
+
+    home = tmp_path / "my_models"  # `--out ~/my_models`: other models and notes in it
+    (home / "other_model").mkdir(parents=True)
+    (home / "notes.txt").write_text("precious")
+    hf = tmp_path / "hf_model"  # a Hugging Face download has an index too, but not rl4bit's
+    hf.mkdir()
+    (hf / ckf.INDEX).write_text(json.dumps({"metadata": {"total_size": 1}, "weight_map": {}}))
+    for out in (home, hf):
+        before = sorted(p.name for p in out.iterdir())
+        with pytest.raises(FileExistsError, match="not an rl4bit export") as err:
+            ckf.write_checkpoint(out, model, plan)
+        assert str(out) in str(err.value) and "new or empty directory" in str(err.value)
+        assert sorted(p.name for p in out.iterdir()) == before
+    assert (home / "notes.txt").read_text() == "precious"
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    ckf.write_checkpoint(empty, model, plan)  # an empty directory, then a previous export: replaced
+    ckf.write_checkpoint(empty, model, plan)
+    ckf.read_tensors(empty)
+
+
+# ------------------------------------------------------------------ damage the checksums cannot describe
+
+
+def _flip_header_key(d):  # one bit in a shard's safetensors header: "data_offsets" -> "data_offsetr"
+    shard = sorted(d.glob("model-*.safetensors"))[0]
+    b = bytearray(shard.read_bytes())
+    b[b.index(b"data_offsets") + 11] ^= 0x01
+    shard.write_bytes(bytes(b))
+    return shard
+
+
+def _flip_index(d):
+    b = bytearray((d / ckf.INDEX).read_bytes())
+    b[0] ^= 0x01
+    (d / ckf.INDEX).write_bytes(bytes(b))
+    return d / ckf.INDEX
+
+
+def _truncate_layout(d):
+    (d / ckf.LAYOUT).write_bytes((d / ckf.LAYOUT).read_bytes()[:100])
+    return d / ckf.LAYOUT
+
+
+def _transpose_in_layout(d):  # valid JSON claiming another shape: only the layout's own checksum sees it
+    layout = json.loads((d / ckf.LAYOUT).read_text())
+    e = next(x for x in layout["entries"]
+             if x["fmt"] == "dense" and len(x["shape"]) == 2 and x["shape"][0] != x["shape"][1])
+    e["shape"] = e["shape"][::-1]
+    (d / ckf.LAYOUT).write_text(json.dumps(layout))
+    return d / ckf.LAYOUT
+
+
+@pytest.mark.parametrize("damage", [_flip_header_key, _flip_index, _truncate_layout, _transpose_in_layout])
+def test_damaged_headers_and_json_are_named_checkpoint_errors(exported, tmp_path, damage):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(exported, bad)
+    hit = damage(bad)
+    for read in (ckf.load_state_dict, ckf.load_qtensors):
+        with pytest.raises(ckf.CheckpointError) as err:
+            read(bad)
+        assert str(hit) in str(err.value) and "re-export" in str(err.value)
+
+
+# ------------------------------------------------------------------ NaN/Inf weights
+
+
+def test_export_refuses_nan_and_inf_weights(tmp_path):
+    model, plan = make_trainer_model(seed=2)
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")
+    out = tmp_path / "ckpt"
+    with pytest.raises(ckf.CheckpointError, match="model.norm.weight") as err:
+        ckf.write_checkpoint(out, model, plan)
+    assert "NaN/Inf" in str(err.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [], "nothing may be written"
+    with torch.no_grad():
+        model.model.norm.weight[0] = 1.0
+        model.lm_head.weight[0, 0] = float("inf")
+    with pytest.raises(ckf.CheckpointError, match="lm_head.weight"):
+        ckf.write_checkpoint(out, model, plan)
+
+
+def _reseal_with(d, name, edit):
+    """Another tool's export: tensor `name` edited by `edit`, the shard's checksums in the index made to match."""
+    from safetensors.torch import load as st_load
+
+    index = json.loads((d / ckf.INDEX).read_text())
+    shard = d / index["weight_map"][name]
+    blob = shard.read_bytes()
+    meta: dict = {}
+    ckf._header(blob, str(shard), meta)
+    tensors = st_load(blob)
+    tensors[name] = edit(tensors[name].clone())
+    blob = st_save(tensors, metadata=meta)
+    shard.write_bytes(blob)
+    index["metadata"]["shards"][shard.name] = {"sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob)}
+    index["metadata"]["tensor_crc32"].update(ckf.tensor_crcs(tensors))
+    (d / ckf.INDEX).write_text(json.dumps(index))
+    return shard
+
+
+def _nan_bf16(t):
+    t.view(-1)[0] = float("nan")
+    return t
+
+
+def _nan_e4m3(t):  # NVFP4 block scale, float8_e4m3fn: 0x7F is its NaN
+    t.view(torch.uint8).view(-1)[0] = 0x7F
+    return t
+
+
+def _nan_e8m0(t):  # MXFP8 block scale, E8M0 stored as uint8: 0xFF is its NaN
+    t.view(-1)[0] = 0xFF
+    return t
+
+
+@pytest.mark.parametrize("name, edit", [
+    ("model.norm.weight", _nan_bf16),
+    ("model.layers.0.mlp.experts.1.up_proj.weight_scale", _nan_e4m3),
+    ("model.layers.2.mlp.experts.0.gate_proj.weight_scale", _nan_e8m0),
+])
+def test_loading_an_export_holding_nan_names_the_tensor(exported, tmp_path, name, edit):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(exported, bad)
+    shard = _reseal_with(bad, name, edit)
+    for read in (ckf.read_tensors, ckf.load_state_dict, ckf.load_qtensors):
+        with pytest.raises(ckf.CheckpointError, match="NaN/Inf") as err:
+            read(bad)
+        assert str(shard) in str(err.value) and name in str(err.value)
