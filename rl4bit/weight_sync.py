@@ -12,15 +12,23 @@ whole decoder layers (NVFP4 codes + E4M3 scales + global scales, MXFP8, dense),
 the trainer forward's QTensors bit for bit. The sender builds one bucket at a
 time, so its extra memory is one bucket (plus the transport's copy of it).
 
+Each payload is stamped with what it is: its safetensors metadata holds
+`{"version", "index", "count"}` (`STAMP_KEY`), inside the bytes the SHA-256
+covers. The receiver checks the stamp against the bucket it expects (the
+update it is staging, the index the transport hands it), so a bucket left over
+from an earlier version, or sent under another index, cannot pass for it,
+whatever the `Bucket` fields around it say.
+
 Receiver protocol (`WeightReceiver`): `begin(version, n, layout)` ->
-`receive(version, i, payload, sha256)` per bucket (verified at once against its
-SHA-256) -> `commit(version)`. Buckets are staged (decoded, host memory: one
-copy of the update, what makes the switch all-or-nothing); `commit` checks that
-every bucket arrived and verified and every tensor fits its live buffer, then
-copies them in place (`copy_`: pointer-stable, so CUDA graphs stay valid) and
-only then switches `version`. A corrupt, missing, duplicated or stale bucket,
-or an interrupted sender, is fail-stop: WeightSyncError naming the bucket and
-what to do; the staging is dropped and the previous version keeps serving.
+`receive(version, i, payload, sha256)` per bucket (verified at once: its
+SHA-256, then its stamp against (version, i, n)) -> `commit(version)`. Buckets
+are staged (decoded, host memory: one copy of the update, what makes the switch
+all-or-nothing); `commit` checks that every bucket arrived and verified and
+every tensor fits its live buffer, then copies them in place (`copy_`:
+pointer-stable, so CUDA graphs stay valid) and only then switches `version`. A
+corrupt, missing, duplicated, stale or misrouted bucket, or an interrupted
+sender, is fail-stop: WeightSyncError naming the bucket and what to do; the
+staging is dropped and the previous version keeps serving.
 
 Targets: a model whose quantized modules are in serving mode
 (`surgery.load_quantized`; the QTensors' storage is overwritten in place, the
@@ -58,17 +66,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 
-from rl4bit.checkpoint_format import (CheckpointError, Entry, decode_entry, encode_entry, entries_from_json,
-                                      entry_value, group_by_layer, layout_json, model_layout, pack, unpack)
+from rl4bit.checkpoint_format import (OUTER_KEY, CheckpointError, Entry, decode_entry, encode_entry,
+                                      entries_from_json, entry_value, group_by_layer, layout_json, model_layout, pack,
+                                      unpack)
 from rl4bit.kernels import QTensor, dequantize
 from rl4bit.kernels.checks import all_finite
 
 DEFAULT_BUCKET_BYTES = 256 << 20
+STAMP_KEY = "rl4bit.weight_sync"  # safetensors metadata of a bucket: JSON {"version", "index", "count"}
 
 
 class WeightSyncError(RuntimeError):
@@ -77,6 +88,8 @@ class WeightSyncError(RuntimeError):
 
 @dataclass
 class Bucket:
+    """Bucket `index` of `count` of update `version`; `payload` carries the same three in its stamp (`STAMP_KEY`)."""
+
     version: int
     index: int
     count: int
@@ -88,6 +101,26 @@ def update_bytes(update, quantized: dict) -> int:
     """Bytes of an in-process update (`WeightSender.tensors`): dense tensors plus QTensors (data, scale, outer)."""
     return (sum(t.numel() * t.element_size() for t in update.tensors.values())
             + sum(q.nbytes for params in quantized.values() for q in params.values()))
+
+
+def pack_bucket(tensors: dict[str, torch.Tensor], outers: dict, version: int, index: int, count: int) -> bytes:
+    """safetensors bytes of a bucket: `checkpoint_format.pack`'s layout plus the stamp (version, index, count)."""
+    from safetensors.torch import save
+
+    meta = {"format": "pt", STAMP_KEY: json.dumps({"version": version, "index": index, "count": count})}
+    if outers:
+        meta[OUTER_KEY] = json.dumps(outers)
+    return save(tensors, metadata=meta)
+
+
+def bucket_stamp(payload: bytes) -> dict | None:
+    """The stamp {"version", "index", "count"} of a bucket payload, or None when it has none.
+
+    Reads the safetensors header only; call it after the SHA-256 check (a corrupt header raises ValueError).
+    """
+    (n,) = struct.unpack("<Q", payload[:8])
+    meta = json.loads(payload[8:8 + n]).get("__metadata__") or {}
+    return json.loads(meta[STAMP_KEY]) if STAMP_KEY in meta else None
 
 
 def stored_bytes(e: Entry, dense_bytes: int = 2) -> int:
@@ -134,7 +167,7 @@ class WeightSender:
             for e in self.groups[i]:
                 encoded = encode_entry(self.model, e, self.dense_dtype, outers, quantized)
                 tensors.update({k: v.cpu() for k, v in encoded.items()})
-        payload = pack(tensors, outers)
+        payload = pack_bucket(tensors, outers, version, i, len(self.groups))
         return Bucket(version, i, len(self.groups), payload, hashlib.sha256(payload).hexdigest())
 
     def tensors(self, version: int):
@@ -204,9 +237,17 @@ class WeightReceiver:
         if not 0 <= index < st["count"] or index in st["buckets"]:
             self._fail(f"bucket {index} of v{version} is out of range or duplicated (expected 0..{st['count'] - 1} once)")
         try:
-            st["buckets"][index] = unpack(payload, f"bucket {index}/{st['count']} of v{version}", sha256)
+            staged = unpack(payload, f"bucket {index}/{st['count']} of v{version}", sha256)
+            stamp = bucket_stamp(payload)
         except Exception as e:  # CheckpointError, or a corrupt blob failing inside safetensors
             self._fail(str(e) if isinstance(e, CheckpointError) else f"bucket {index} of v{version} unreadable: {e}")
+        want = {"version": version, "index": index, "count": st["count"]}
+        if stamp != want:
+            found = ("carries no (version, index) stamp" if not isinstance(stamp, dict) else
+                     f"is bucket {stamp.get('index')}/{stamp.get('count')} of v{stamp.get('version')} by its stamp")
+            self._fail(f"expected bucket {index}/{st['count']} of v{version}, but the payload {found} (a stale or "
+                       f"misrouted bucket); resend update v{version} built from the trainer's current weights")
+        st["buckets"][index] = staged
 
     def commit(self, version: int) -> int:
         st = self._staging
@@ -382,9 +423,11 @@ class _Apply:
 def sync_ray(sender: WeightSender, receivers: list, version: int, *, buckets: Iterable[Bucket] | None = None) -> int:
     """Push update `version` to Ray actor receivers (WeightReceiver actors) through the object store.
 
-    One bucket in flight: each is put, received and verified by every actor,
-    then released. Any failure aborts the update on every receiver and raises
-    WeightSyncError; they keep serving their previous version. Returns bytes sent per receiver.
+    One bucket in flight: each is put, received and verified by every actor
+    (SHA-256, then its stamp against (`version`, `b.index`, the sender's
+    bucket count): a stale `buckets` list fails there), then released. Any
+    failure aborts the update on every receiver and raises WeightSyncError;
+    they keep serving their previous version. Returns bytes sent per receiver.
     """
     import ray
 
@@ -426,9 +469,11 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
                      version: int | None = None, buckets: Iterable[Bucket] | None = None, group=None) -> int:
     """Collective weight update over torch.distributed (gloo on CPU, NCCL on GPU once blobs live on device).
 
-    Rank `src` passes `sender` and `version`; every other rank a `receiver`.
-    An exception on the sender mid-stream broadcasts an abort marker, so
-    receivers never wait forever. All ranks then agree (all_reduce MAX) on
+    Rank `src` passes `sender` and `version`; every other rank a `receiver`,
+    which checks the n-th blob of the stream as bucket n of the header's
+    version (SHA-256, then stamp): buckets go in order. An exception on the
+    sender mid-stream broadcasts an abort marker, so receivers never wait
+    forever. All ranks then agree (all_reduce MAX) on
     whether every receiver committed; on any failure every rank raises
     WeightSyncError carrying the lowest failing rank's message, and the
     receivers keep serving their previous version.

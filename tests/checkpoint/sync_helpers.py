@@ -20,6 +20,8 @@ from rl4bit.weight_sync import WeightReceiver, WeightSender, WeightSyncError
 from ckpt_models import bump_weights, make_sampler_model, make_trainer_model
 
 BUCKET_BYTES = 40_000  # several buckets for the tiny model
+STALE_0 = r"expected bucket 0/\d+ of v2, but the payload is bucket 0/\d+ of v1"  # `stale(..., which=0)` into v2
+MISROUTED_1 = r"expected bucket 1/\d+ of v2, but the payload is bucket 2/\d+ of v2"  # `misrouted(..., which=1)`
 
 
 def _bits(t):
@@ -59,6 +61,22 @@ def corrupted(buckets, which: int):
         yield b
 
 
+def stale(buckets, old: list, which: int):
+    """Bucket `which` replaced by the one of an earlier version (`old`, as built): a leftover or replayed send."""
+    for b in buckets:
+        yield old[which] if b.index == which else b
+
+
+def misrouted(buckets, which: int):
+    """Buckets `which` and `which + 1` swap payloads (and checksums) under their own labels: each valid, each
+    sent as the other's index."""
+    buckets = list(buckets)
+    a, b = buckets[which], buckets[which + 1]
+    buckets[which] = dataclasses.replace(a, payload=b.payload, sha256=b.sha256)
+    buckets[which + 1] = dataclasses.replace(b, payload=a.payload, sha256=a.sha256)
+    yield from buckets
+
+
 def interrupted(buckets, after: int):
     for b in buckets:
         if b.index == after:
@@ -77,17 +95,23 @@ def broadcast_worker(rank: int, world: int, init_file: str) -> None:
         sender = WeightSender(trainer, plan, bucket_bytes=BUCKET_BYTES)
         if rank == 0:
             broadcast_update(0, sender=sender, version=1)
+            old = list(sender.buckets(1))
             bump_weights(trainer)
             with pytest.raises(WeightSyncError, match="bucket 1"):
                 broadcast_update(0, sender=sender, version=2, buckets=corrupted(sender.buckets(2), 1))
             with pytest.raises(WeightSyncError, match="trainer died"):
                 broadcast_update(0, sender=sender, version=2, buckets=interrupted(sender.buckets(2), 2))
+            with pytest.raises(WeightSyncError, match=STALE_0):
+                broadcast_update(0, sender=sender, version=2, buckets=stale(sender.buckets(2), old, 0))
+            with pytest.raises(WeightSyncError, match=MISROUTED_1):
+                broadcast_update(0, sender=sender, version=2, buckets=misrouted(sender.buckets(2), 1))
             broadcast_update(0, sender=sender, version=2)
         else:
             rx = WeightReceiver(make_sampler_model())
             assert broadcast_update(0, receiver=rx) == 1
             assert_serves(rx.snapshot(), trainer)
-            for what in ("bucket 1", "aborted"):  # corrupt bucket, then a sender dying mid-stream
+            # corrupt bucket, a sender dying mid-stream, a v1 bucket in the v2 stream, two buckets sent swapped
+            for what in ("bucket 1", "aborted", STALE_0, MISROUTED_1):
                 with pytest.raises(WeightSyncError, match=what):
                     broadcast_update(0, receiver=rx)
                 assert rx.serving_version() == 1

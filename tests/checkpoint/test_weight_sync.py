@@ -1,4 +1,4 @@
-"""Weight sync: bitwise between Ray actors, fail-stop on a corrupt or interrupted update, gloo broadcast.
+"""Weight sync: bitwise between Ray actors; corrupt, interrupted, stale, misrouted updates fail-stop; gloo broadcast.
 
 Run: /work/venv-probe/bin/python -m pytest tests/checkpoint/test_weight_sync.py -q
 """
@@ -6,6 +6,8 @@ Run: /work/venv-probe/bin/python -m pytest tests/checkpoint/test_weight_sync.py 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import hashlib
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,8 @@ from rl4bit.weight_sync import WeightReceiver, WeightSender, WeightSyncError, sy
 
 from ckpt_models import bump_weights, make_sampler_model, make_trainer_model
 
-from sync_helpers import BUCKET_BYTES, assert_serves, broadcast_worker, corrupted, interrupted
+from sync_helpers import (BUCKET_BYTES, MISROUTED_1, STALE_0, assert_serves, broadcast_worker, corrupted, interrupted,
+                          misrouted, stale)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +45,17 @@ def test_ray_sync_bitwise_then_fail_stop(ray_actors):
         assert ray.get(a.serving_version.remote()) == 1
         assert_serves(ray.get(a.snapshot.remote()), trainer)
     v1 = copy.deepcopy(trainer)
+    old = list(sender.buckets(1))
 
     bump_weights(trainer)  # policy v2
     with pytest.raises(WeightSyncError, match="bucket 1"):
         sync_ray(sender, actors, version=2, buckets=corrupted(sender.buckets(2), which=1))
     with pytest.raises(WeightSyncError, match="trainer died"):
         sync_ray(sender, actors, version=2, buckets=interrupted(sender.buckets(2), after=2))
+    with pytest.raises(WeightSyncError, match=STALE_0):
+        sync_ray(sender, actors, version=2, buckets=stale(sender.buckets(2), old, which=0))
+    with pytest.raises(WeightSyncError, match=MISROUTED_1):
+        sync_ray(sender, actors, version=2, buckets=misrouted(sender.buckets(2), which=1))
     for a in actors:
         assert ray.get(a.serving_version.remote()) == 1
         assert_serves(ray.get(a.snapshot.remote()), v1)
@@ -95,6 +103,51 @@ def test_receiver_fail_stop_in_process():
     assert_serves(rx.snapshot(), trainer)
     after = {(m, p): q.data.data_ptr() for m, ps in rx.quantized().items() for p, q in ps.items()}
     assert after == ptrs, "served QTensors were reallocated: the update must be applied in place"
+
+
+def test_receiver_rejects_stale_or_misrouted_bucket():
+    """A bucket whose payload was built for another (version, index) fails its receive, whatever its labels say;
+    the update is dropped and the previous version keeps serving."""
+    from rl4bit.checkpoint_format import pack, unpack
+
+    trainer, plan = make_trainer_model(0)
+    sender = WeightSender(trainer, plan, bucket_bytes=BUCKET_BYTES)
+    n = sender.num_buckets
+    assert n >= 3
+    rx = WeightReceiver(make_sampler_model())
+    rx.begin(1, n, sender.layout())
+    for b in sender.buckets(1):
+        rx.receive(1, b.index, b.payload, b.sha256)
+    rx.commit(1)
+    v1, old = copy.deepcopy(trainer), list(sender.buckets(1))
+    bump_weights(trainer)
+    new = list(sender.buckets(2))
+
+    relabelled = dataclasses.replace(old[0], version=2)  # a v1 leftover passed off as v2 (e.g. a replayed send)
+    no_stamp = pack(*unpack(new[0].payload, "bucket 0", new[0].sha256))  # right tensors, no (version, index) stamp
+    cases = [
+        ((2, 0, old[0].payload, old[0].sha256), STALE_0),
+        ((relabelled.version, relabelled.index, relabelled.payload, relabelled.sha256), STALE_0),
+        ((2, 1, new[2].payload, new[2].sha256), MISROUTED_1),
+        ((2, 0, no_stamp, hashlib.sha256(no_stamp).hexdigest()), r"carries no \(version, index\) stamp"),
+    ]
+    for (version, index, payload, sha256), what in cases:
+        rx.begin(2, n, sender.layout())
+        for b in new[:index]:
+            rx.receive(2, b.index, b.payload, b.sha256)
+        with pytest.raises(WeightSyncError, match=what) as err:
+            rx.receive(version, index, payload, sha256)
+        assert "update dropped, v1 keeps serving" in str(err.value)
+        with pytest.raises(WeightSyncError, match="without a staged update"):  # the staging went with the error
+            rx.commit(2)
+        assert rx.serving_version() == 1
+        assert_serves(rx.snapshot(), v1)
+
+    rx.begin(2, n, sender.layout())
+    for b in new:
+        rx.receive(2, b.index, b.payload, b.sha256)
+    assert rx.commit(2) == 2
+    assert_serves(rx.snapshot(), trainer)
 
 
 @pytest.mark.slow
