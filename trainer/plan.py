@@ -12,8 +12,8 @@ Rules (numerics.md recipe table):
   embeddings and norms are not GEMMs and are not listed.
 - scope "experts": the expert GEMMs follow the recipe, every nn.Linear is bf16.
   scope "all_linear": attention / dense-MLP / shared-expert linears too.
-- recipe nvfp4: quantized modules in the last round(n_layers * high_precision_tail)
-  decoder layers run mxfp8.
+- recipe nvfp4: quantized modules in the last floor(n_layers * high_precision_tail + 1/2)
+  decoder layers run mxfp8 (half rounds up: 3 layers -> 1, 15 -> 3; 1 or 2 layers -> none).
 - shapes are checked here, at build time: NVFP4 needs K % 16 == 0, MXFP8 K % 32
   == 0, and both need N % 32 == 0 (the MXFP8 dgrad blocks run along N). The
   token dimension is padded to 32 at run time, so it has no constraint.

@@ -39,7 +39,7 @@ class RecipeConfig:
     """nvfp4: weight block scales per 16x16 tile (NVIDIA's W/Wᵀ-consistent variant) instead of 1x16 (ablation)."""
 
     high_precision_tail: float = 1 / 6
-    """nvfp4: fraction of the LAST decoder layers whose quantized GEMMs run MXFP8 instead; round(n_layers * fraction) layers, in [0, 1]."""
+    """nvfp4: fraction of the LAST decoder layers whose quantized GEMMs run MXFP8 instead; floor(n_layers * fraction + 1/2) layers (half rounds up), in [0, 1]."""
 
     scope: str = "experts"
     """Which GEMMs are quantized: "experts" (MoE expert GEMMs only) or "all_linear" (also attention and dense MLP projections). Router, embeddings, norms and lm_head always stay in the compute dtype."""
