@@ -9,9 +9,14 @@ layer (parameters `gate_up_proj` / `down_proj` become those local slices,
 names kept). One forward of `ExpertParallelExperts` (same signature as
 `QuantExperts`: hidden [T, H], top_k_index [T, k], top_k_weights [T, k]):
 
-1. route: the (token, k) pairs are sorted by expert exactly as in
-   QuantExperts (stable argsort), which also groups them by owner rank; the
-   per-expert counts go out in a small int64 all-to-all.
+1. route: every rank states its layer's settings and whether its tokens
+   hold NaN/Inf (`HEADER`, one small all-gather): a disagreement is a
+   ValueError naming it, and NaN/Inf on any rank stops the micro-batch on every
+   rank at this point, before any payload moves (a rank that raised alone
+   would leave the others waiting in the next all-to-all). The (token, k)
+   pairs are sorted by expert exactly as in QuantExperts (stable argsort),
+   which also groups them by owner rank; the per-expert counts go out in a
+   small int64 all-to-all.
 2. dispatch (source -> owner): NVFP4 layers send the tokens' NVFP4 QTensor
    (packed codes, E4M3 scales, per-token fp32 outer; 4/6 as in the recipe),
    quantized once per token; the owner's gate_up GEMM consumes exactly that
@@ -81,6 +86,13 @@ from rl4bit.trainer.modules import QuantExperts
 from rl4bit.trainer.qgemm import compute_dtype, grouped_gemm, quantize_activation
 
 COMBINE_TENSOR_ID = 4
+
+HEADER = ("hidden size", "local experts", "expert format", "combine", "backward format", "layer", "step", "call",
+          "seed", "non-finite tokens")
+"""What each rank states before a layer's tokens move (`ExpertParallelExperts._route`): the ranks must agree on all
+but the last, which any rank may raise for all."""
+
+_FMT_CODES = {"bf16": 0, "mxfp8": 1, "nvfp4": 2}
 """tensor_id of the combine's RHT seed in derive_seed (qgemm uses 0..3)."""
 
 PHASES = ("dispatch", "combine", "combine_grad", "dispatch_grad")
@@ -242,17 +254,48 @@ class ExpertParallelExperts(QuantExperts):
         # world 1 gives QuantExperts' own keys; the RHT seed below is NOT keyed by rank (both ends must agree)
         return (self.seed, self.step, 2 * self.layer_id + gemm, self.calls * self.world + self.rank)
 
-    def _route(self, top_k_index: torch.Tensor) -> _Route:
+    def _header(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """int64 [len(HEADER)] on the device: what every rank must agree on before tokens move, and whether this
+        rank's tokens hold NaN/Inf (a device reduction; the all-gathered headers are read on the host once)."""
+        fields = [hidden_states.shape[-1], self.num_experts, _FMT_CODES[self.spec.fmt],
+                  ep_codec.COMBINES.index(self.combine), ep_codec.GRAD_FORMATS.index(self.backward_format),
+                  self.layer_id, self.step, self.calls, self.seed & (2**62 - 1), 0]
+        head = torch.tensor(fields, dtype=torch.int64, device=hidden_states.device)
+        head[-1] = (~torch.isfinite(hidden_states.detach())).any().to(torch.int64)
+        return head
+
+    def _check_headers(self, heads: torch.Tensor) -> None:
+        """ValueError naming what the ranks disagree on; NonFiniteInputError on EVERY rank when any rank's tokens
+        hold NaN/Inf: all raise at the same point, before any payload all-to-all, so none waits on the others."""
+        from rl4bit.kernels import NonFiniteInputError
+
+        rows = heads.tolist()
+        for i, name in enumerate(HEADER[:-1]):
+            values = [r[i] for r in rows]
+            if len(set(values)) > 1:
+                raise ValueError(f"expert parallelism, layer {self.layer_id}: the ranks disagree on {name} "
+                                 f"({', '.join(f'rank {r}: {v}' for r, v in enumerate(values))}); every rank must "
+                                 f"build the same model and recipe and run the same steps")
+        bad = [r for r, row in enumerate(rows) if row[-1]]
+        if bad:
+            raise NonFiniteInputError(f"NaN/Inf in the hidden states entering expert layer {self.layer_id} on "
+                                      f"rank(s) {bad}; every rank stops this micro-batch")
+
+    def _route(self, top_k_index: torch.Tensor, hidden_states: torch.Tensor) -> _Route:
         n_tok, k = top_k_index.shape
         e, n_local = self.global_num_experts, self.num_experts
         with torch.no_grad():
+            head = self._header(hidden_states)
+            heads = head.new_empty(self.world * head.numel())
+            dist.all_gather_into_tensor(heads, head, group=self.group)  # fixed width: safe whatever ranks differ in
+            self._check_headers(heads.view(self.world, -1).cpu())
             flat = top_k_index.reshape(-1)
             order = torch.argsort(flat, stable=True)
             counts = torch.bincount(flat, minlength=e + 1)[:e]
             order = order[: int(counts.sum())]  # drops the HF "not local" sentinel index == num_experts
             send = counts.reshape(self.world, n_local).to(torch.int64)
             recv = _a2a(send, [1] * self.world, [1] * self.world, self.group)  # [source, local expert]
-            self.meter.routing += 8 * n_local * (self.world - 1)
+            self.meter.routing += 8 * (n_local + len(HEADER)) * (self.world - 1)
             recv_flat = recv.reshape(-1).cpu()
             start_recv = _exclusive_cumsum(recv_flat).reshape(self.world, n_local).t().reshape(-1)
             by_expert = recv.t().reshape(-1).cpu()  # counts in expert-major order
@@ -267,7 +310,7 @@ class ExpertParallelExperts(QuantExperts):
         """QuantExperts.forward's contract over the expert-parallel group (the residual added with torch here)."""
         if self.served is not None:
             raise ValueError("ExpertParallelExperts has no serving mode; serve from a gathered, unsharded model")
-        route = self._route(top_k_index)
+        route = self._route(top_k_index, hidden_states)
         dt = compute_dtype(hidden_states)
         x = hidden_states[route.tok].to(dt)  # the same gather as QuantExperts, so the gradient sums the same way
         nvfp4 = self.spec.fmt == "nvfp4"

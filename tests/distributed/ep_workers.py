@@ -125,6 +125,32 @@ def scenario(name: str, rank: int, world: int, device=torch.device("cpu")) -> di
     return res
 
 
+def disagreement_scenarios(rank: int, world: int) -> dict:
+    """What each rank raises (type and message) when rank 0's tokens hold an Inf, and when the last rank runs
+    another combine: every rank must raise at the same point (no rank left waiting in an all-to-all)."""
+    from rl4bit.trainer.expert_parallel import ExpertParallelExperts
+    from rl4bit.trainer.modules import QuantExperts
+    from rl4bit.trainer.qgemm import GemmSpec
+
+    out = {}
+    for name in ("inf_on_rank_0", "combine_differs"):
+        gen = torch.Generator().manual_seed(1234)
+        src = QuantExperts(_Src(gen), GemmSpec(fmt="nvfp4"), seed=7, layer_id=3)
+        combine = "mxfp8" if name == "combine_differs" and rank == world - 1 else "bf16"
+        ep = ExpertParallelExperts(src, None, combine=combine, backward="bf16")
+        hidden, idx, w, grad_out = _batch(world, "random", gen)
+        rows = slice(rank * TOKENS, (rank + 1) * TOKENS)
+        hidden = hidden[rows].clone()
+        if name == "inf_on_rank_0" and rank == 0:
+            hidden[3, 5] = float("inf")
+        try:
+            _run(ep, hidden, idx[rows], w[rows], grad_out[rows])
+            out[name] = ["no error", ""]
+        except ValueError as e:  # NonFiniteInputError is one
+            out[name] = [type(e).__name__, str(e)]
+    return out
+
+
 def model_scenario(rank: int, world: int) -> dict:
     """shard_experts on a converted tiny Qwen3-MoE (nvfp4, its last layer the mxfp8 tail), bf16 combine.
 
@@ -182,6 +208,8 @@ def main(rank: int, world: int, port: int, out_dir: str, what: str = "layer") ->
     try:
         if what == "model":  # a launch of its own: importing transformers is the slow part
             results = {"model": model_scenario(rank, world)}
+        elif what == "disagree":
+            results = disagreement_scenarios(rank, world)
         else:
             results = {name: scenario(name, rank, world, device) for name in SCENARIOS}
         dist.barrier()

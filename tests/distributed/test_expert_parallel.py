@@ -25,6 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import ep_workers  # noqa: E402
 
+from rl4bit.trainer.expert_parallel import HEADER  # noqa: E402
+
 WORLDS = [2, pytest.param(4, marks=pytest.mark.slow)]  # 4 processes on 2 cores: ~30 s
 
 BITWISE = ["bf16_combine", "skewed_bf16", "tail_mxfp8", "recipe_bf16"]
@@ -92,7 +94,8 @@ def test_wire_bytes(ep_results, world):
         assert m["comm/combine_grad_bits_per_value"] == m["comm/dispatch_grad_bits_per_value"] == 16.0
         assert 0 < m["comm/dispatch_bytes"] <= m["comm/dispatch_bf16_bytes"] * (4.5 + 32 / h) / 16 + 1e-6
         assert 0 < m["comm/combine_bytes"] <= m["comm/combine_bf16_bytes"] * 8.25 / 16 + 1e-6
-        assert m["comm/routing_bytes"] == 8 * (ep_workers.EXPERTS // world) * (world - 1)
+        # the counts (int64 per local expert) and the ranks' agreement header (HEADER) to each other rank
+        assert m["comm/routing_bytes"] == 8 * (ep_workers.EXPERTS // world + len(HEADER)) * (world - 1)
         assert res["bf16_combine"]["metrics"]["comm/combine_bits_per_value"] == 16.0
         mb = res["mxfp8_backward"]["metrics"]
         assert mb["comm/combine_grad_bits_per_value"] == mb["comm/dispatch_grad_bits_per_value"] == 8.25
@@ -104,6 +107,17 @@ MODEL_GRAD_SQNR_FLOOR_DB = 30.0
 
 
 @pytest.mark.slow  # its own 2-process launch that imports transformers: ~20-45 s on 2 busy cores
+def test_ranks_stop_together_on_nan_or_disagreement(tmp_path):
+    """An Inf in rank 0's tokens, or one rank running another combine: every rank raises at the layer's route,
+    naming the cause, and none hangs (the launch's timeout would fail the test)."""
+    results = ep_workers.launch(2, tmp_path, what="disagree", timeout_s=120.0)
+    for r in results:
+        kind, msg = r["inf_on_rank_0"]
+        assert kind == "NonFiniteInputError" and "rank(s) [0]" in msg, msg
+        kind, msg = r["combine_differs"]
+        assert kind == "ValueError" and "disagree on combine (rank 0: 2, rank 1: 1)" in msg, msg
+
+
 def test_shard_experts_on_converted_qwen3_moe(tmp_path):
     for rank, res in enumerate(ep_workers.launch(2, tmp_path, what="model")):
         r = res["model"]
