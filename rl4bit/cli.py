@@ -155,6 +155,14 @@ def cmd_train(args) -> int:
     if args.config is None and args.resume is None:
         print("rl4bit train: error: give a config (e.g. configs/quickstart.yaml) or --resume RUN_DIR", file=sys.stderr)
         return 2
+    if args.config is not None and args.resume is not None:
+        print(f"rl4bit train: error: a config ({args.config}) and --resume ({args.resume}) together: a resumed run "
+              f"keeps its own config.yaml; drop the config, and change settings with -o key=value", file=sys.stderr)
+        return 2
+    if args.resume is not None and args.out is not None:
+        print("rl4bit train: error: --out with --resume: a resumed run writes into its own run dir; drop --out",
+              file=sys.stderr)
+        return 2
     mod = _require("rl4bit.driver", "`rl4bit train` (the RL loop)")
     return mod.main(args.config, out=args.out, resume=args.resume, overrides=args.override)
 

@@ -21,6 +21,8 @@ is one file plus overrides.
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 import difflib
 import types
 import typing
@@ -183,7 +185,7 @@ class TrainerConfig:
         if self.recompute and self.world_size > 1:
             raise ConfigError(f"{path}.recompute: not supported with world_size={self.world_size} yet (FSDP2 with "
                               f"recomputation is untested here); set {path}.recompute=false or {path}.world_size=1")
-        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
             raise ConfigError(f"{path}.device: {self.device!r}; valid: auto, cpu, cuda, cuda:N")
 
 
@@ -349,8 +351,11 @@ class RunConfig:
     """Show the live `rich` progress display (off in tests and non-interactive logs)."""
 
     def validate(self, path: str) -> None:
-        if self.checkpoint_every < 0 or self.keep_checkpoints < 1 or self.warmup_sft_steps < 0:
-            raise ConfigError(f"{path}: checkpoint_every and warmup_sft_steps must be >= 0, keep_checkpoints >= 1")
+        for name, low in (("checkpoint_every", 0), ("warmup_sft_steps", 0), ("cpu_threads", 0),
+                          ("keep_checkpoints", 1), ("warmup_batch_size", 1)):
+            if getattr(self, name) < low:
+                raise ConfigError(f"{path}.{name}: {getattr(self, name)} must be >= {low}")
+        _positive(self, path, "warmup_lr")
 
 
 @dataclass
@@ -479,11 +484,13 @@ def _coerce(tp: Any, value: Any, path: str) -> Any:
     if tp is float:
         if isinstance(value, str):  # YAML 1.1 reads 1e-6 (no dot) as a string
             try:
-                return float(value)
+                value = float(value)
             except ValueError:
                 pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{path}: expected a number, got {type(value).__name__} {value!r}")
+        if not math.isfinite(value):  # NaN passes every `v <= 0` check; Inf turns limits off
+            raise ConfigError(f"{path}: {value!r} is not a finite number; give a finite value")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

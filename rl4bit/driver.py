@@ -120,9 +120,23 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
     try:
         run(cfg, run_dir, resume=resume is not None)
     except JOB_ERRORS as e:
+        if resume is None:
+            _forget_unstarted(run_dir)
         print(f"rl4bit train: error: {e}", file=sys.stderr)
         return 1
+    except BaseException:
+        if resume is None:
+            _forget_unstarted(run_dir)
+        raise
     return 0
+
+
+def _forget_unstarted(run_dir: Path) -> None:
+    """A new run that failed before it logged a metric or wrote a checkpoint (bad data, a reward that does not
+    import, no GPU): its config.yaml goes, so the same command can run again into the same --out (which would
+    otherwise refuse it as "already holds a run" with nothing to resume). Nothing else is removed."""
+    if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints" / "latest.json").exists():
+        (run_dir / "config.yaml").unlink(missing_ok=True)
 
 
 def checked_out_dir(out: str | Path) -> Path:
@@ -158,6 +172,9 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         from rl4bit.sampler.actor import Sampler
 
         device = cfg.trainer.device if cfg.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError(f"trainer.device: {device!r}, but this torch sees no CUDA device (a CPU build, or no "
+                              f"GPU visible); use trainer.device=auto or cpu, or run on a GPU machine")
         gpu = 1 if device.startswith("cuda") else 0
         trainer = TrainerGroup(cfg, world, cluster=cluster) if world > 1 else cluster.actor(Trainer, cfg, num_gpus=gpu)
         builder = functools.partial(build_policy_model, cfg)

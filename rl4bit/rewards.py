@@ -204,6 +204,11 @@ def _worker_main(argv: list[str]) -> None:
     proto = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # a reward's print() goes to stderr, never into the protocol
     sys.stdout = sys.stderr
+    requests = os.fdopen(os.dup(0), "r")
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)  # a reward reading stdin gets end of file, never the protocol's request lines
+    os.close(null)
+    sys.stdin = open(os.devnull)
     _limit_memory(memory_mb)  # before any reward module is imported
     try:
         fns = [load_reward(s) for s in specs]
@@ -214,7 +219,7 @@ def _worker_main(argv: list[str]) -> None:
         return
     proto.write(json.dumps({"ready": True}) + "\n")
     proto.flush()
-    for line in sys.stdin:
+    for line in requests:
         msg = json.loads(line)
         _limit_cpu(cpu_s)
         reply = {"i": msg["i"], "values": []}

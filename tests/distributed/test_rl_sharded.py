@@ -131,14 +131,14 @@ def _run_resume_and_corrupt(tmp_path, overrides, *, comm: bool):
     data = bytearray(bad.read_bytes())
     data[len(data) // 2] ^= 0x10
     bad.write_bytes(bytes(data))
-    rc, out = _rl4bit("train", QUICKSTART, "--resume", str(run), overrides=[f"rl.steps={STEPS + 1}"])
+    rc, out = _rl4bit("train", "--resume", str(run), overrides=[f"rl.steps={STEPS + 1}"])
     assert rc == 1, out[-6000:]
     assert str(bad) in out and "SHA-256" in out and f"step_{STEPS - 1:06d} is intact" in out, out[-4000:]
     assert _strip(read_metrics(run)) == _strip(records)
 
     # deleted as the error says: --resume falls back to the step before and redoes the last step identically
     shutil.rmtree(bad.parent)
-    rc, out = _rl4bit("train", QUICKSTART, "--resume", str(run))
+    rc, out = _rl4bit("train", "--resume", str(run))
     assert rc == 0, out[-6000:]
     assert _strip(read_metrics(run)) == _strip(records), "the resumed steps' metrics differ from the uninterrupted run"
     _check_sharded_checkpoint(run / "checkpoints" / f"step_{STEPS:06d}", STEPS)

@@ -51,6 +51,14 @@ def test_config_error_exits_nonzero_with_the_key(tmp_path, capsys):
     assert "rl.samples_per_prompt" in capsys.readouterr().err
 
 
+def test_train_refuses_arguments_a_resume_would_ignore(tmp_path, capsys):
+    """A config or --out beside --resume were silently ignored (the run dir's config.yaml and dir win): refused."""
+    assert main(["train", str(REPO / "configs/quickstart.yaml"), "--resume", str(tmp_path)]) == 2
+    assert "keeps its own config.yaml" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    assert "drop --out" in capsys.readouterr().err
+
+
 def test_packages_import_from_outside_the_repo(tmp_path):
     code = (
         "import importlib.util, rl4bit.kernels, rl4bit.trainer, rl4bit.sampler;"

@@ -30,6 +30,9 @@ def hog(prompt, completion, **s):
         block = bytearray(1 << 30)  # 1 GiB: past the worker's memory limit
         return float(len(block))
     return 1.0
+def reads_stdin(prompt, completion, **s):
+    import sys
+    return float(len(sys.stdin.read()))  # the worker's stdin is /dev/null: 0, never the protocol's lines
 def spin(prompt, completion, **s):
     if completion == "spin":
         t = time.process_time()
@@ -57,6 +60,14 @@ def test_reward_code_never_runs_in_this_process(rewards, tmp_path):
     pids = {int(x) for x in (tmp_path / "pids").read_text().split()}
     assert os.getpid() not in pids and len(pids) >= 2
     assert pids - workers, "the start-up check ran in its own worker too"
+
+
+def test_a_reward_reading_stdin_gets_nothing_and_the_pool_goes_on(rewards):
+    pool = RewardPool([f"{rewards}:reads_stdin"], [1.0], workers=1, timeout_s=20)
+    try:
+        assert pool.score([("p", str(i), {}) for i in range(3)]).totals == [0.0, 0.0, 0.0]
+    finally:
+        pool.close()
 
 
 def test_memory_limit_masks_the_sample(rewards):

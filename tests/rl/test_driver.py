@@ -85,6 +85,11 @@ def test_a_broken_reward_fails_fast_with_its_name(tmp_path, small):
     with pytest.raises(RewardError, match=r"explode.*ZeroDivisionError"):
         driver.main(QUICKSTART, out=str(tmp_path / "run"), overrides=small + [f"rewards.functions=[{{fn: '{f}:explode'}}]"])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # failed before any actor or step
+    # nothing started, so the same --out takes the corrected command (no "already holds a run")
+    f.write_text("def explode(prompt, completion, **sample):\n    return 1.0\n")
+    one_step = small + ["rl.steps=1", "run.warmup_sft_steps=0", "ray.mode=local",
+                        "run.tensorboard=false", f"rewards.functions=[{{fn: '{f}:explode'}}]"]
+    assert driver.main(QUICKSTART, out=str(tmp_path / "run"), overrides=one_step) == 0
 
 
 @pytest.mark.slow
