@@ -164,7 +164,8 @@ class TrainerConfig:
     (the whole trainer group; EP groups smaller than the group are not supported)."""
     combine: Literal["rht_s2f6", "mxfp8", "bf16"] = "rht_s2f6"
     """Format of the expert-parallel combine all-to-all: rht_s2f6 (8.25 bits/value), mxfp8 (8.25), bf16
-    (lossless under bf16 autocast; lossy when model.dtype=float32)."""
+    (lossless under bf16 autocast; lossy when model.dtype=float32). The backward all-to-alls send BF16 whatever
+    this is, so with model.dtype=float32 the gradients crossing ranks are rounded to BF16 too."""
     recompute: bool = False
     """Activation recomputation: keep only each decoder layer's input for the backward and re-run the layer's
     forward there (`rl4bit.trainer.recompute`). Less activation memory for about one more forward of compute;

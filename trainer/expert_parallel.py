@@ -330,8 +330,12 @@ class ExpertParallelExperts(QuantExperts):
         z = _Combine.apply(o, self, route, seed, dt)
         w = top_k_weights.reshape(-1)[route.order, None]
         if self.combine == "rht_s2f6":  # sum in the RHT domain (fp32), one inverse RHT per token
-            acc = torch.zeros(hidden_states.shape, dtype=torch.float32, device=hidden_states.device)
-            acc = acc.index_add(0, route.tok, z * w.float())
+            # each (token, k) row in its own slot, then a sum over k in k order: a fixed order on every device
+            # (an index_add would add a token's rows with atomics on CUDA, in whatever order they land)
+            n_tok, k = top_k_index.shape
+            slots = torch.zeros(n_tok * k, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
+            slots = slots.index_put((route.order,), z * w.float())
+            acc = slots.view(n_tok, k, -1).sum(1)
             out = ep_codec.combine_output(acc, self.combine, seed).to(hidden_states.dtype)
         else:  # the exact combine of QuantExperts.forward (trainer/combine.py: the fixed-order kernel when fused)
             out = combine(z, top_k_weights, top_k_index, route.order, route.tok, None, hidden_states,
