@@ -478,7 +478,7 @@ def read_tensors(path: str | Path, outers: dict | None = None) -> dict[str, torc
             held = [k for k, v in index["weight_map"].items() if v == fname]
             raise CheckpointError(f"{f}: shard is missing (holds e.g. {held[:1]}); re-export")
         tensors, shard_outers = unpack(f.read_bytes(), str(f), m["sha256"], meta.get("tensor_crc32"), m["bytes"])
-        # the checksums match: NaN/Inf here was exported so (another tool, or an rl4bit without this check)
+        # the checksums match, so NaN/Inf here was written so by whoever exported it: refused all the same
         bad = nonfinite(tensors) + [f"{k} (decode outer)" for k, v in shard_outers.items() if not _finite_hex(v)]
         if bad:
             raise CheckpointError(f"{f}: tensor {bad[0]!r}{_more(bad)} holds NaN/Inf; the file is intact, the "

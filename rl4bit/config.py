@@ -21,9 +21,9 @@ is one file plus overrides.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import re
-import difflib
 import types
 import typing
 from dataclasses import dataclass, field

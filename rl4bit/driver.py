@@ -175,6 +175,9 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise ConfigError(f"trainer.device: {device!r}, but this torch sees no CUDA device (a CPU build, or no "
                               f"GPU visible); use trainer.device=auto or cpu, or run on a GPU machine")
+        if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+            raise ConfigError(f"trainer.device: {device!r}, but this machine shows {torch.cuda.device_count()} CUDA "
+                              f"device(s) (cuda:0 ..); pick one of them or trainer.device=cuda")
         gpu = 1 if device.startswith("cuda") else 0
         trainer = TrainerGroup(cfg, world, cluster=cluster) if world > 1 else cluster.actor(Trainer, cfg, num_gpus=gpu)
         builder = functools.partial(build_policy_model, cfg)
@@ -192,7 +195,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         if resume and world > 1:
             get(trainer.setup_rl())
             meta = trainer.load_checkpoint(run_dir)  # manifest + state.json here, every rank verifies its own shard
-            _check_job(meta, cfg)  # before any step: the loaded state is only in memory
+            _check_job(meta, cfg)  # after the ranks loaded their pieces, before any step or write
             stream.load_state(meta["data"])
             start = meta["step"]
         elif resume:

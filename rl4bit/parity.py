@@ -143,7 +143,7 @@ def _state(job: dict) -> str:
 def _launch(config: Path, job: dict, out: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-P", "-m", "rl4bit.cli", "train"]
     if job["state"] == "partial":
-        cmd += [str(config), "--resume", str(job["run_dir"])]  # the stored config already holds recipe and seed
+        cmd += ["--resume", str(job["run_dir"])]  # its stored config.yaml holds the recipe and seed
     else:
         cmd += [str(config), "--out", str(job["run_dir"])]
         for o in job["overrides"]:

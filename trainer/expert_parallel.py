@@ -86,6 +86,7 @@ from rl4bit.trainer.modules import QuantExperts
 from rl4bit.trainer.qgemm import compute_dtype, grouped_gemm, quantize_activation
 
 COMBINE_TENSOR_ID = 4
+"""tensor_id of the combine's RHT seed in derive_seed (qgemm uses 0..3)."""
 
 HEADER = ("hidden size", "local experts", "expert format", "combine", "backward format", "layer", "step", "call",
           "seed", "non-finite tokens")
@@ -93,7 +94,6 @@ HEADER = ("hidden size", "local experts", "expert format", "combine", "backward 
 but the last, which any rank may raise for all."""
 
 _FMT_CODES = {"bf16": 0, "mxfp8": 1, "nvfp4": 2}
-"""tensor_id of the combine's RHT seed in derive_seed (qgemm uses 0..3)."""
 
 PHASES = ("dispatch", "combine", "combine_grad", "dispatch_grad")
 """Metric names: forward dispatch (source->owner), forward combine (owner->source), then the backward's."""
@@ -330,12 +330,15 @@ class ExpertParallelExperts(QuantExperts):
         z = _Combine.apply(o, self, route, seed, dt)
         w = top_k_weights.reshape(-1)[route.order, None]
         if self.combine == "rht_s2f6":  # sum in the RHT domain (fp32), one inverse RHT per token
-            # each (token, k) row in its own slot, then a sum over k in k order: a fixed order on every device
-            # (an index_add would add a token's rows with atomics on CUDA, in whatever order they land)
+            # each (token, k) row in its own slot, then added in k order, one add at a time: the same order on every
+            # device and at every token count (an index_add adds a token's rows with atomics on CUDA, in whatever
+            # order they land; a sum over k would leave the order to the reduction kernel)
             n_tok, k = top_k_index.shape
             slots = torch.zeros(n_tok * k, hidden_states.shape[1], dtype=torch.float32, device=hidden_states.device)
-            slots = slots.index_put((route.order,), z * w.float())
-            acc = slots.view(n_tok, k, -1).sum(1)
+            slots = slots.index_put((route.order,), z * w.float()).view(n_tok, k, -1)
+            acc = slots[:, 0]
+            for j in range(1, k):
+                acc = acc + slots[:, j]
             out = ep_codec.combine_output(acc, self.combine, seed).to(hidden_states.dtype)
         else:  # the exact combine of QuantExperts.forward (trainer/combine.py: the fixed-order kernel when fused)
             out = combine(z, top_k_weights, top_k_index, route.order, route.tok, None, hidden_states,

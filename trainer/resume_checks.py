@@ -10,12 +10,14 @@ optimizer steps. Each problem names the tensor or setting and what to do; `Train
 one CheckpointError before it changes any state.
 
 Leaves out: the pieces of a sharded trainer (world > 1) are checked for dtype and NaN/Inf only (their shapes are
-local pieces; the manifest's global shapes are checked where they are loaded).
+local pieces; the manifest's global shapes are checked where they are loaded), and a sharded resume meets
+`config_problems` after its ranks loaded their pieces (the job stops there, before any step or write).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 
 import torch
 
@@ -59,6 +61,17 @@ def config_problems(saved: dict | None, cfg) -> list[str]:
 def state_problems(trainer, tensors: dict[str, torch.Tensor], meta: dict) -> list[str]:
     """Every reason `trainer.load_state(tensors, meta)` would load a state that does not fit `trainer`."""
     problems = [f"state.json lacks trainer.{k}" for k in META_KEYS if k not in meta]
+    problems += [f"trainer.{k}: {meta[k]!r} is not a count" for k in META_KEYS[:3]
+                 if k in meta and (type(meta[k]) is not int or meta[k] < 0)]
+    if "python_rng" in meta:
+        try:
+            state = meta["python_rng"]
+            random.Random().setstate((state[0], tuple(state[1]), state[2]))
+        except (TypeError, ValueError, IndexError):
+            problems.append("trainer.python_rng: not a Python random state")
+    if trainer.ref_model is not None and not any(k.startswith("ref.") for k in tensors):
+        problems.append("no KL reference model (written with rl.kl_coef=0, or by an rl4bit that did not save it), so "
+                        "rl.kl_coef > 0 cannot resume against the run's reference; resume with -o rl.kl_coef=0")
     whole = trainer.world == 1
     for prefix, model in (("model.", trainer.model), ("ref.", trainer.ref_model)):
         if model is None:
@@ -82,6 +95,9 @@ def state_problems(trainer, tensors: dict[str, torch.Tensor], meta: dict) -> lis
     rng = tensors.get("rng.torch_cpu")
     if rng is None or rng.dtype != torch.uint8 or rng.dim() != 1:
         problems.append("rng.torch_cpu: missing or not a uint8 vector (torch's CPU generator state)")
+    cuda = tensors.get("rng.torch_cuda")
+    if cuda is not None and (cuda.dtype != torch.uint8 or cuda.dim() != 1):
+        problems.append("rng.torch_cuda: not a uint8 vector (torch's CUDA generator state)")
     return problems
 
 

@@ -10,6 +10,7 @@ Run: .venv/bin/python -P -m pytest tests/checkpoint/test_rotation.py -q
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,3 +97,19 @@ def test_a_save_clears_temporary_directories_of_killed_saves(tmp_path):
         (stale / "state.safetensors").write_bytes(b"x" * 100)
     ck.save_checkpoint(tmp_path, 3, T, {}, keep=5)
     assert _dirs(tmp_path) == ["step_000001", "step_000003"]
+
+
+def test_a_failed_sharded_save_leaves_no_tmp_dir(tmp_path):
+    """A rank that fails while writing its shard: the group's save removes the temporary directory (the shards
+    already there are a copy of the training state) and re-raises."""
+    from types import SimpleNamespace
+
+    from rl4bit.trainer_group import TrainerGroup
+
+    def fail(method, tmp):
+        (Path(tmp) / "shard_00000.safetensors").write_bytes(b"partial")
+        raise RuntimeError("rank 1 died while saving")
+
+    with pytest.raises(RuntimeError, match="rank 1 died"):
+        TrainerGroup.save_checkpoint(SimpleNamespace(_all=fail), tmp_path, 3, {})
+    assert not list((tmp_path / "checkpoints").glob(".step_*.tmp"))

@@ -52,7 +52,7 @@ def test_config_error_exits_nonzero_with_the_key(tmp_path, capsys):
 
 
 def test_train_refuses_arguments_a_resume_would_ignore(tmp_path, capsys):
-    """A config or --out beside --resume were silently ignored (the run dir's config.yaml and dir win): refused."""
+    """A config or --out beside --resume is refused: a resumed run keeps its run dir's config.yaml and directory."""
     assert main(["train", str(REPO / "configs/quickstart.yaml"), "--resume", str(tmp_path)]) == 2
     assert "keeps its own config.yaml" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path), "--out", str(tmp_path / "x")]) == 2

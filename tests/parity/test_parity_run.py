@@ -77,3 +77,19 @@ def test_live_tracking_logs_the_gap_to_a_reference_run(tmp_path):
     for r in steps:
         assert r["parity/reward_gap"] == pytest.approx(r["reward/mean"] - theirs[r["step"]]["reward/mean"])
         assert r["parity/diverged"] in (0, 1)
+
+
+def test_a_partial_run_is_resumed_with_its_own_config(tmp_path, monkeypatch):
+    """The command `_launch` builds for an unfinished run is one `rl4bit train` accepts: --resume alone (the run
+    dir's config.yaml holds the recipe and seed; a config beside --resume is refused)."""
+    from rl4bit import cli, driver
+
+    seen = {}
+    monkeypatch.setattr(parity.subprocess, "Popen", lambda cmd, **kw: seen.setdefault("cmd", cmd))
+    (tmp_path / "logs").mkdir()
+    job = {"state": "partial", "run_dir": tmp_path / "run", "recipe": "nvfp4", "seed": 0, "overrides": []}
+    parity._launch(Path(QUICKSTART), job, tmp_path)
+    args = seen["cmd"][seen["cmd"].index("train") + 1:]
+    monkeypatch.setattr(driver, "main", lambda *a, **k: seen.update(main=(a, k)) or 0)
+    assert cli.main(["train", *args]) == 0
+    assert seen["main"][1]["resume"] == str(tmp_path / "run") and seen["main"][0][0] is None

@@ -48,7 +48,11 @@ def _breakages():
         del m["opt_steps"]
         return "lacks trainer.opt_steps"
 
-    return [nan, half, moment_shape, no_moments, no_rng, no_meta]
+    def bad_python_rng(t, m):
+        m["python_rng"] = [3, [1, 2], None]
+        return "trainer.python_rng: not a Python random state"
+
+    return [nan, half, moment_shape, no_moments, no_rng, no_meta, bad_python_rng]
 
 
 @pytest.fixture(scope="module")
