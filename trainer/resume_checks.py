@@ -89,7 +89,8 @@ def state_problems(trainer, tensors: dict[str, torch.Tensor], meta: dict) -> lis
             if v is not None:
                 moments += 1
                 problems += _tensor_problems(f"optim.{name}.{k}", v, p, whole)
-    if int(meta.get("opt_steps", 0) or 0) > 0 and moments == 0:
+    steps = meta.get("opt_steps")
+    if type(steps) is int and steps > 0 and moments == 0:
         problems.append(f"no AdamW moments for a state after {meta['opt_steps']} optimizer steps (optim.* tensors "
                         f"missing)")
     rng = tensors.get("rng.torch_cpu")
