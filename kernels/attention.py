@@ -4,7 +4,7 @@
         out = attend(q, k, v, seqs, tiles, scaling, C)                        # engine: keys in its cache
         out = attend(q, k, v, seqs, tiles, scaling, C, groups=layout.groups)  # trainer: differentiable
 
-The engine (`sampler.kv_cache.engine_attention`: keys in its cache) and the trainer (`trainer.actor.
+The engine (`sampler.kv_cache.engine_attention`: keys in its cache) and the trainer (`trainer.logprobs.
 train_attention`: keys in the packed row) call the same kernel with the same constants, so a token's attention
 output is the same bits in a decode step, a prefill, the trainer's logprob recompute and its training forward
 (`attention_triton`'s docstring says why). Both decide with `fused_attention_ok`, from the fused-kernels switch

@@ -211,7 +211,7 @@ def engine_attention(module, query, key, value, attention_mask, scaling, dropout
     hkv = kc.shape[1]
     g = hq // hkv
     dev = query.device
-    if fused_attention_ok(query, key, value, kc.dtype):  # the trainer's kernel too (trainer.actor.train_attention)
+    if fused_attention_ok(query, key, value, kc.dtype):  # the trainer's kernel too (trainer.logprobs.train_attention)
         from rl4bit.kernels.attention_triton import cache_write
 
         if not rl4bit_kv_written:

@@ -1,0 +1,137 @@
+"""The trainer's logprob recompute: the embedded sampler's batch-invariant forward, with gradients.
+
+    logps, entropy = sequence_logprobs(model, prompts, completions, temperature, max_seq_len)
+
+Sequences are packed end to end in one [1, T] row with their own positions; every layer's attention reads each
+sequence's keys only (`train_attention`: the engine's attention minus the KV cache, registered with transformers'
+AttentionInterface as TRAIN_IMPL), over a fixed `max_seq_len` of key positions, and every GEMM is padded to at
+least MIN_ROWS rows (`rl4bit.sampler.kv_cache`). So every row's bits depend only on its own sequence, and on the
+same weights the trainer's logprobs equal the sampler's bitwise (`Trainer`'s `mismatch/k3` is exactly 0 on the
+CPU). `TrainLayout` holds the index tensors and masks of one packed forward, built once for all its layers.
+
+Leaves out: the KV cache (a training forward sees whole sequences), sliding windows.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+
+from rl4bit.kernels.attention import attend, compute_dtype, fused_attention_ok
+from rl4bit.sampler.kv_cache import MIN_ROWS, model_implementations, pad_rows
+from rl4bit.trainer.transfer import to_device
+
+
+TRAIN_IMPL = "rl4bit_train"
+
+
+class TrainLayout:
+    """The index tensors and causal masks of one packed training forward, built once and read by every layer.
+
+    (Built per layer, each was a host-to-device copy, a host sync, per layer and micro-batch; the engine's
+    `kv_cache.StepLayout` does the same for a decode step.) Values are what the per-layer code built.
+    """
+
+    def __init__(self, spans: list[tuple[int, int]], max_len: int, min_rows: int, device):
+        self.max_len, self.min_rows, self.device, self.spans = max_len, min_rows, device, spans
+        by_len: dict[int, list[int]] = {}
+        for a, b in spans:
+            by_len.setdefault(b - a, []).append(a)
+        # sequences of equal length stacked, like the engine's groups: tok [G, n] packed positions
+        self.groups = [(n, to_device(torch.tensor(firsts)[:, None] + torch.arange(n)[None, :], device))
+                       for n, firsts in by_len.items()]
+        self._allowed: dict[tuple[int, int], torch.Tensor] = {}
+        self._tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def attention_tables(self, g: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`attention_triton`'s sequence and tile tables: keys in the packed row (kv_row = the first row)."""
+        from rl4bit.kernels.attention_triton import seq_table, tile_table
+
+        if g not in self._tables:
+            lengths = [b - a for a, b in self.spans]
+            starts = [a for a, _ in self.spans]
+            self._tables[g] = (seq_table(starts, lengths, [0] * len(lengths), starts, self.device),
+                               tile_table(lengths, g, self.device))
+        return self._tables[g]
+
+    def allowed(self, n: int, g: int) -> torch.Tensor:
+        """[max(g*n, min_rows), max_len] bool: query row (head-major, position j) may read key position <= j."""
+        if (n, g) not in self._allowed:
+            keys_pos = torch.arange(self.max_len, device=self.device)
+            q_pos = torch.arange(0, n, device=self.device).repeat(g)
+            self._allowed[n, g] = pad_rows(keys_pos[None, :] <= q_pos[:, None], max(g * n, self.min_rows))
+        return self._allowed[n, g]
+
+
+def train_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, rl4bit_train=None, **kwargs):
+    """`kv_cache.engine_attention` for whole sequences, without the KV cache (cheap to differentiate).
+
+    With the fused kernels on (`fused_attention_ok`): the engine's Triton kernel
+    reading keys in the packed row (`kernels.attention.attend`; its backward
+    differentiates the torch formula). Otherwise the torch path: each
+    sequence's keys/values zero-padded to `max_len` positions, exactly what its
+    cache slot holds after a prefill, so every matmul, mask and softmax has the
+    engine's shapes and values. Either way the outputs match the engine's bit
+    for bit. Sequences of equal length are stacked into one batched matmul, as
+    the engine stacks them (each (sequence, kv head) stays its own matrix).
+    `rl4bit_train` is the forward's `TrainLayout`.
+    """
+    layout: TrainLayout = rl4bit_train
+    max_len, min_rows = layout.max_len, layout.min_rows
+    _, hq, t, d = query.shape
+    hkv = key.shape[1]
+    g = hq // hkv
+    dtype = compute_dtype(query, key)
+    if fused_attention_ok(query, key, value, dtype):  # the engine's kernel (kv_cache.engine_attention), keys in the row
+        k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)  # [T, Hkv, D]
+        if k.stride() != v.stride() or k.stride(-1) != 1:
+            k, v = k.contiguous(), v.contiguous()
+        seqs, tiles = layout.attention_tables(g)
+        out = attend(query[0].transpose(0, 1), k, v, seqs, tiles, scaling, dtype, groups=layout.groups)
+        return out[None], None
+    out = query.new_zeros(1, t, hq, d)
+    for n, tok in layout.groups:
+        G = tok.shape[0]
+        pad = (0, 0, 0, max_len - n)
+        k_slot = torch.nn.functional.pad(key[0][:, tok].permute(1, 0, 2, 3), pad)  # [G, Hkv, max_len, D]
+        v_slot = torch.nn.functional.pad(value[0][:, tok].permute(1, 0, 2, 3), pad)
+        q = pad_rows(query[0][:, tok].permute(1, 0, 2, 3).reshape(G, hkv, g * n, d), min_rows)
+        scores = torch.matmul(q, k_slot.transpose(-1, -2)) * scaling  # [G, Hkv, rows, max_len]
+        scores = scores.masked_fill(~layout.allowed(n, g), float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype).nan_to_num(0.0)
+        o = torch.matmul(probs, v_slot)[:, :, : g * n]  # [G, Hkv, g*n, D]
+        out[0, tok] = o.reshape(G, hq, n, d).transpose(1, 2).to(out.dtype)  # bf16 autocast: o is bf16, q FP32 (qk-norm)
+    return out, None
+
+
+AttentionInterface.register(TRAIN_IMPL, train_attention)
+
+
+def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[int]], temperature: float,
+                      max_seq_len: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """Per sequence, the logprobs of its completion tokens at `temperature`; and the summed entropy (detached).
+
+    Mirrors `EmbeddedEngine.score` for many sequences at once (one packed row).
+    """
+    dev = next(model.parameters()).device
+    ids, pos, spans, rows, targets = [], [], [], [], []
+    for p, c in zip(prompts, completions):
+        seq = list(p) + list(c)[:-1]
+        start = len(ids)
+        spans.append((start, start + len(seq)))
+        rows += range(start + len(p) - 1, start + len(seq))
+        targets += list(c)
+        ids += seq
+        pos += range(len(seq))
+    pad = max(0, MIN_ROWS - len(ids))
+    base = getattr(model, model.base_model_prefix)
+    with model_implementations(model, TRAIN_IMPL):
+        hidden = base(input_ids=to_device(torch.tensor([ids + [0] * pad]), dev),
+                      position_ids=to_device(torch.tensor([pos + [0] * pad]), dev),
+                      use_cache=False, rl4bit_train=TrainLayout(spans, max_seq_len, MIN_ROWS, dev)).last_hidden_state[0]
+    h = pad_rows(hidden[to_device(torch.tensor(rows), dev)], MIN_ROWS)
+    logits = model.get_output_embeddings()(h)[: len(rows)].float()
+    logp_all = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
+    logp = logp_all.gather(1, to_device(torch.tensor(targets), dev)[:, None])[:, 0]
+    entropy = -(logp_all.exp() * logp_all).sum(-1).detach().sum()
+    return list(logp.split([len(c) for c in completions])), entropy
