@@ -85,7 +85,7 @@ from rl4bit.parity_stats import live_parity_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
 from rl4bit.rundir import create_run_dir
 from rl4bit.sampler.types import MAX_SEED, Request, SamplingParams
-from rl4bit.tasks import PromptStream, load_task
+from rl4bit.tasks import PromptStream, check_prompt_lengths, load_task
 from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer.actor import NonFiniteError, TrainBatch, Trainer
 from rl4bit.trainer.grpo import group_advantages
@@ -159,6 +159,10 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         torch.set_num_threads(cfg.run.cpu_threads)
     tokenizer = build_tokenizer()
     train_set, eval_set = load_task(cfg.data)
+    warning = check_prompt_lengths(train_set, eval_set, lambda texts: [len(ids) for ids in tokenizer(
+        texts, add_special_tokens=False).input_ids], cfg.model.max_seq_len)
+    if warning:
+        print(warning, file=sys.stderr)
     stream = PromptStream(train_set, cfg.data.seed)
     specs = [_absolute(r.fn) for r in cfg.rewards.functions]
     limits = reward_limits(cfg)

@@ -91,6 +91,28 @@ def load_task(data: DataConfig) -> tuple[list[dict], list[dict]]:
     return train, evals[: data.eval_size]
 
 
+def check_prompt_lengths(train: list[dict], evals: list[dict], count_tokens, max_seq_len: int) -> str | None:
+    """ConfigError when no train prompt fits the context (each rollout would fail: a job that learns nothing);
+    else a warning line naming how many prompts (train and eval) cannot run, or None. `count_tokens(texts)`: the
+    prompts' token counts under the job's tokenizer (one batched call). A prompt runs when 1 <= tokens <
+    max_seq_len."""
+    def bad(samples):
+        counts = count_tokens([s["prompt"] for s in samples]) if samples else []
+        return [(i, n) for i, n in enumerate(counts) if n == 0 or n >= max_seq_len]
+
+    bad_train, bad_eval = bad(train), bad(evals)
+    if train and len(bad_train) == len(train):
+        i, n = bad_train[0]
+        raise ConfigError(f"data: none of the {len(train)} train prompts fits model.max_seq_len={max_seq_len} "
+                          f"(prompt {i} has {n} tokens; a prompt needs 1 to {max_seq_len - 1}); raise "
+                          f"model.max_seq_len or shorten the prompts")
+    if bad_train or bad_eval:
+        return (f"rl4bit: {len(bad_train)} of {len(train)} train and {len(bad_eval)} of {len(evals)} eval prompts "
+                f"are empty or do not fit model.max_seq_len={max_seq_len}: their rollouts fail (counted in "
+                f"rollout/errors)")
+    return None
+
+
 @dataclass
 class PromptStream:
     """Draws train prompts in seeded per-epoch permutations; (epoch, index) is its whole state."""

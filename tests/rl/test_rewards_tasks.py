@@ -97,3 +97,18 @@ def test_prompt_files(tmp_path):
     except ModuleNotFoundError:
         with pytest.raises(PromptFileError, match="needs pyarrow"):
             load_prompt_file(pq)
+
+
+def test_prompt_lengths_are_checked_against_the_context():
+    from rl4bit.config import ConfigError
+    from rl4bit.tasks import check_prompt_lengths
+
+    def count(texts):  # one token a character
+        return [len(t) for t in texts]
+
+    fits, long, empty = {"prompt": "ab"}, {"prompt": "x" * 8}, {"prompt": ""}
+    assert check_prompt_lengths([fits], [fits], count, 8) is None
+    warning = check_prompt_lengths([fits, long], [empty], count, 8)
+    assert "1 of 2 train and 1 of 1 eval prompts" in warning and "max_seq_len=8" in warning
+    with pytest.raises(ConfigError, match=r"none of the 2 train prompts fits model.max_seq_len=8 \(prompt 0 has 8"):
+        check_prompt_lengths([long, empty], [], count, 8)
