@@ -187,12 +187,19 @@ def _raw(t: torch.Tensor) -> bytes:
 OUTER_KEY = "rl4bit.nvfp4_decode_outer"
 
 
-def pack(tensors: dict[str, torch.Tensor], outers: dict | None = None) -> bytes:
-    """safetensors bytes of a tensor dict (no pickling); `outers` go to the metadata as JSON."""
-    meta = {"format": "pt"}
+def pack(tensors: dict[str, torch.Tensor], outers: dict | None = None, extra: dict[str, str] | None = None) -> bytes:
+    """safetensors bytes of a tensor dict (no pickling); `outers` go to the metadata as JSON, `extra` as given."""
+    meta = {"format": "pt", **(extra or {})}
     if outers:
         meta[OUTER_KEY] = json.dumps(outers)
     return st_save(tensors, metadata=meta)
+
+
+def metadata(blob: bytes, where: str) -> dict[str, str]:
+    """The __metadata__ of a safetensors blob (its header checked: CheckpointError naming `where` otherwise)."""
+    meta: dict = {}
+    _header(blob, where, meta)
+    return meta
 
 
 def _header_problem(header, meta) -> str | None:

@@ -42,10 +42,15 @@ LIVE_WINDOW = 5
 # --------------------------------------------------------------------------- curves
 
 
+def _holding(records: list[dict], key: str) -> list[dict]:
+    """The records with a numeric value of `key`."""
+    return [r for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+
+
 def curve(records: list[dict], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of `key` in a run's metrics records, skipping records without a numeric value."""
-    pts = [(r["step"], float(r[key])) for r in records if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
-    return [p[0] for p in pts], [p[1] for p in pts]
+    held = _holding(records, key)
+    return [r["step"] for r in held], [float(r[key]) for r in held]
 
 
 def mean_curve(curves: list[tuple[list[int], list[float]]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -69,13 +74,11 @@ def final_reward_obs(records: list[dict], window: int) -> np.ndarray:
 def final_accuracy_obs(records: list[dict], eval_size: int, *, index: int = -1) -> np.ndarray:
     """An eval/accuracy (default the last; 0 = the warm start's) as n 0/1 items (accuracy x n is a count): n the
     items that eval evaluated (`eval/n`, logged beside it), `eval_size` for records that lack it."""
-    _, vals = curve(records, "eval/accuracy")
-    if not vals:
+    held = _holding(records, "eval/accuracy")
+    if not held:
         raise ValueError("run has no eval/accuracy records; set data.eval_size > 0 and a task with answers")
-    sized = [r for r in records if isinstance(r.get("eval/accuracy"), (int, float))
-             and not isinstance(r.get("eval/accuracy"), bool)]  # the records `curve` read, in its order
-    n = int(sized[index].get("eval/n", eval_size))
-    ones = int(round(vals[index] * n))
+    n = int(held[index].get("eval/n", eval_size))
+    ones = int(round(float(held[index]["eval/accuracy"]) * n))
     return np.array([1.0] * ones + [0.0] * (n - ones))
 
 

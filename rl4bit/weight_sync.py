@@ -66,15 +66,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import struct
 from dataclasses import dataclass
 from typing import Iterable, Iterator
 
 import torch
 
-from rl4bit.checkpoint_format import (OUTER_KEY, CheckpointError, Entry, decode_entry, encode_entry,
-                                      entries_from_json, entry_value, group_by_layer, layout_json, model_layout, pack,
-                                      unpack)
+from rl4bit.checkpoint_format import (CheckpointError, Entry, decode_entry, encode_entry,
+                                      entries_from_json, entry_value, group_by_layer, layout_json, metadata,
+                                      model_layout, pack, unpack)
 from rl4bit.kernels import QTensor, dequantize
 from rl4bit.kernels.checks import all_finite
 
@@ -105,21 +104,13 @@ def update_bytes(update, quantized: dict) -> int:
 
 def pack_bucket(tensors: dict[str, torch.Tensor], outers: dict, version: int, index: int, count: int) -> bytes:
     """safetensors bytes of a bucket: `checkpoint_format.pack`'s layout plus the stamp (version, index, count)."""
-    from safetensors.torch import save
-
-    meta = {"format": "pt", STAMP_KEY: json.dumps({"version": version, "index": index, "count": count})}
-    if outers:
-        meta[OUTER_KEY] = json.dumps(outers)
-    return save(tensors, metadata=meta)
+    stamp = json.dumps({"version": version, "index": index, "count": count})
+    return pack(tensors, outers, {STAMP_KEY: stamp})
 
 
-def bucket_stamp(payload: bytes) -> dict | None:
-    """The stamp {"version", "index", "count"} of a bucket payload, or None when it has none.
-
-    Reads the safetensors header only; call it after the SHA-256 check (a corrupt header raises ValueError).
-    """
-    (n,) = struct.unpack("<Q", payload[:8])
-    meta = json.loads(payload[8:8 + n]).get("__metadata__") or {}
+def bucket_stamp(payload: bytes, where: str = "bucket") -> dict | None:
+    """The stamp {"version", "index", "count"} of a bucket payload, or None when it has none (header only)."""
+    meta = metadata(payload, where)
     return json.loads(meta[STAMP_KEY]) if STAMP_KEY in meta else None
 
 

@@ -40,6 +40,7 @@ serving-form tensors in host memory).
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -94,53 +95,44 @@ class Sampler:
         """The last error of any call (generate or a weight update), `phase: Type: message`, kept as history."""
         self._errors = 0
 
-    def _failed(self, phase: str, e: Exception) -> None:
-        self._last_error = f"{phase}: {type(e).__name__}: {e}"
-        self._errors += 1
+    @contextmanager
+    def _recorded(self, phase: str):
+        """Run the body; an exception is recorded for health() (`phase: Type: message`), then re-raised."""
+        try:
+            yield
+        except Exception as e:
+            self._last_error = f"{phase}: {type(e).__name__}: {e}"
+            self._errors += 1
+            raise
 
     def generate(self, requests: list[Request]) -> list[Rollout]:
-        try:
+        self._generate_failed = True  # until the engine returns
+        with self._recorded("generate"):
             rollouts = self.engine.generate(requests)
-        except Exception as e:  # recorded for health(), then re-raised to the caller
-            self._generate_failed = True
-            self._failed("generate", e)
-            raise
         self._generate_failed = False
         return rollouts
 
     def update_weights(self, update: WeightUpdate) -> int:
         """Apply `update` (all-or-nothing; ValueError keeps the old version). Returns the serving version."""
-        try:
+        with self._recorded("update_weights"):
             self.engine.update_weights(update)
-        except Exception as e:
-            self._failed("update_weights", e)
-            raise
         return self.engine.version
 
     def begin_update(self, version: int, count: int, layout: dict) -> None:
         """Start staging update `version` of `count` buckets (WeightSyncError if not newer than the serving one)."""
-        try:
+        with self._recorded("begin_update"):
             self.receiver.begin(version, count, layout)
-        except Exception as e:
-            self._failed("begin_update", e)
-            raise
 
     def receive_bucket(self, bucket: Bucket) -> int:
         """Verify (SHA-256) and stage one bucket; returns its payload bytes. WeightSyncError drops the update."""
-        try:
+        with self._recorded("receive_bucket"):
             self.receiver.receive(bucket.version, bucket.index, bucket.payload, bucket.sha256)
-        except Exception as e:
-            self._failed("receive_bucket", e)
-            raise
         return len(bucket.payload)
 
     def commit_update(self, version: int) -> int:
         """Switch to `version` if every bucket arrived and fits (all-or-nothing); returns the serving version."""
-        try:
+        with self._recorded("commit_update"):
             return self.receiver.commit(version)
-        except Exception as e:
-            self._failed("commit_update", e)
-            raise
 
     def accepts_tensors(self) -> bool:
         """Whether `apply_tensors` may be used: the embedded engine yes; vLLM (its own copy of the weights) takes buckets."""
@@ -155,11 +147,8 @@ class Sampler:
         if not self.accepts_tensors():
             raise WeightSyncError(f"sampler.backend={self.config.backend} takes weight updates as buckets only "
                                   f"(begin_update / receive_bucket / commit_update); v{self.version} keeps serving")
-        try:
+        with self._recorded("apply_tensors"):
             return self.receiver.apply(update, quantized)
-        except Exception as e:
-            self._failed("apply_tensors", e)
-            raise
 
     def abort_update(self, reason: str = "aborted by the driver") -> None:
         self.receiver.abort(reason)
