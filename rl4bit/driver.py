@@ -75,7 +75,6 @@ import torch
 from rl4bit.actors import ActorDiedError, Cluster, get, is_local, wait_alive
 from rl4bit.checkpoint import load_checkpoint, save_checkpoint
 from rl4bit.checkpoint_format import CheckpointError
-from rl4bit.trainer.resume_checks import config_problems, job_settings
 from rl4bit.config import ConfigError, JobConfig, load_config
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.metrics import MetricsLogger, PhasePeaks, plot, read_metrics
@@ -89,6 +88,7 @@ from rl4bit.tasks import PromptStream, check_prompt_lengths, load_task
 from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer.actor import NonFiniteError, TrainBatch, Trainer
 from rl4bit.trainer.grpo import group_advantages
+from rl4bit.trainer.resume_checks import config_problem, job_settings
 from rl4bit.trainer_group import TrainerGroup
 from rl4bit.weight_sync import WeightSyncError, update_bytes
 
@@ -117,17 +117,16 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
     else:
         cfg = load_config(config_path, overrides)
         run_dir = create_run_dir(cfg, checked_out_dir(out) if out is not None else None)
+    finished = False
     try:
         run(cfg, run_dir, resume=resume is not None)
+        finished = True
     except JOB_ERRORS as e:
-        if resume is None:
-            _forget_unstarted(run_dir)
         print(f"rl4bit train: error: {e}", file=sys.stderr)
         return 1
-    except BaseException:
-        if resume is None:
+    finally:
+        if not finished and resume is None:
             _forget_unstarted(run_dir)
-        raise
     return 0
 
 
@@ -382,9 +381,9 @@ def _resume_hint(run_dir: Path) -> str:
 
 def _check_job(meta: dict, cfg: JobConfig) -> None:
     """CheckpointError when the checkpoint was written under other model or recipe settings than `cfg`'s."""
-    problems = config_problems(meta.get("job"), cfg)
-    if problems:
-        raise CheckpointError(problems[0])
+    problem = config_problem(meta.get("job"), cfg)
+    if problem:
+        raise CheckpointError(problem)
 
 
 def _replica(i: int, replicas: int) -> str:

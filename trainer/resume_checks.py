@@ -1,7 +1,7 @@
 """What keeps a checkpoint's trainer state from resuming this trainer: checked whole before anything is loaded.
 
     problems = state_problems(trainer, tensors, meta)     # [] or one line per problem
-    problems = config_problems(saved, cfg)                 # the job settings the state depends on
+    problem = config_problem(saved, cfg)                   # the job settings the state depends on
 
 A checkpoint whose checksums match can still be wrong for this job: written for another model or recipe (the
 parameters of every recipe are FP32 masters of the same shapes, so a resume under another recipe would load
@@ -11,7 +11,7 @@ one CheckpointError before it changes any state.
 
 Leaves out: the pieces of a sharded trainer (world > 1) are checked for dtype and NaN/Inf only (their shapes are
 local pieces; the manifest's global shapes are checked where they are loaded), and a sharded resume meets
-`config_problems` after its ranks loaded their pieces (the job stops there, before any step or write).
+`config_problem` after its ranks loaded their pieces (the job stops there, before any step or write).
 """
 
 from __future__ import annotations
@@ -43,19 +43,19 @@ def job_settings(cfg) -> dict:
     return out
 
 
-def config_problems(saved: dict | None, cfg) -> list[str]:
-    """The settings whose values differ between the checkpoint's job (`saved`, from `job_settings`) and `cfg`.
-    A checkpoint without them (written before they were stored) is not checked."""
+def config_problem(saved: dict | None, cfg) -> str | None:
+    """What makes the checkpoint's job (`saved`, from `job_settings`) another than `cfg`'s, naming each differing
+    setting, or None. A checkpoint without them (written before they were stored) is not checked."""
     if not saved:
-        return []
+        return None
     now = job_settings(cfg)
     diffs = [f"{section}.{k}: checkpoint {saved[section].get(k)!r}, this job {v!r}"
              for section, values in now.items() if section in saved
              for k, v in values.items() if saved[section].get(k) != v]
     if not diffs:
-        return []
-    return [f"the checkpoint was written by a job with other settings ({'; '.join(diffs)}): its state only fits "
-            f"that model and recipe. Resume without overriding them, or start a new run"]
+        return None
+    return (f"the checkpoint was written by a job with other settings ({'; '.join(diffs)}): its state only fits "
+            f"that model and recipe. Resume without overriding them, or start a new run")
 
 
 def state_problems(trainer, tensors: dict[str, torch.Tensor], meta: dict) -> list[str]:
