@@ -30,8 +30,9 @@ Per RL step: `ppo_epochs` optimizer steps over all rollouts, each accumulating
 micro-batches of at most `trainer.tokens_per_microbatch` tokens; epoch 0's
 forward also yields the "old" logprobs of the PPO ratio (same weights, same
 bits). A step whose loss or gradient norm is not finite, or whose quantized
-GEMMs met NaN/Inf (read once per micro-batch: `deferred_checks`), is skipped;
-the job stops after `trainer.max_nonfinite_steps` in a row.
+GEMMs met NaN/Inf (read once per micro-batch: `deferred_checks`), is skipped,
+by every rank of a sharded trainer at the same micro-batch (one flag
+all-reduce a micro-batch); the job stops after `trainer.max_nonfinite_steps` in a row.
 
 Sharded (`Trainer(cfg, rank, world)` inside a torch.distributed group of
 `world` processes, built by `rl4bit.trainer_group`): the model is sharded
@@ -259,19 +260,24 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             loss_total = 0.0
             for mb in (mbs if self.world == 1 else [mb[self.rank:: self.world] for mb in mbs]):
+                failed = False
                 if not mb:
                     self._dummy_microbatch(epoch)
-                    continue
-                try:
-                    # One read of the quantize kernels' NaN/Inf flag a micro-batch (at the block's exit), not one a
-                    # quantize: each read is a host sync that stops the host from running ahead of the GPU.
-                    with deferred_checks():
-                        loss, st = self._microbatch_loss(batch, mb, epoch, old, ref, sums, tis_cap=tis_cap,
-                                                         total_tokens=total_tokens, total_seqs=total_seqs)
-                        loss.backward()
-                except (FloatingPointError, NonFiniteInputError):  # NaN/Inf met by a quantized GEMM: a non-finite step
+                else:
+                    try:
+                        # One read of the quantize kernels' NaN/Inf flag a micro-batch (at the block's exit), not one
+                        # a quantize: each read is a host sync that stops the host from running ahead of the GPU.
+                        with deferred_checks():
+                            loss, st = self._microbatch_loss(batch, mb, epoch, old, ref, sums, tis_cap=tis_cap,
+                                                             total_tokens=total_tokens, total_seqs=total_seqs)
+                            loss.backward()
+                    except (FloatingPointError, NonFiniteInputError):  # NaN/Inf met by a quantized GEMM
+                        failed = True
+                if self._any_rank(failed):  # a non-finite step, on every rank: their next collectives must meet
                     loss_total = math.nan
                     break
+                if not mb:
+                    continue
                 loss_total += loss.item()
                 for k in ("clipped", "ratio_sum", "tokens", "tis_truncated", "kl_ref_sum"):
                     sums[k] += st.get(k, 0.0)
@@ -339,12 +345,16 @@ class Trainer:
     def _old_missing(self, mbs: list[list[int]], old: dict) -> bool:
         """Whether epoch 0 stopped before recording every "old" logprob (NaN/Inf raised mid-epoch), on any rank."""
         mine = [i for mb in (mbs if self.world == 1 else [mb[self.rank:: self.world] for mb in mbs]) for i in mb]
-        missing = float(any(i not in old for i in mine))
-        if self.world > 1:
-            from rl4bit.trainer.sharding import all_reduce
+        return self._any_rank(any(i not in old for i in mine))
 
-            missing = all_reduce([missing], torch.distributed.ReduceOp.MAX)[0]
-        return missing > 0
+    def _any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank of the group (one all-reduce when world > 1): a decision every rank
+        takes together."""
+        if self.world == 1:
+            return flag
+        from rl4bit.trainer.sharding import all_reduce
+
+        return all_reduce([float(flag)], torch.distributed.ReduceOp.MAX)[0] > 0
 
     def _microbatch_loss(self, batch: TrainBatch, mb: list[int], epoch: int, old: dict, ref: dict, sums: dict,
                          **loss_kw):

@@ -77,7 +77,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from rl4bit.kernels import QTensor
+from rl4bit.kernels import NonFiniteInputError, QTensor
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.trainer import ep_codec
 from rl4bit.trainer.combine import combine
@@ -267,8 +267,6 @@ class ExpertParallelExperts(QuantExperts):
     def _check_headers(self, heads: torch.Tensor) -> None:
         """ValueError naming what the ranks disagree on; NonFiniteInputError on EVERY rank when any rank's tokens
         hold NaN/Inf: all raise at the same point, before any payload all-to-all, so none waits on the others."""
-        from rl4bit.kernels import NonFiniteInputError
-
         rows = heads.tolist()
         for i, name in enumerate(HEADER[:-1]):
             values = [r[i] for r in rows]
@@ -280,6 +278,25 @@ class ExpertParallelExperts(QuantExperts):
         if bad:
             raise NonFiniteInputError(f"NaN/Inf in the hidden states entering expert layer {self.layer_id} on "
                                       f"rank(s) {bad}; every rank stops this micro-batch")
+
+    def _stop_together(self, failure: Exception | None, o: torch.Tensor | None) -> None:
+        """Before the combine's all-to-all: NonFiniteInputError on EVERY rank when any rank's experts raised one or
+        produced NaN/Inf (one int64 all-gather), so no rank is left waiting in the all-to-all; a rank that raised
+        re-raises its own error, the others name it."""
+        bad = failure is not None or not bool(torch.isfinite(o.detach()).all())
+        flags = torch.zeros(self.world, dtype=torch.int64, device=self.gate_up_proj.device)
+        dist.all_gather_into_tensor(flags, torch.tensor([int(bad)], dtype=torch.int64, device=flags.device),
+                                    group=self.group)
+        self.meter.routing += 8 * (self.world - 1)
+        ranks = [r for r, f in enumerate(flags.tolist()) if f]
+        if not ranks:
+            return
+        if failure is not None:
+            failure.add_note(f"expert layer {self.layer_id}, rank {self.rank}: every rank stops this micro-batch")
+            raise failure
+        raise NonFiniteInputError(f"NaN/Inf in the outputs of expert layer {self.layer_id} on rank(s) {ranks} "
+                                  f"(their experts' GEMMs overflowed or hold a NaN/Inf weight); every rank stops "
+                                  f"this micro-batch")
 
     def _route(self, top_k_index: torch.Tensor, hidden_states: torch.Tensor) -> _Route:
         n_tok, k = top_k_index.shape
@@ -321,11 +338,16 @@ class ExpertParallelExperts(QuantExperts):
         box: dict = {}
         x_local = _Dispatch.apply(x, q_rows, self, route, box)
         counts = route.local_counts
-        if sum(counts) == 0:  # no rows for my experts: keep the graph (and zero weight grads) so every rank's backward meets
-            o = x_local * 0 + (self.gate_up_proj.sum() + self.down_proj.sum()).to(x_local.dtype) * 0
-        else:
-            h = grouped_gemm(x_local, self.gate_up_proj, counts, self.spec, self._keys(0), qx=box.get("q"))
-            o = grouped_gemm(swiglu(h, self.act_fn), self.down_proj, counts, self.spec, self._keys(1))
+        failure = None
+        try:
+            if sum(counts) == 0:  # no rows for my experts: keep the graph (and zero weight grads) so every rank's backward meets
+                o = x_local * 0 + (self.gate_up_proj.sum() + self.down_proj.sum()).to(x_local.dtype) * 0
+            else:
+                h = grouped_gemm(x_local, self.gate_up_proj, counts, self.spec, self._keys(0), qx=box.get("q"))
+                o = grouped_gemm(swiglu(h, self.act_fn), self.down_proj, counts, self.spec, self._keys(1))
+        except NonFiniteInputError as e:  # an overflow or a NaN weight on my experts: raised below, on every rank
+            failure, o = e, None
+        self._stop_together(failure, o)
         seed = derive_seed(self.seed, self.step, 2 * self.layer_id, COMBINE_TENSOR_ID, self.calls)
         z = _Combine.apply(o, self, route, seed, dt)
         w = top_k_weights.reshape(-1)[route.order, None]

@@ -126,14 +126,15 @@ def scenario(name: str, rank: int, world: int, device=torch.device("cpu")) -> di
 
 
 def disagreement_scenarios(rank: int, world: int) -> dict:
-    """What each rank raises (type and message) when rank 0's tokens hold an Inf, and when the last rank runs
-    another combine: every rank must raise at the same point (no rank left waiting in an all-to-all)."""
+    """What each rank raises (type and message) when rank 0's tokens hold an Inf, when the last rank runs
+    another combine, and when the last rank's experts hold a NaN weight: every rank must raise at the same point
+    (no rank left waiting in an all-to-all)."""
     from rl4bit.trainer.expert_parallel import ExpertParallelExperts
     from rl4bit.trainer.modules import QuantExperts
     from rl4bit.trainer.qgemm import GemmSpec
 
     out = {}
-    for name in ("inf_on_rank_0", "combine_differs"):
+    for name in ("inf_on_rank_0", "combine_differs", "nan_weight_on_last_rank"):
         gen = torch.Generator().manual_seed(1234)
         src = QuantExperts(_Src(gen), GemmSpec(fmt="nvfp4"), seed=7, layer_id=3)
         combine = "mxfp8" if name == "combine_differs" and rank == world - 1 else "bf16"
@@ -143,11 +144,14 @@ def disagreement_scenarios(rank: int, world: int) -> dict:
         hidden = hidden[rows].clone()
         if name == "inf_on_rank_0" and rank == 0:
             hidden[3, 5] = float("inf")
+        if name == "nan_weight_on_last_rank" and rank == world - 1:
+            with torch.no_grad():
+                ep.down_proj[0, 1, 2] = float("nan")
         try:
             _run(ep, hidden, idx[rows], w[rows], grad_out[rows])
             out[name] = ["no error", ""]
         except ValueError as e:  # NonFiniteInputError is one
-            out[name] = [type(e).__name__, str(e)]
+            out[name] = [type(e).__name__, "\n".join([str(e), *getattr(e, "__notes__", [])])]
     return out
 
 

@@ -22,6 +22,9 @@ per call, barrier + destroy_process_group at shutdown.
 """
 
 import json
+import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -203,6 +206,24 @@ def test_rank_messages_are_json_and_safetensors_and_round_trip():
     assert got == msg and isinstance(got["header"], tuple)
     with pytest.raises(TypeError, match="cannot cross between trainer ranks"):
         send_msg(a, {"x": object()})
+
+
+@pytest.mark.slow  # a group of two spawned ranks
+def test_a_non_finite_micro_batch_on_one_rank_skips_the_step_on_every_rank(monkeypatch):
+    """Rank 1's first micro-batch meets NaN/Inf (its deferred check raises after the backward, as on CUDA): both
+    ranks skip the step at that micro-batch, so their next collectives meet, and the next step trains on both."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent / "fault_site"),
+                                                                   os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("RL4BIT_TEST_NONFINITE_RANK", "1")
+    cfg = tiny_cfg(["recipe.stochastic_requant=false"])  # 3 micro-batches a step: 4, 4, 1 sequences
+    group = TrainerGroup(cfg, 2, timeout_s=90.0)
+    try:
+        get(group.setup_rl())
+        bad, good = (get(group.train_step(b)) for b in batches(cfg, 2))
+    finally:
+        group.shutdown()
+    assert bad["train/skipped_steps"] == 1 and not math.isfinite(bad["loss"]), bad
+    assert good["train/skipped_steps"] == 0 and math.isfinite(good["loss"]), good
 
 
 def test_a_rank_out_of_gpu_memory_reaches_the_driver_as_torchs_error():
