@@ -156,7 +156,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
     """The job; `on_step(step, metrics)` is called after each step is logged (the soak bench's hook)."""
     if cfg.run.cpu_threads:
         torch.set_num_threads(cfg.run.cpu_threads)
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(cfg.model)
     train_set, eval_set = load_task(cfg.data)
     warning = check_prompt_lengths(train_set, eval_set, lambda texts: [len(ids) for ids in tokenizer(
         texts, add_special_tokens=False).input_ids], cfg.model.max_seq_len)

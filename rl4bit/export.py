@@ -32,7 +32,7 @@ def _build(cfg):
     from rl4bit.tokenizer import build_tokenizer
     from rl4bit.trainer.surgery import convert_model
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(cfg.model)
     model = build_model(cfg.model, len(tokenizer), cfg.run.seed)
     plan = convert_model(model, cfg.recipe)
     return model.eval(), plan, tokenizer

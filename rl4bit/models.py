@@ -2,13 +2,15 @@
 
 `build_model(model_cfg, vocab_size, seed)` returns a transformers causal LM in
 `model_cfg.dtype`: with `model_cfg.path` it loads that local checkpoint (no
-downloads); otherwise it builds `model_cfg.tiny` (Qwen3-MoE by default, OLMoE,
-or dense Qwen3) from the config's sizes with weights drawn from `seed`, so
-two processes (trainer and sampler actors) build identical models.
+downloads; `checkpoint_problems` first checks its config against the recipe's
+blocks, the tokenizer and `model.max_seq_len`); otherwise it builds
+`model_cfg.tiny` (Qwen3-MoE by default, OLMoE, or dense Qwen3) from the
+config's sizes with weights drawn from `seed`, so two processes (trainer and
+sampler actors) build identical models.
 
 Leaves out: the numerics recipe (applied afterwards by
 `rl4bit.trainer.surgery.convert_model`) and tokenizer resizing for loaded
-checkpoints (their own tokenizer is expected to match).
+checkpoints (`rl4bit.tokenizer.build_tokenizer` loads the checkpoint's own).
 """
 
 from __future__ import annotations
@@ -60,6 +62,28 @@ def tiny_config(model_cfg: ModelConfig, vocab_size: int, pad_token_id: int = 0):
     )
 
 
+def checkpoint_problems(hf_cfg, model_cfg: ModelConfig, vocab_size: int) -> list[str]:
+    """What keeps a loaded checkpoint's config (`hf_cfg`) from running this job: the recipe's blocks of 32 along
+    the expert GEMMs' K dims, the tokenizer's ids, `model.max_seq_len`. The `model.*` shape fields describe the
+    built `tiny` model only; a checkpoint's own config gives its shapes."""
+    problems = []
+    hidden = getattr(hf_cfg, "hidden_size", None)
+    experts = getattr(hf_cfg, "num_experts", None) or getattr(hf_cfg, "num_local_experts", None)
+    inter = getattr(hf_cfg, "moe_intermediate_size", None) or getattr(hf_cfg, "intermediate_size", None)
+    for name, v in (("hidden_size", hidden), ("the experts' intermediate size", inter if experts else None)):
+        if v is not None and v % 32:
+            problems.append(f"{name} {v} is not a multiple of 32 (the MXFP8 block the recipe quantizes along)")
+    vocab = getattr(hf_cfg, "vocab_size", None)
+    if vocab is not None and vocab < vocab_size:
+        problems.append(f"its vocab_size {vocab} is smaller than its tokenizer's {vocab_size} ids; save the "
+                        f"tokenizer that belongs to this model")
+    ctx = getattr(hf_cfg, "max_position_embeddings", None)
+    if ctx is not None and model_cfg.max_seq_len > ctx:
+        problems.append(f"model.max_seq_len={model_cfg.max_seq_len} is past its max_position_embeddings {ctx}; "
+                        f"lower model.max_seq_len")
+    return problems
+
+
 def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int):
     """A causal LM in `model_cfg.dtype`, in eval mode, on the CPU (callers move it)."""
     from transformers import AutoModelForCausalLM
@@ -71,6 +95,12 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int):
                 f"model.path: {model_cfg.path!r} is not a directory; point it at a local Hugging Face checkpoint "
                 "(config.json + safetensors) or set model.path to null to build the tiny model"
             )
+        from transformers import AutoConfig
+
+        problems = checkpoint_problems(AutoConfig.from_pretrained(model_cfg.path, local_files_only=True),
+                                       model_cfg, vocab_size)
+        if problems:
+            raise ValueError(f"model.path {model_cfg.path!r}: " + "; ".join(problems))
         model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype, local_files_only=True)
     else:
         cfg = tiny_config(model_cfg, vocab_size)
@@ -100,6 +130,6 @@ def build_policy_model(cfg, seed: int | None = None):
     from rl4bit.tokenizer import build_tokenizer
     from rl4bit.trainer.surgery import convert_model
 
-    model = build_model(cfg.model, len(build_tokenizer()), cfg.run.seed if seed is None else seed)
+    model = build_model(cfg.model, len(build_tokenizer(cfg.model)), cfg.run.seed if seed is None else seed)
     convert_model(model, cfg.recipe)
     return model

@@ -3,6 +3,11 @@
 A reward is a plain function `reward(prompt: str, completion: str, **sample) -> float`
 (`sample` holds the prompt's other fields, e.g. `answer`). A batched variant
 sets `fn.batched = True` and takes lists: `fn(prompts, completions, **samples) -> list[float]`.
+TRL's reward functions run as they are: a function whose first parameter is
+named `completions` is called `fn(completions, prompts=prompts, **columns) -> list[float]`
+(one list entry per column, as TRL passes dataset columns; TRL's extra
+`completion_ids` / `trainer_state` keywords are not passed). Each call scores
+one sample; the list forms get one-element lists.
 The config names each by `pkg.module:function` or `path/to/file.py:function`:
 
     rewards:
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import numbers
@@ -139,15 +145,36 @@ def reward_name(spec: str) -> str:
     return spec.rpartition(":")[2]
 
 
+def trl_style(fn: Callable) -> bool:
+    """Whether `fn` has TRL's reward signature: its first parameter is named `completions`
+    (`fn(completions, prompts=..., **columns) -> list[float]`)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return bool(params) and params[0].name == "completions" and params[0].kind in (
+        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+
+
 def _call(fn: Callable, prompt: str, completion: str, sample: dict) -> float:
     extra = {k: v for k, v in sample.items() if k != "prompt"}
-    if getattr(fn, "batched", False):
-        value = fn([prompt], [completion], **{k: [v] for k, v in extra.items()})[0]
+    if trl_style(fn):
+        value = _one(fn([completion], prompts=[prompt], **{k: [v] for k, v in extra.items()}))
+    elif getattr(fn, "batched", False):
+        value = _one(fn([prompt], [completion], **{k: [v] for k, v in extra.items()}))
     else:
         value = fn(prompt, completion, **extra)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
         raise TypeError(f"returned {value!r}; a reward must return a finite float")
     return float(value)
+
+
+def _one(values):
+    """The single value a list-in, list-out reward returned for a one-sample call."""
+    if not isinstance(values, (list, tuple)) or len(values) != 1:
+        raise TypeError(f"returned {values!r} for a one-sample call; a batched or TRL-style reward returns a list "
+                        f"with one value per completion")
+    return values[0]
 
 
 def check_rewards(specs: list[str], sample: dict, **limits) -> None:

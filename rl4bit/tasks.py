@@ -2,7 +2,8 @@
 
 A *sample* is a dict with `prompt` (str), optional `answer` (str) and any
 extra fields; every field except `prompt` reaches the reward functions as
-`**sample`.
+`**sample` (a field named `completion` is refused: that name is the reward's
+argument for the model's output).
 
 - `arithmetic_task(digits, eval_size, seed)`: every `a+b=` with operands
   below 10**digits; a seeded permutation puts `eval_size` of them in the eval
@@ -78,6 +79,9 @@ def _check_row(row, where: str) -> None:
         raise PromptFileError(f"{where}: expected a JSON object with a 'prompt' field, got {type(row).__name__}")
     if not isinstance(row.get("prompt"), str):
         raise PromptFileError(f"{where}: missing a string 'prompt' field (keys: {', '.join(map(str, row)) or 'none'})")
+    if "completion" in row:  # fn(prompt, completion, **sample) would get two values for it and mask every sample
+        raise PromptFileError(f"{where}: the field 'completion' is reserved (rewards receive the model's completion "
+                              f"under that name); rename it, e.g. to 'reference'")
     if "answer" in row and row["answer"] is not None:
         row["answer"] = str(row["answer"])
 

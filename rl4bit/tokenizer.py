@@ -6,8 +6,13 @@ ASCII letters and a little punctuation), plus `<pad>`, `<bos>`, `<eos>` and
 pre-tokenizer splits every character, so no file or download is needed;
 decoding concatenates the characters back (`Fuse` decoder).
 
+`build_tokenizer(model_cfg)` gives the tokenizer of a job's model: the
+checkpoint's own (`AutoTokenizer`, local files only) when `model.path` is
+set, this character-level one for the built `tiny` models.
+
 Leaves out: byte fallback (a character outside the alphabet becomes `<unk>`)
 and any merges; this tokenizer is for the quickstart's tiny models and tests.
+Chat templates are not applied to either.
 """
 
 from __future__ import annotations
@@ -21,7 +26,36 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 ALPHABET = string.digits + "+-*=/ \n" + string.ascii_letters + ".,:;?!()'\"_#"
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(model_cfg=None):
+    """The tokenizer of `model_cfg`'s model: the checkpoint's own when `model_cfg.path` is set (a missing
+    pad token becomes the eos token), else the character-level one (ids: specials first, then ALPHABET)."""
+    path = getattr(model_cfg, "path", None)
+    if path is None:
+        return char_tokenizer()
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    root = Path(path).expanduser()
+    if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
+        # transformers would build an empty tokenizer of the config's model type instead of failing
+        raise FileNotFoundError(f"model.path: {path!r} holds no tokenizer (tokenizer.json or tokenizer_config.json); "
+                                f"save the model's tokenizer there (tokenizer.save_pretrained)")
+    try:
+        tok = AutoTokenizer.from_pretrained(root, local_files_only=True)
+    except (OSError, ValueError) as e:
+        raise FileNotFoundError(f"model.path: no tokenizer could be loaded from {path!r} ({type(e).__name__}: "
+                                f"{str(e).splitlines()[0] if str(e) else ''}); save the model's tokenizer there "
+                                f"(tokenizer.save_pretrained)") from e
+    if tok.eos_token_id is None:
+        raise FileNotFoundError(f"model.path: the tokenizer in {path!r} has no eos token; completions could not "
+                                f"end: set one in its tokenizer_config.json")
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
     """The character-level tokenizer (ids: specials first, then ALPHABET in order)."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + list(ALPHABET))}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))

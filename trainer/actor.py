@@ -147,7 +147,7 @@ class Trainer:
         self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.trainer.device == "auto" else cfg.trainer.device)
         if self.device.type == "cuda" and cfg.model.invariant_kernels:  # the samplers too (sampler/actor.py);
             invariant.set_mode(True)  # the driver turns it off when the job ends
-        self.tokenizer = build_tokenizer()
+        self.tokenizer = build_tokenizer(cfg.model)
         torch.manual_seed(cfg.run.seed)
         self.model = build_model(cfg.model, len(self.tokenizer), cfg.run.seed).to(self.device)
         self.optimizer = None

@@ -59,6 +59,36 @@ def test_pool_masks_errors_times_out_and_fails_past_the_fraction(tmp_path):
         pool.close()
 
 
+def test_list_signatures_trl_and_batched_score_through_the_pool(tmp_path):
+    """A TRL reward (first parameter `completions`, `prompts` and dataset columns as keyword lists) and the
+    `fn.batched` form run unchanged in the pool; a list of the wrong length masks the sample, naming why."""
+    f = tmp_path / "trl_rewards.py"
+    f.write_text(
+        "def trl_match(completions, prompts, answer, **kwargs):\n"
+        "    return [float(c.strip() == a) + 0.25 * len(p) for c, p, a in zip(completions, prompts, answer)]\n"
+        "def trl_len(completions, **kwargs):\n"
+        "    return [float(len(c)) for c in completions]\n"
+        "def ours(prompts, completions, answer, **s):\n"
+        "    return [2.0 * (c == a) for c, a in zip(completions, answer)]\n"
+        "ours.batched = True\n"
+        "def too_many(completions, **kwargs):\n"
+        "    return [1.0, 2.0]\n"
+    )
+    specs = [f"{f}:{n}" for n in ("trl_match", "trl_len", "ours")]
+    pool = RewardPool(specs, [1.0, 0.5, 1.0], max_error_fraction=1.0)
+    try:
+        s = pool.score([("1+1=", "2", {"answer": "2"}), ("10+1=", "12 ", {"answer": "11"})])
+        assert s.totals == [1.0 + 1.0 + 0.5 + 2.0, 0.0 + 1.25 + 1.5 + 0.0] and s.errors == 0
+    finally:
+        pool.close()
+    pool = RewardPool([f"{f}:too_many"], [1.0], max_error_fraction=1.0)
+    try:
+        s = pool.score([("p", "c", {})])
+        assert s.totals == [None] and "one value per completion" in s.messages[0]
+    finally:
+        pool.close()
+
+
 def test_arithmetic_splits_are_disjoint_and_seeded():
     train, evals = arithmetic_task(2, 64, seed=0)
     assert len(evals) == 64 and len(train) == 10_000 - 64
@@ -89,6 +119,9 @@ def test_prompt_files(tmp_path):
         load_prompt_file(bad)
     bad.write_text(json.dumps({"question": "a"}) + "\n")
     with pytest.raises(PromptFileError, match=r"bad.jsonl:1: missing a string 'prompt'.*question"):
+        load_prompt_file(bad)
+    bad.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")  # would collide with the reward's argument
+    with pytest.raises(PromptFileError, match=r"bad.jsonl:1: the field 'completion' is reserved.*rename it"):
         load_prompt_file(bad)
     pq = tmp_path / "p.parquet"
     pq.write_bytes(b"PAR1")

@@ -1,0 +1,92 @@
+"""`model.path`: a local Hugging Face checkpoint runs with its own tokenizer, and a checkpoint that cannot run the
+job (blocks of 32, vocabulary, context) is refused at load with what is wrong.
+
+The checkpoints are written here: a tiny Qwen3-MoE saved with `save_pretrained`, beside a character tokenizer
+whose ids run in another order than rl4bit's built-in one, so a job that used the built-in tokenizer would
+feed the checkpoint other ids than its own.
+"""
+
+import pytest
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+from rl4bit.config import load_config
+from rl4bit.models import build_model, build_policy_model
+from rl4bit.tokenizer import ALPHABET, SPECIAL_TOKENS, build_tokenizer, char_tokenizer
+
+TINY = ["model.num_layers=2", "model.hidden_size=32", "model.expert_intermediate_size=32", "model.num_experts=4",
+        "model.num_heads=2", "model.max_seq_len=32", "model.dtype=float32", "sampler.max_new_tokens=8"]
+
+
+def _reversed_tokenizer() -> PreTrainedTokenizerFast:
+    """The built-in alphabet with the ids in reverse order, specials last; no pad token (as many LLMs ship)."""
+    vocab = {tok: i for i, tok in enumerate(list(reversed(ALPHABET)) + SPECIAL_TOKENS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(?m)."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                                   clean_up_tokenization_spaces=False)
+
+
+def _save(tmp_path, extra=(), tokenizer=True, **hf_overrides):
+    cfg = load_config(None, TINY + list(extra))
+    model = build_model(cfg.model, len(char_tokenizer()), seed=0)
+    for k, v in hf_overrides.items():
+        setattr(model.config, k, v)
+    model.save_pretrained(tmp_path)
+    if tokenizer:
+        _reversed_tokenizer().save_pretrained(tmp_path)
+    return load_config(None, TINY + list(extra) + [f"model.path={tmp_path}"])
+
+
+def test_a_checkpoint_runs_with_its_own_tokenizer(tmp_path):
+    cfg = _save(tmp_path)
+    tok = build_tokenizer(cfg.model)
+    want = _reversed_tokenizer()
+    assert tok("12+30=", add_special_tokens=False).input_ids == want("12+30=", add_special_tokens=False).input_ids
+    assert tok("12+30=").input_ids != char_tokenizer()("12+30=").input_ids
+    assert tok.pad_token == tok.eos_token == "<eos>"  # a missing pad token becomes eos (the warm start pads)
+    model = build_policy_model(cfg)
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([tok("1+1=").input_ids]))
+    assert out.logits.shape[-1] == len(tok) and torch.isfinite(out.logits).all()
+
+
+def test_the_trainer_and_the_export_use_the_checkpoints_tokenizer(tmp_path):
+    from rl4bit.export import _build
+    from rl4bit.trainer.actor import Trainer
+
+    cfg = _save(tmp_path / "ckpt", ["trainer.device=cpu"])
+    ids = _reversed_tokenizer()("7+8=", add_special_tokens=False).input_ids
+    assert Trainer(cfg).tokenizer("7+8=", add_special_tokens=False).input_ids == ids
+    assert _build(cfg)[2]("7+8=", add_special_tokens=False).input_ids == ids
+
+
+@pytest.mark.parametrize("extra, hf, match", [
+    (["model.max_seq_len=64"], {"max_position_embeddings": 32}, r"max_seq_len=64 is past its max_position_embeddings 32"),
+    ([], {"vocab_size": 40}, r"vocab_size 40 is smaller than its tokenizer's \d+ ids"),
+])
+def test_a_checkpoint_that_cannot_run_the_job_is_refused_by_name(tmp_path, extra, hf, match):
+    cfg = _save(tmp_path, **hf)
+    cfg.model.max_seq_len = load_config(None, TINY + extra).model.max_seq_len
+    with pytest.raises(ValueError, match=match):
+        build_policy_model(cfg)
+
+
+def test_a_hidden_size_off_the_32_block_is_refused(tmp_path):
+    from transformers import AutoConfig
+
+    from rl4bit.models import checkpoint_problems
+
+    cfg = _save(tmp_path)
+    hf = AutoConfig.from_pretrained(tmp_path)
+    hf.hidden_size, hf.moe_intermediate_size = 48, 40
+    problems = checkpoint_problems(hf, cfg.model, len(_reversed_tokenizer()))
+    assert [p.split(" is not")[0] for p in problems] == ["hidden_size 48", "the experts' intermediate size 40"]
+
+
+def test_a_checkpoint_without_a_tokenizer_is_refused(tmp_path):
+    cfg = _save(tmp_path, tokenizer=False)
+    with pytest.raises(FileNotFoundError, match=r"holds no tokenizer .*tokenizer.save_pretrained"):
+        build_tokenizer(cfg.model)
