@@ -26,8 +26,10 @@ names kept). One forward of `ExpertParallelExperts` (same signature as
 3. the owner reorders received rows expert-major (source rank order inside
    an expert, i.e. the order of one process running the concatenated batch)
    and runs the grouped GEMMs of rl4bit.trainer.qgemm.
-4. combine (owner -> source): `bf16`, `mxfp8` or `rht_s2f6` (ep_codec). The
-   source decodes, multiplies by the routing weights, sums per token and,
+4. combine (owner -> source): `bf16`, `mxfp8` or `rht_s2f6` (ep_codec).
+   Before it moves, the ranks exchange one flag (an int64 all-gather): NaN/Inf
+   in a rank's expert outputs, or an error of its GEMMs or its encoding (a NaN
+   weight, an overflow), stops every rank there. The source decodes, multiplies by the routing weights, sums per token and,
    for rht_s2f6, applies the inverse RHT once after the sum.
 
 Backward all-to-alls (`backward=`, default "bf16"): the combine's gradient
@@ -192,7 +194,12 @@ class _Combine(torch.autograd.Function):
         hidden = o.shape[1]
         back = torch.empty_like(o)
         back[route.perm] = o.detach()
-        buf = ep_codec.encode_combine(back, layer.combine, seed)
+        failure = None
+        try:
+            buf = ep_codec.encode_combine(back, layer.combine, seed)
+        except NonFiniteInputError as e:  # NaN/Inf in o, or the RHT's sums overflowing: raised below, on every rank
+            failure = e
+        layer._stop_together(failure, o)
         layer.meter.add("combine", buf.shape[1], route.recv_splits, layer.rank, hidden)
         got = _a2a(buf, route.recv_splits, route.send_splits, layer.group)
         return ep_codec.decode_combine(got, layer.combine, hidden, out_dtype)
@@ -280,9 +287,9 @@ class ExpertParallelExperts(QuantExperts):
                                       f"rank(s) {bad}; every rank stops this micro-batch")
 
     def _stop_together(self, failure: Exception | None, o: torch.Tensor | None) -> None:
-        """Before the combine's all-to-all: NonFiniteInputError on EVERY rank when any rank's experts raised one or
-        produced NaN/Inf (one int64 all-gather), so no rank is left waiting in the all-to-all; a rank that raised
-        re-raises its own error, the others name it."""
+        """Before the combine's all-to-all: NonFiniteInputError on EVERY rank when any rank's experts or combine
+        encoding raised one or produced NaN/Inf (one int64 all-gather), so no rank is left waiting in the
+        all-to-all; a rank that raised re-raises its own error, the others name it."""
         bad = failure is not None or not bool(torch.isfinite(o.detach()).all())
         flags = torch.zeros(self.world, dtype=torch.int64, device=self.gate_up_proj.device)
         dist.all_gather_into_tensor(flags, torch.tensor([int(bad)], dtype=torch.int64, device=flags.device),
@@ -338,16 +345,14 @@ class ExpertParallelExperts(QuantExperts):
         box: dict = {}
         x_local = _Dispatch.apply(x, q_rows, self, route, box)
         counts = route.local_counts
-        failure = None
         try:
-            if sum(counts) == 0:  # no rows for my experts: keep the graph (and zero weight grads) so every rank's backward meets
+            if sum(counts) == 0:  # no rows for my experts: keep the graph (zero weight grads), every backward meets
                 o = x_local * 0 + (self.gate_up_proj.sum() + self.down_proj.sum()).to(x_local.dtype) * 0
             else:
                 h = grouped_gemm(x_local, self.gate_up_proj, counts, self.spec, self._keys(0), qx=box.get("q"))
                 o = grouped_gemm(swiglu(h, self.act_fn), self.down_proj, counts, self.spec, self._keys(1))
-        except NonFiniteInputError as e:  # an overflow or a NaN weight on my experts: raised below, on every rank
-            failure, o = e, None
-        self._stop_together(failure, o)
+        except NonFiniteInputError as e:  # an overflow or a NaN weight on my experts: raised on every rank
+            self._stop_together(e, None)  # (the others meet it in _Combine.forward)
         seed = derive_seed(self.seed, self.step, 2 * self.layer_id, COMBINE_TENSOR_ID, self.calls)
         z = _Combine.apply(o, self, route, seed, dt)
         w = top_k_weights.reshape(-1)[route.order, None]

@@ -94,8 +94,9 @@ def test_wire_bytes(ep_results, world):
         assert m["comm/combine_grad_bits_per_value"] == m["comm/dispatch_grad_bits_per_value"] == 16.0
         assert 0 < m["comm/dispatch_bytes"] <= m["comm/dispatch_bf16_bytes"] * (4.5 + 32 / h) / 16 + 1e-6
         assert 0 < m["comm/combine_bytes"] <= m["comm/combine_bf16_bytes"] * 8.25 / 16 + 1e-6
-        # the counts (int64 per local expert) and the ranks' agreement header (HEADER) to each other rank
-        assert m["comm/routing_bytes"] == 8 * (ep_workers.EXPERTS // world + len(HEADER)) * (world - 1)
+        # the counts (int64 per local expert), the ranks' agreement header (HEADER) and the combine's go-ahead
+        # flag (one int64) to each other rank
+        assert m["comm/routing_bytes"] == 8 * (ep_workers.EXPERTS // world + len(HEADER) + 1) * (world - 1)
         assert res["bf16_combine"]["metrics"]["comm/combine_bits_per_value"] == 16.0
         mb = res["mxfp8_backward"]["metrics"]
         assert mb["comm/combine_grad_bits_per_value"] == mb["comm/dispatch_grad_bits_per_value"] == 8.25
