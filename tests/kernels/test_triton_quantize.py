@@ -11,7 +11,7 @@ expert shapes on CUDA and also go through the public ``rl4bit.kernels`` API.
 
 from __future__ import annotations
 
-from triton_setup import HAS_CUDA, nasty  # first: sets TRITON_INTERPRET on CPU
+from triton_setup import DEVICE, HAS_CUDA, nasty  # first: sets TRITON_INTERPRET on CPU
 
 import pytest
 import torch
@@ -93,7 +93,7 @@ def _blocks_with_amax(bits: list[int], seed: int) -> torch.Tensor:
     pos = torch.randint(0, 32, (len(amax),), generator=gen)
     x[torch.arange(len(amax)), pos] = amax
     x = torch.where(torch.rand(x.shape, generator=gen) < 0.5, -x, x)
-    return x.reshape(2, -1)
+    return x.reshape(2, -1).to(DEVICE)
 
 
 def test_mx_scales_at_the_smallest_e8m0_scale():
