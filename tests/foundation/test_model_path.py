@@ -63,6 +63,24 @@ def test_the_trainer_and_the_export_use_the_checkpoints_tokenizer(tmp_path):
     assert _build(cfg)[2]("7+8=", add_special_tokens=False).input_ids == ids
 
 
+def test_a_local_checkpoint_trains_end_to_end_with_its_own_tokenizer(tmp_path):
+    """The whole loop on a saved checkpoint (local mode, 2 steps, warm start included): sampler and trainer
+    agree bitwise under the checkpoint's tokenizer, every rollout is served, the checkpoint is written."""
+    from rl4bit import driver
+    from rl4bit.metrics import read_metrics
+
+    cfg = _save(tmp_path / "ckpt")
+    small = ["rl.steps=2", "rl.prompts_per_step=4", "rl.samples_per_prompt=4", "run.warmup_sft_steps=2",
+             "run.warmup_batch_size=8", "run.cpu_threads=1", "run.progress=false", "data.eval_size=4",
+             "ray.mode=local", "trainer.device=cpu", "sampler.max_new_tokens=6"]
+    out = tmp_path / "run"
+    assert driver.main(None, out=str(out), overrides=TINY + small + [f"model.path={cfg.model.path}"]) == 0
+    steps = read_metrics(out)[1:]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(r["mismatch/k3"] == 0.0 and r["rollout/errors"] == 0.0 for r in steps), steps
+    assert (out / "checkpoints" / "latest.json").is_file()
+
+
 @pytest.mark.parametrize("extra, hf, match", [
     (["model.max_seq_len=64"], {"max_position_embeddings": 32}, r"max_seq_len=64 is past its max_position_embeddings 32"),
     ([], {"vocab_size": 40}, r"vocab_size 40 is smaller than its tokenizer's \d+ ids"),
