@@ -286,6 +286,10 @@ class DataConfig:
     """Evaluate every this many steps (and before the first step)."""
     seed: int = 0
     """Seed of the task generator and the prompt order."""
+    chat_template: bool = False
+    """Send each prompt as one user turn of the tokenizer's chat template (`apply_chat_template` with the
+    generation prompt added) instead of as raw text: for instruct checkpoints (`model.path`), whose tokenizer
+    must carry a template. Rewards still receive the prompt as written in the data."""
 
     def validate(self, path: str) -> None:
         if self.task == "file" and not self.train_file:

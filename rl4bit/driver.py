@@ -85,7 +85,7 @@ from rl4bit.rewards import RewardPool, check_rewards, exact_match
 from rl4bit.rundir import create_run_dir
 from rl4bit.sampler.types import MAX_SEED, Request, SamplingParams
 from rl4bit.tasks import PromptStream, check_prompt_lengths, load_task
-from rl4bit.tokenizer import build_tokenizer
+from rl4bit.tokenizer import build_tokenizer, check_chat_template, prompt_ids
 from rl4bit.trainer.actor import NonFiniteError, TrainBatch, Trainer
 from rl4bit.trainer.grpo import group_advantages
 from rl4bit.trainer.resume_checks import config_problem, job_settings
@@ -158,8 +158,13 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         torch.set_num_threads(cfg.run.cpu_threads)
     tokenizer = build_tokenizer(cfg.model)
     train_set, eval_set = load_task(cfg.data)
-    warning = check_prompt_lengths(train_set, eval_set, lambda texts: [len(ids) for ids in tokenizer(
-        texts, add_special_tokens=False).input_ids], cfg.model.max_seq_len)
+    chat = cfg.data.chat_template
+    try:
+        check_chat_template(tokenizer, chat)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    warning = check_prompt_lengths(train_set, eval_set, lambda texts: [len(prompt_ids(tokenizer, t, chat))
+                                                                        for t in texts], cfg.model.max_seq_len)
     if warning:
         print(warning, file=sys.stderr)
     stream = PromptStream(train_set, cfg.data.seed)
@@ -430,7 +435,7 @@ def _request(cfg: JobConfig, tokenizer, sample: dict, *, n: int, seed: int, rid:
         max_new_tokens=s.max_new_tokens, stop=list(s.stop), n=n, seed=seed,
         ignore_eos=s.ignore_eos and not greedy,
     )
-    ids = tokenizer(sample["prompt"], add_special_tokens=False).input_ids
+    ids = prompt_ids(tokenizer, sample["prompt"], cfg.data.chat_template)
     return Request(id=rid, prompt_ids=ids, params=params, prompt=sample["prompt"])
 
 

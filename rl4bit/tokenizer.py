@@ -10,9 +10,13 @@ decoding concatenates the characters back (`Fuse` decoder).
 checkpoint's own (`AutoTokenizer`, local files only) when `model.path` is
 set, this character-level one for the built `tiny` models.
 
+`prompt_ids(tokenizer, text, chat)` is how every prompt becomes ids (rollouts,
+evaluation, the warm start, the length check): raw text, or with
+`data.chat_template` one user turn of the tokenizer's chat template.
+
 Leaves out: byte fallback (a character outside the alphabet becomes `<unk>`)
 and any merges; this tokenizer is for the quickstart's tiny models and tests.
-Chat templates are not applied to either.
+Multi-turn conversations and system prompts.
 """
 
 from __future__ import annotations
@@ -53,6 +57,23 @@ def build_tokenizer(model_cfg=None):
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def prompt_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
+    """A prompt's token ids: the raw text (no special tokens added), or with `chat` the text as one user turn
+    of the tokenizer's chat template with the generation prompt (the template writes its own special tokens)."""
+    if chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def check_chat_template(tokenizer, chat: bool) -> None:
+    """ValueError when `data.chat_template` is on and the tokenizer has no template to apply."""
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("data.chat_template: the tokenizer has no chat template (the built-in character "
+                         "tokenizer has none; a model.path checkpoint needs chat_template in its "
+                         "tokenizer_config.json or chat_template.jinja); set data.chat_template=false")
 
 
 def char_tokenizer() -> PreTrainedTokenizerFast:

@@ -1,10 +1,11 @@
 """Supervised warm start: teach the freshly built model the task's format before RL.
 
-`supervised_warm_start(model, tokenizer, samples, steps, lr, batch_size, seed)`
+`supervised_warm_start(model, tokenizer, samples, steps, lr, batch_size, seed, chat)`
 runs `steps` AdamW steps of teacher-forced cross-entropy on `prompt + answer +
-<eos>` (loss on the answer and eos tokens only), `batch_size` samples drawn
-with a seeded `random.Random`, through the model's stock forward (before the
-recipe conversion: the warm start stands in for a pretrained checkpoint).
+<eos>` (loss on the answer and eos tokens only; the prompt's ids as the sampler
+sends them, `rl4bit.tokenizer.prompt_ids`), `batch_size` samples drawn with a
+seeded `random.Random`, through the model's stock forward (before the recipe
+conversion: the warm start stands in for a pretrained checkpoint).
 Returns {"warmup/loss_first", "warmup/loss_last"}.
 
 Leaves out: learning-rate schedules, packing, evaluation (the driver's first
@@ -18,9 +19,11 @@ import random
 import torch
 import torch.nn.functional as F
 
+from rl4bit.tokenizer import prompt_ids
+
 
 def supervised_warm_start(model, tokenizer, samples: list[dict], *, steps: int, lr: float, batch_size: int,
-                          seed: int) -> dict:
+                          seed: int, chat: bool = False) -> dict:
     if steps == 0:
         return {}
     if any(s.get("answer") is None for s in samples[:batch_size]):
@@ -34,7 +37,7 @@ def supervised_warm_start(model, tokenizer, samples: list[dict], *, steps: int, 
         batch = [samples[rng.randrange(len(samples))] for _ in range(batch_size)]
         seqs, masks = [], []
         for s in batch:
-            p = tokenizer(s["prompt"], add_special_tokens=False).input_ids
+            p = prompt_ids(tokenizer, s["prompt"], chat)  # as the sampler sends it
             a = tokenizer(str(s["answer"]), add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
             seqs.append(p + a)
             masks.append([0] * len(p) + [1] * len(a))

@@ -166,7 +166,8 @@ class Trainer:
 
         run = self.cfg.run
         return supervised_warm_start(self.model, self.tokenizer, samples, steps=run.warmup_sft_steps,
-                                     lr=run.warmup_lr, batch_size=run.warmup_batch_size, seed=run.seed)
+                                     lr=run.warmup_lr, batch_size=run.warmup_batch_size, seed=run.seed,
+                                     chat=self.cfg.data.chat_template)
 
     def setup_rl(self) -> None:
         """Convert the model by the recipe (FP32 masters), build AdamW and the frozen reference."""

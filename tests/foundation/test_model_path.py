@@ -29,14 +29,22 @@ def _reversed_tokenizer() -> PreTrainedTokenizerFast:
                                    clean_up_tokenization_spaces=False)
 
 
-def _save(tmp_path, extra=(), tokenizer=True, **hf_overrides):
+CHAT_TEMPLATE = ("{% for m in messages %}<bos>Q: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}A: {% endif %}")
+"""A one-turn template in the tokenizer's own alphabet (what an instruct checkpoint's tokenizer_config carries)."""
+
+
+def _save(tmp_path, extra=(), tokenizer=True, chat=False, **hf_overrides):
     cfg = load_config(None, TINY + list(extra))
     model = build_model(cfg.model, len(char_tokenizer()), seed=0)
     for k, v in hf_overrides.items():
         setattr(model.config, k, v)
     model.save_pretrained(tmp_path)
     if tokenizer:
-        _reversed_tokenizer().save_pretrained(tmp_path)
+        tok = _reversed_tokenizer()
+        if chat:
+            tok.chat_template = CHAT_TEMPLATE
+        tok.save_pretrained(tmp_path)
     return load_config(None, TINY + list(extra) + [f"model.path={tmp_path}"])
 
 
@@ -108,3 +116,33 @@ def test_a_checkpoint_without_a_tokenizer_is_refused(tmp_path):
     cfg = _save(tmp_path, tokenizer=False)
     with pytest.raises(FileNotFoundError, match=r"holds no tokenizer .*tokenizer.save_pretrained"):
         build_tokenizer(cfg.model)
+
+
+def test_chat_template_wraps_every_prompt_the_same_way(tmp_path, monkeypatch):
+    """data.chat_template: rollouts, evaluation and the warm start send the templated ids; rewards keep the raw
+    prompt; a tokenizer without a template is refused at start, naming the setting."""
+    from rl4bit import driver
+    from rl4bit.config import ConfigError
+    from rl4bit.tokenizer import prompt_ids
+
+    cfg = _save(tmp_path / "ckpt", ["data.chat_template=true"], chat=True)
+    tok = build_tokenizer(cfg.model)
+    want = tok("<bos>Q: 3+4=\nA: ", add_special_tokens=False).input_ids
+    assert prompt_ids(tok, "3+4=", chat=True) == want != prompt_ids(tok, "3+4=")
+    req = driver._request(cfg, tok, {"prompt": "3+4=", "answer": "7"}, n=2, seed=1, rid="r")
+    assert req.prompt_ids == want and req.prompt == "3+4="
+
+    import rl4bit.warmstart as ws
+    from rl4bit.trainer.actor import Trainer
+
+    calls = []
+    monkeypatch.setattr(ws, "prompt_ids", lambda t, text, chat=False: calls.append(chat) or prompt_ids(t, text, chat))
+    trainer = Trainer(cfg)
+    trainer.cfg.run.warmup_sft_steps, trainer.cfg.run.warmup_batch_size = 1, 2
+    trainer.warm_start([{"prompt": "1+1=", "answer": "2"}])
+    assert calls == [True, True]  # both samples' prompts, templated
+
+    plain = _save(tmp_path / "plain", ["data.chat_template=true"])
+    with pytest.raises(ConfigError, match="data.chat_template: the tokenizer has no chat template"):
+        driver.main(None, out=str(tmp_path / "run"), overrides=TINY + [
+            "data.chat_template=true", "ray.mode=local", "trainer.device=cpu", f"model.path={plain.model.path}"])
