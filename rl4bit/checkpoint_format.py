@@ -410,6 +410,9 @@ def write_checkpoint(out: str | Path, model, plan: dict[str, str], *, tokenizer=
             cfg["quantization_config"] = qc
         cfg["torch_dtype"] = cfg["dtype"] = str(dense_dtype).removeprefix("torch.")
         _write_file(tmp / "config.json", _json(cfg))
+        gen = getattr(model, "generation_config", None)
+        if gen is not None:  # its eos ids (often a list, beyond config.json's one) end vLLM's completions too
+            _write_file(tmp / "generation_config.json", gen.to_json_string(use_diff=True).encode())
         if tokenizer is not None:
             tokenizer.save_pretrained(str(tmp))
         fsync_tree(tmp)

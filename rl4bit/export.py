@@ -5,14 +5,14 @@ seeded), converted by its recipe (`trainer.surgery.convert_model`); a run dir ->
 the same, with the weights of its latest checkpoint (`rl4bit.checkpoint`,
 tensors `model.<state-dict name>`) and its policy version. Either way the
 quantized tensors written are the converted model's own forward QTensors
-(`rl4bit.checkpoint_format.write_checkpoint`), with the character tokenizer of
-`rl4bit.tokenizer` (the one every rl4bit job uses).
+(`rl4bit.checkpoint_format.write_checkpoint`), with the job's tokenizer
+(`rl4bit.tokenizer.build_tokenizer`: a `model.path` checkpoint's own, else the
+character one) and the model's generation config (its eos ids).
 
 inspect: per stored module, its format, bits per value, bytes, and the totals
 against the same weights in BF16, as a rich table.
 
-Leaves out: models loaded from `model.path` with their own tokenizer files
-(the exported tokenizer is rl4bit's), and exporting a dense BF16 copy.
+Leaves out: exporting a dense BF16 copy.
 """
 
 from __future__ import annotations

@@ -90,18 +90,18 @@ def build_model(model_cfg: ModelConfig, vocab_size: int, seed: int):
 
     dtype = DTYPES[model_cfg.dtype]
     if model_cfg.path is not None:
-        if not Path(model_cfg.path).expanduser().is_dir():
+        path = str(Path(model_cfg.path).expanduser())
+        if not Path(path).is_dir():
             raise FileNotFoundError(
                 f"model.path: {model_cfg.path!r} is not a directory; point it at a local Hugging Face checkpoint "
                 "(config.json + safetensors) or set model.path to null to build the tiny model"
             )
         from transformers import AutoConfig
 
-        problems = checkpoint_problems(AutoConfig.from_pretrained(model_cfg.path, local_files_only=True),
-                                       model_cfg, vocab_size)
+        problems = checkpoint_problems(AutoConfig.from_pretrained(path, local_files_only=True), model_cfg, vocab_size)
         if problems:
             raise ValueError(f"model.path {model_cfg.path!r}: " + "; ".join(problems))
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, dtype=dtype, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     else:
         cfg = tiny_config(model_cfg, vocab_size)
         with torch.random.fork_rng(devices=[]):

@@ -31,8 +31,8 @@ ALPHABET = string.digits + "+-*=/ \n" + string.ascii_letters + ".,:;?!()'\"_#"
 
 
 def build_tokenizer(model_cfg=None):
-    """The tokenizer of `model_cfg`'s model: the checkpoint's own when `model_cfg.path` is set (a missing
-    pad token becomes the eos token), else the character-level one (ids: specials first, then ALPHABET)."""
+    """The tokenizer of `model_cfg`'s model: the checkpoint's own when `model_cfg.path` is set (as saved: it is
+    exported with the weights), else the character-level one (ids: specials first, then ALPHABET)."""
     path = getattr(model_cfg, "path", None)
     if path is None:
         return char_tokenizer()
@@ -54,17 +54,17 @@ def build_tokenizer(model_cfg=None):
     if tok.eos_token_id is None:
         raise FileNotFoundError(f"model.path: the tokenizer in {path!r} has no eos token; completions could not "
                                 f"end: set one in its tokenizer_config.json")
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
     return tok
 
 
 def prompt_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
-    """A prompt's token ids: the raw text (no special tokens added), or with `chat` the text as one user turn
-    of the tokenizer's chat template with the generation prompt (the template writes its own special tokens)."""
-    if chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
+    """A prompt's token ids: the raw text with the tokenizer's own special tokens (a Llama or Gemma BOS; Qwen
+    and the character tokenizer add none), or with `chat` the text as one user turn of the tokenizer's chat
+    template with the generation prompt (the template writes its special tokens itself)."""
+    if not chat:
+        return tokenizer(text).input_ids
+    text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids
 
 

@@ -42,7 +42,8 @@ def supervised_warm_start(model, tokenizer, samples: list[dict], *, steps: int, 
             seqs.append(p + a)
             masks.append([0] * len(p) + [1] * len(a))
         t = max(map(len, seqs))
-        ids = torch.tensor([s + [tokenizer.pad_token_id] * (t - len(s)) for s in seqs], device=dev)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        ids = torch.tensor([s + [pad] * (t - len(s)) for s in seqs], device=dev)  # masked out below
         mask = torch.tensor([m + [0] * (t - len(m)) for m in masks], device=dev, dtype=torch.float32)
         logits = model(input_ids=ids).logits[:, :-1].float()
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none")

@@ -54,7 +54,7 @@ def test_a_checkpoint_runs_with_its_own_tokenizer(tmp_path):
     want = _reversed_tokenizer()
     assert tok("12+30=", add_special_tokens=False).input_ids == want("12+30=", add_special_tokens=False).input_ids
     assert tok("12+30=").input_ids != char_tokenizer()("12+30=").input_ids
-    assert tok.pad_token == tok.eos_token == "<eos>"  # a missing pad token becomes eos (the warm start pads)
+    assert tok.pad_token is None and tok.eos_token == "<eos>"  # as saved (the warm start pads with eos)
     model = build_policy_model(cfg)
     with torch.no_grad():
         out = model(input_ids=torch.tensor([tok("1+1=").input_ids]))
@@ -146,3 +146,31 @@ def test_chat_template_wraps_every_prompt_the_same_way(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="data.chat_template: the tokenizer has no chat template"):
         driver.main(None, out=str(tmp_path / "run"), overrides=TINY + [
             "data.chat_template=true", "ray.mode=local", "trainer.device=cpu", f"model.path={plain.model.path}"])
+
+
+def test_raw_prompts_get_the_tokenizers_own_bos():
+    """A Llama-style tokenizer adds BOS to raw text: prompt_ids keeps it (the model was trained with it)."""
+    from tokenizers import processors
+
+    from rl4bit.tokenizer import prompt_ids
+
+    tok = _reversed_tokenizer()
+    bos = tok.convert_tokens_to_ids("<bos>")
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    assert prompt_ids(tok, "1+1=") == [bos] + tok("1+1=", add_special_tokens=False).input_ids
+
+
+def test_the_export_carries_the_checkpoints_generation_config(tmp_path):
+    """Its eos ids (a list, beyond config.json's one) reach the export, which vLLM stops on."""
+    import json
+
+    from rl4bit.checkpoint_format import write_checkpoint
+    from rl4bit.export import _build
+
+    cfg = _save(tmp_path / "ckpt")
+    gen = json.loads((tmp_path / "ckpt" / "generation_config.json").read_text())
+    gen["eos_token_id"] = [1, 2]
+    (tmp_path / "ckpt" / "generation_config.json").write_text(json.dumps(gen))
+    model, plan, tok = _build(cfg)
+    out = write_checkpoint(tmp_path / "export", model, plan, tokenizer=tok)
+    assert json.loads((out / "generation_config.json").read_text())["eos_token_id"] == [1, 2]
