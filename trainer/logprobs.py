@@ -9,7 +9,11 @@ least MIN_ROWS rows (`rl4bit.sampler.kv_cache`). So every row's bits depend only
 same weights the trainer's logprobs equal the sampler's bitwise (`Trainer`'s `mismatch/k3` is exactly 0 on the
 CPU). `TrainLayout` holds the index tensors and masks of one packed forward, built once for all its layers.
 
-Leaves out: the KV cache (a training forward sees whole sequences), sliding windows.
+The LM head's logits go through `TargetLogprobs`: the sampled tokens' logprobs and the entropy a chunk of rows
+at a time, so a real vocabulary's [tokens, V] FP32 log-softmax is never held whole.
+
+Leaves out: the KV cache (a training forward sees whole sequences), sliding windows, chunking the LM head's
+own product (its [tokens, V] output, in the compute dtype, is held for the backward).
 """
 
 from __future__ import annotations
@@ -130,8 +134,54 @@ def sequence_logprobs(model, prompts: list[list[int]], completions: list[list[in
                       position_ids=to_device(torch.tensor([pos + [0] * pad]), dev),
                       use_cache=False, rl4bit_train=TrainLayout(spans, max_seq_len, MIN_ROWS, dev)).last_hidden_state[0]
     h = pad_rows(hidden[to_device(torch.tensor(rows), dev)], MIN_ROWS)
-    logits = model.get_output_embeddings()(h)[: len(rows)].float()
-    logp_all = torch.log_softmax(logits / (temperature if temperature > 0 else 1.0), dim=-1)
-    logp = logp_all.gather(1, to_device(torch.tensor(targets), dev)[:, None])[:, 0]
-    entropy = -(logp_all.exp() * logp_all).sum(-1).detach().sum()
+    logits = model.get_output_embeddings()(h)[: len(rows)]
+    logp, entropy = TargetLogprobs.apply(logits, to_device(torch.tensor(targets), dev),
+                                         temperature if temperature > 0 else 1.0, chunk_rows(logits.shape[-1]))
     return list(logp.split([len(c) for c in completions])), entropy
+
+
+CHUNK_ELEMENTS = 2**26
+"""FP32 elements of one chunk's log-softmax in `TargetLogprobs` (256 MiB): at a 152k vocabulary, 441 rows."""
+
+
+def chunk_rows(vocab: int) -> int:
+    """Rows of logits a chunk of `TargetLogprobs` takes: CHUNK_ELEMENTS / vocab, at least one row."""
+    return max(1, CHUNK_ELEMENTS // vocab)
+
+
+class TargetLogprobs(torch.autograd.Function):
+    """(logp [R], entropy) = log_softmax(logits.float() / t)[r, target[r]] and the rows' summed entropy (no
+    gradient), computed `chunk` rows at a time.
+
+    The same values as the whole-tensor expression (log_softmax reduces each row on its own), without holding
+    the [R, V] FP32 log-softmax, its exp and their product at once, nor saving the log-softmax for the backward:
+    at a real vocabulary (Qwen3's 152k) and a 32k-token micro-batch those are 20 GB each. The backward recomputes
+    each chunk's log-softmax from the saved logits and applies log_softmax's own gradient rule,
+    d z = G - exp(out) * sum(G), with G the gathered gradient scattered back, then the division by t.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, t: float, chunk: int):
+        rows = logits.shape[0]
+        logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        ent = torch.empty(rows, dtype=torch.float32, device=logits.device)
+        for a in range(0, rows, chunk):
+            out = torch.log_softmax(logits[a: a + chunk].float() / t, dim=-1)
+            logp[a: a + chunk] = out.gather(1, targets[a: a + chunk, None])[:, 0]
+            ent[a: a + chunk] = -(out.exp() * out).sum(-1)
+        ctx.save_for_backward(logits, targets)
+        ctx.t, ctx.chunk = t, chunk
+        entropy = ent.sum()
+        ctx.mark_non_differentiable(entropy)
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor, _entropy_grad):
+        logits, targets = ctx.saved_tensors
+        grad = torch.empty_like(logits)
+        for a in range(0, logits.shape[0], ctx.chunk):
+            out = torch.log_softmax(logits[a: a + ctx.chunk].float() / ctx.t, dim=-1)
+            ga = g[a: a + ctx.chunk, None]
+            dz = torch.zeros_like(out).scatter_(1, targets[a: a + ctx.chunk, None], ga) - out.exp() * ga
+            grad[a: a + ctx.chunk] = (dz / ctx.t).to(logits.dtype)
+        return grad, None, None, None
