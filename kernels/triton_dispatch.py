@@ -45,15 +45,29 @@ def deferred_checks():
 
     Makes the quantize kernels capturable in a CUDA graph (no host sync). On a
     normal exit of the outermost block it calls ``check_deferred()``; if the
-    block raises, the flag is left for the next check.
+    outermost block raises, the flags are reset unread: the block failed anyway,
+    and a flag left set would blame the next quantize, on finite data (an expert-
+    parallel stop raises on every rank, whichever rank's quantize met the NaN).
     """
     _DEFERRED[0] += 1
     try:
         yield
-    finally:
+    except BaseException:
         _DEFERRED[0] -= 1
+        if _DEFERRED[0] == 0:
+            reset_deferred()
+        raise
+    _DEFERRED[0] -= 1
     if _DEFERRED[0] == 0:
         check_deferred()
+
+
+def reset_deferred() -> None:
+    """Clear every device's non-finite flag without reading it (no host sync)."""
+    from rl4bit.kernels.formats_triton import _FLAGS
+
+    for flag in _FLAGS.values():
+        flag.zero_()
 
 
 def deferring() -> bool:

@@ -262,19 +262,23 @@ class Trainer:
             loss_total = 0.0
             for mb in (mbs if self.world == 1 else [mb[self.rank:: self.world] for mb in mbs]):
                 failed = False
-                if not mb:
-                    self._dummy_microbatch(epoch)
-                else:
-                    try:
-                        # One read of the quantize kernels' NaN/Inf flag a micro-batch (at the block's exit), not one
-                        # a quantize: each read is a host sync that stops the host from running ahead of the GPU.
-                        with deferred_checks():
+                try:
+                    # One read of the quantize kernels' NaN/Inf flag a micro-batch (at the block's exit), not one a
+                    # quantize: each read is a host sync that stops the host from running ahead of the GPU. A rank
+                    # without sequences runs a dummy under the same checks: its collectives are the others'.
+                    with deferred_checks():
+                        if not mb:
+                            self._dummy_microbatch(epoch)
+                        else:
                             loss, st = self._microbatch_loss(batch, mb, epoch, old, ref, sums, tis_cap=tis_cap,
                                                              total_tokens=total_tokens, total_seqs=total_seqs)
                             loss.backward()
-                    except (FloatingPointError, NonFiniteInputError):  # NaN/Inf met by a quantized GEMM
-                        failed = True
+                except (FloatingPointError, NonFiniteInputError):  # NaN/Inf met by a quantized GEMM
+                    failed = True
                 if self._any_rank(failed):  # a non-finite step, on every rank: their next collectives must meet
+                    if epoch == 0:  # its old logprobs may hold the NaN: no later epoch may train on them
+                        for i in mb:
+                            old.pop(i, None)
                     loss_total = math.nan
                     break
                 if not mb:

@@ -528,6 +528,12 @@ def test_deferred_checks_raise_once_at_exit():
             td.quantize(torch.ones(4, 32, device=DEVICE), "nvfp4")
     with td.deferred_checks():  # the flag was reset: a clean block passes
         td.quantize(torch.ones(4, 32, device=DEVICE), "nvfp4")
+    with pytest.raises(RuntimeError, match="another error"):  # a block that raises something else (an expert-
+        with td.deferred_checks():                           # parallel stop) leaves no flag to blame on later
+            td.quantize(bad, "nvfp4")
+            raise RuntimeError("another error")
+    with td.deferred_checks():
+        td.quantize(torch.ones(4, 32, device=DEVICE), "nvfp4")
 
 
 def test_bench_gemm_smoke(tmp_path):
