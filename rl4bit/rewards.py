@@ -3,10 +3,12 @@
 A reward is a plain function `reward(prompt: str, completion: str, **sample) -> float`
 (`sample` holds the prompt's other fields, e.g. `answer`). A batched variant
 sets `fn.batched = True` and takes lists: `fn(prompts, completions, **samples) -> list[float]`.
-TRL's reward functions run as they are: a function whose first parameter is
-named `completions` is called `fn(completions, prompts=prompts, **columns) -> list[float]`
-(one list entry per column, as TRL passes dataset columns; TRL's extra
-`completion_ids` / `trainer_state` keywords are not passed). Each call scores
+TRL-style rewards run as TRL calls them: a function with a `completions`
+parameter (not marked `batched`) is called by keyword,
+`fn(prompts=prompts, completions=completions, **columns) -> list[float]`, one
+list entry per column. Completions are plain strings (not TRL's conversational
+`[{"content": ...}]` form), TRL's `completion_ids` / `trainer_state` keywords
+are not passed, and a None in the returned list is an error. Each call scores
 one sample; the list forms get one-element lists.
 The config names each by `pkg.module:function` or `path/to/file.py:function`:
 
@@ -146,20 +148,22 @@ def reward_name(spec: str) -> str:
 
 
 def trl_style(fn: Callable) -> bool:
-    """Whether `fn` has TRL's reward signature: its first parameter is named `completions`
-    (`fn(completions, prompts=..., **columns) -> list[float]`)."""
+    """Whether `fn` takes TRL's keyword `completions` (and is not marked `batched`): it is then called as TRL
+    calls it, by keyword, `fn(prompts=[...], completions=[...], **columns) -> list[float]`."""
+    if getattr(fn, "batched", False):
+        return False
     try:
-        params = list(inspect.signature(fn).parameters.values())
+        param = inspect.signature(fn).parameters.get("completions")
     except (TypeError, ValueError):  # builtins without a signature
         return False
-    return bool(params) and params[0].name == "completions" and params[0].kind in (
-        inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return param is not None and param.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                inspect.Parameter.KEYWORD_ONLY)
 
 
 def _call(fn: Callable, prompt: str, completion: str, sample: dict) -> float:
     extra = {k: v for k, v in sample.items() if k != "prompt"}
     if trl_style(fn):
-        value = _one(fn([completion], prompts=[prompt], **{k: [v] for k, v in extra.items()}))
+        value = _one(fn(prompts=[prompt], completions=[completion], **{k: [v] for k, v in extra.items()}))
     elif getattr(fn, "batched", False):
         value = _one(fn([prompt], [completion], **{k: [v] for k, v in extra.items()}))
     else:

@@ -2,8 +2,8 @@
 
 A *sample* is a dict with `prompt` (str), optional `answer` (str) and any
 extra fields; every field except `prompt` reaches the reward functions as
-`**sample` (a field named `completion` is refused: that name is the reward's
-argument for the model's output).
+`**sample` (fields named `completion`, `completions` or `prompts` are refused:
+those are the reward signatures' own arguments).
 
 - `arithmetic_task(digits, eval_size, seed)`: every `a+b=` with operands
   below 10**digits; a seeded permutation puts `eval_size` of them in the eval
@@ -27,6 +27,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rl4bit.config import ConfigError, DataConfig
+
+
+RESERVED_FIELDS = ("completion", "completions", "prompts")
+"""Argument names of the reward signatures (`rl4bit.rewards`), so no prompt-file field may take them."""
 
 
 class PromptFileError(ConfigError):
@@ -79,9 +83,11 @@ def _check_row(row, where: str) -> None:
         raise PromptFileError(f"{where}: expected a JSON object with a 'prompt' field, got {type(row).__name__}")
     if not isinstance(row.get("prompt"), str):
         raise PromptFileError(f"{where}: missing a string 'prompt' field (keys: {', '.join(map(str, row)) or 'none'})")
-    if "completion" in row:  # fn(prompt, completion, **sample) would get two values for it and mask every sample
-        raise PromptFileError(f"{where}: the field 'completion' is reserved (rewards receive the model's completion "
-                              f"under that name); rename it, e.g. to 'reference'")
+    taken = [k for k in RESERVED_FIELDS if k in row]
+    if taken:  # a reward would get two values for it and mask every sample
+        raise PromptFileError(f"{where}: the field {taken[0]!r} is reserved (rewards receive the model's output and "
+                              f"the prompts under the names {', '.join(RESERVED_FIELDS)}); rename it, e.g. to "
+                              f"'reference'")
     if "answer" in row and row["answer"] is not None:
         row["answer"] = str(row["answer"])
 

@@ -47,7 +47,7 @@ def build_tokenizer(model_cfg=None):
                                 f"save the model's tokenizer there (tokenizer.save_pretrained)")
     try:
         tok = AutoTokenizer.from_pretrained(root, local_files_only=True)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a missing dependency or an unknown class: the same clear message
         raise FileNotFoundError(f"model.path: no tokenizer could be loaded from {path!r} ({type(e).__name__}: "
                                 f"{str(e).splitlines()[0] if str(e) else ''}); save the model's tokenizer there "
                                 f"(tokenizer.save_pretrained)") from e
@@ -58,11 +58,15 @@ def build_tokenizer(model_cfg=None):
 
 
 def prompt_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
-    """A prompt's token ids: the raw text with the tokenizer's own special tokens (a Llama or Gemma BOS; Qwen
-    and the character tokenizer add none), or with `chat` the text as one user turn of the tokenizer's chat
+    """A prompt's token ids: the raw text behind the BOS the tokenizer adds itself (Llama, Gemma; Qwen and the
+    character tokenizer add none; an EOS it would append is left out), or with `chat` the text as one user turn of the tokenizer's chat
     template with the generation prompt (the template writes its special tokens itself)."""
     if not chat:
-        return tokenizer(text).input_ids
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+        bos = tokenizer.bos_token_id
+        if bos is not None and ids[:1] != [bos] and tokenizer(text).input_ids[:1] == [bos]:
+            ids = [bos] + ids  # the BOS alone: a post-processor's appended EOS would end the prompt
+        return ids
     text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
                                          add_generation_prompt=True)
     return tokenizer(text, add_special_tokens=False).input_ids

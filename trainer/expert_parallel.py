@@ -290,10 +290,11 @@ class ExpertParallelExperts(QuantExperts):
         """Before the combine's all-to-all: NonFiniteInputError on EVERY rank when any rank's experts or combine
         encoding raised one or produced NaN/Inf (one int64 all-gather), so no rank is left waiting in the
         all-to-all; a rank that raised re-raises its own error, the others name it."""
-        bad = failure is not None or not bool(torch.isfinite(o.detach()).all())
-        flags = torch.zeros(self.world, dtype=torch.int64, device=self.gate_up_proj.device)
-        dist.all_gather_into_tensor(flags, torch.tensor([int(bad)], dtype=torch.int64, device=flags.device),
-                                    group=self.group)
+        dev = self.gate_up_proj.device
+        mine = (torch.ones(1, dtype=torch.int64, device=dev) if failure is not None
+                else (~torch.isfinite(o.detach())).any().to(torch.int64).reshape(1))  # on the device: no host read
+        flags = torch.zeros(self.world, dtype=torch.int64, device=dev)
+        dist.all_gather_into_tensor(flags, mine, group=self.group)  # read once, below
         self.meter.routing += 8 * (self.world - 1)
         ranks = [r for r, f in enumerate(flags.tolist()) if f]
         if not ranks:

@@ -153,7 +153,9 @@ class TargetLogprobs(torch.autograd.Function):
     """(logp [R], entropy) = log_softmax(logits.float() / t)[r, target[r]] and the rows' summed entropy (no
     gradient), computed `chunk` rows at a time.
 
-    The same values as the whole-tensor expression (log_softmax reduces each row on its own), without holding
+    The same logprobs as the whole-tensor expression (log_softmax reduces each row on its own; the entropy's
+    row sums too on the CPU, tested; on CUDA a reduction's split may follow the row count, and the entropy is a
+    logged metric only), without holding
     the [R, V] FP32 log-softmax, its exp and their product at once, nor saving the log-softmax for the backward:
     at a real vocabulary (Qwen3's 152k) and a 32k-token micro-batch those are 20 GB each. The backward recomputes
     each chunk's log-softmax from the saved logits and applies log_softmax's own gradient rule,
@@ -162,6 +164,8 @@ class TargetLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, t: float, chunk: int):
+        if not t > 0 or chunk < 1:
+            raise ValueError(f"TargetLogprobs: temperature {t} must be > 0 (greedy scores at 1) and chunk {chunk} >= 1")
         rows = logits.shape[0]
         logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
         ent = torch.empty(rows, dtype=torch.float32, device=logits.device)

@@ -51,8 +51,8 @@ def _save(tmp_path, extra=(), tokenizer=True, chat=False, **hf_overrides):
 def test_a_checkpoint_runs_with_its_own_tokenizer(tmp_path):
     cfg = _save(tmp_path)
     tok = build_tokenizer(cfg.model)
-    want = _reversed_tokenizer()
-    assert tok("12+30=", add_special_tokens=False).input_ids == want("12+30=", add_special_tokens=False).input_ids
+    order = list(reversed(ALPHABET))  # the saved vocabulary's ids, by construction
+    assert tok("12+30=", add_special_tokens=False).input_ids == [order.index(c) for c in "12+30="]
     assert tok("12+30=").input_ids != char_tokenizer()("12+30=").input_ids
     assert tok.pad_token is None and tok.eos_token == "<eos>"  # as saved (the warm start pads with eos)
     model = build_policy_model(cfg)
@@ -148,16 +148,20 @@ def test_chat_template_wraps_every_prompt_the_same_way(tmp_path, monkeypatch):
             "data.chat_template=true", "ray.mode=local", "trainer.device=cpu", f"model.path={plain.model.path}"])
 
 
-def test_raw_prompts_get_the_tokenizers_own_bos():
-    """A Llama-style tokenizer adds BOS to raw text: prompt_ids keeps it (the model was trained with it)."""
+@pytest.mark.parametrize("template", ["<bos> $A", "<bos> $A <eos>", "$A <eos>"])
+def test_raw_prompts_get_the_tokenizers_own_bos_and_no_eos(template):
+    """A Llama-style tokenizer adds BOS to raw text: prompt_ids keeps it (the model was trained with it); an EOS
+    the tokenizer would append is left out (it would end the prompt)."""
     from tokenizers import processors
 
     from rl4bit.tokenizer import prompt_ids
 
     tok = _reversed_tokenizer()
-    bos = tok.convert_tokens_to_ids("<bos>")
-    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
-    assert prompt_ids(tok, "1+1=") == [bos] + tok("1+1=", add_special_tokens=False).input_ids
+    bos, eos = tok.convert_tokens_to_ids("<bos>"), tok.convert_tokens_to_ids("<eos>")
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[("<bos>", bos), ("<eos>", eos)])
+    plain = tok("1+1=", add_special_tokens=False).input_ids
+    assert prompt_ids(tok, "1+1=") == ([bos] if template.startswith("<bos>") else []) + plain
 
 
 def test_the_export_carries_the_checkpoints_generation_config(tmp_path):

@@ -73,12 +73,17 @@ def test_list_signatures_trl_and_batched_score_through_the_pool(tmp_path):
         "ours.batched = True\n"
         "def too_many(completions, **kwargs):\n"
         "    return [1.0, 2.0]\n"
+        "def trl_prompts_first(prompts, completions, **kwargs):\n"
+        "    return [float(len(p)) for p in prompts]\n"
+        "def trl_keyword_only(*, completions, answer, **kwargs):\n"
+        "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n"
     )
-    specs = [f"{f}:{n}" for n in ("trl_match", "trl_len", "ours")]
-    pool = RewardPool(specs, [1.0, 0.5, 1.0], max_error_fraction=1.0)
+    specs = [f"{f}:{n}" for n in ("trl_match", "trl_len", "ours", "trl_prompts_first", "trl_keyword_only")]
+    pool = RewardPool(specs, [1.0, 0.5, 1.0, 0.5, 1.0], max_error_fraction=1.0)
     try:
         s = pool.score([("1+1=", "2", {"answer": "2"}), ("10+1=", "12 ", {"answer": "11"})])
-        assert s.totals == [1.0 + 1.0 + 0.5 + 2.0, 0.0 + 1.25 + 1.5 + 0.0] and s.errors == 0
+        assert s.totals == [1.0 + 1.0 + 0.5 + 2.0 + 2.0 + 1.0, 0.0 + 1.25 + 1.5 + 0.0 + 2.5 + 0.0], s.messages
+        assert s.errors == 0
     finally:
         pool.close()
     pool = RewardPool([f"{f}:too_many"], [1.0], max_error_fraction=1.0)
@@ -120,9 +125,10 @@ def test_prompt_files(tmp_path):
     bad.write_text(json.dumps({"question": "a"}) + "\n")
     with pytest.raises(PromptFileError, match=r"bad.jsonl:1: missing a string 'prompt'.*question"):
         load_prompt_file(bad)
-    bad.write_text(json.dumps({"prompt": "a", "completion": "b"}) + "\n")  # would collide with the reward's argument
-    with pytest.raises(PromptFileError, match=r"bad.jsonl:1: the field 'completion' is reserved.*rename it"):
-        load_prompt_file(bad)
+    for name in ("completion", "completions", "prompts"):  # each would collide with a reward signature's argument
+        bad.write_text(json.dumps({"prompt": "a", name: "b"}) + "\n")
+        with pytest.raises(PromptFileError, match=rf"bad.jsonl:1: the field '{name}' is reserved.*rename it"):
+            load_prompt_file(bad)
     pq = tmp_path / "p.parquet"
     pq.write_bytes(b"PAR1")
     try:
