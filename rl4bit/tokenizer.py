@@ -59,8 +59,8 @@ def build_tokenizer(model_cfg=None):
 
 def prompt_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
     """A prompt's token ids: the raw text behind the BOS the tokenizer adds itself (Llama, Gemma; Qwen and the
-    character tokenizer add none; an EOS it would append is left out), or with `chat` the text as one user turn of the tokenizer's chat
-    template with the generation prompt (the template writes its special tokens itself)."""
+    character tokenizer add none; an EOS it would append is left out), or with `chat` the text as one user
+    turn of the tokenizer's chat template with the generation prompt (the template writes its special tokens)."""
     if not chat:
         ids = tokenizer(text, add_special_tokens=False).input_ids
         bos = tokenizer.bos_token_id

@@ -32,7 +32,8 @@ forward also yields the "old" logprobs of the PPO ratio (same weights, same
 bits). A step whose loss or gradient norm is not finite, or whose quantized
 GEMMs met NaN/Inf (read once per micro-batch: `deferred_checks`), is skipped,
 by every rank of a sharded trainer at the same micro-batch (one flag
-all-reduce a micro-batch); the job stops after `trainer.max_nonfinite_steps` in a row.
+all-reduce a micro-batch); the job stops after `trainer.max_nonfinite_steps`
+in a row.
 
 Sharded (`Trainer(cfg, rank, world)` inside a torch.distributed group of
 `world` processes, built by `rl4bit.trainer_group`): the model is sharded

@@ -29,8 +29,9 @@ names kept). One forward of `ExpertParallelExperts` (same signature as
 4. combine (owner -> source): `bf16`, `mxfp8` or `rht_s2f6` (ep_codec).
    Before it moves, the ranks exchange one flag (an int64 all-gather): NaN/Inf
    in a rank's expert outputs, or an error of its GEMMs or its encoding (a NaN
-   weight, an overflow), stops every rank there. The source decodes, multiplies by the routing weights, sums per token and,
-   for rht_s2f6, applies the inverse RHT once after the sum.
+   weight, an overflow), stops every rank there. The source decodes,
+   multiplies by the routing weights, sums per token and, for rht_s2f6,
+   applies the inverse RHT once after the sum.
 
 Backward all-to-alls (`backward=`, default "bf16"): the combine's gradient
 (source -> owner) feeds the down GEMM, whose wgrad needs dY quantized to

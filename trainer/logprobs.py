@@ -155,9 +155,9 @@ class TargetLogprobs(torch.autograd.Function):
 
     The same logprobs as the whole-tensor expression (log_softmax reduces each row on its own; the entropy's
     row sums too on the CPU, tested; on CUDA a reduction's split may follow the row count, and the entropy is a
-    logged metric only), without holding
-    the [R, V] FP32 log-softmax, its exp and their product at once, nor saving the log-softmax for the backward:
-    at a real vocabulary (Qwen3's 152k) and a 32k-token micro-batch those are 20 GB each. The backward recomputes
+    logged metric only), without holding the [R, V] FP32 log-softmax, its exp and their product at once, nor
+    saving the log-softmax for the backward: at a real vocabulary (Qwen3's 152k) and a 32k-token micro-batch
+    those are 20 GB each. The backward recomputes
     each chunk's log-softmax from the saved logits and applies log_softmax's own gradient rule,
     d z = G - exp(out) * sum(G), with G the gathered gradient scattered back, then the division by t.
     """
