@@ -277,9 +277,10 @@ class Trainer:
                 except (FloatingPointError, NonFiniteInputError):  # NaN/Inf met by a quantized GEMM
                     failed = True
                 if self._any_rank(failed):  # a non-finite step, on every rank: their next collectives must meet
-                    if epoch == 0:  # its old logprobs may hold the NaN: no later epoch may train on them
-                        for i in mb:
-                            old.pop(i, None)
+                    if epoch == 0:  # old logprobs the failed forward left NaN/Inf: no later epoch trains on them
+                        for i in mb:  # (finite ones stay: a NaN met in the backward alone leaves them valid)
+                            if i in old and not bool(torch.isfinite(old[i]).all()):
+                                del old[i]
                     loss_total = math.nan
                     break
                 if not mb:

@@ -213,13 +213,13 @@ def test_rank_messages_are_json_and_safetensors_and_round_trip():
 def test_a_non_finite_micro_batch_on_one_rank_skips_the_step_on_every_rank(monkeypatch, call):
     """Rank 1's first micro-batch (call 1), or its third, a zero-weight dummy (call 3: the last micro-batch holds
     one sequence, rank 0's), meets NaN/Inf (its deferred check raises after the backward, as on CUDA): both
-    ranks skip the step at that micro-batch, so their next collectives meet, no later epoch trains on the old
-    logprobs it recorded, and the next step trains on both."""
+    ranks skip the step at that micro-batch, so their next collectives meet, and the next step trains on both.
+    One PPO epoch: a dummy outside the checks would move the failure to the second step."""
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent / "fault_site"),
                                                                    os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("RL4BIT_TEST_NONFINITE_RANK", "1")
     monkeypatch.setenv("RL4BIT_TEST_NONFINITE_CALL", str(call))
-    cfg = tiny_cfg(["recipe.stochastic_requant=false"])  # 3 micro-batches a step: 4, 4, 1 sequences
+    cfg = tiny_cfg(["recipe.stochastic_requant=false", "rl.ppo_epochs=1"])  # 3 micro-batches a step: 4, 4, 1
     group = TrainerGroup(cfg, 2, timeout_s=90.0)
     try:
         get(group.setup_rl())
