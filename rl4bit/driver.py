@@ -159,10 +159,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
     tokenizer = build_tokenizer(cfg.model)
     train_set, eval_set = load_task(cfg.data)
     chat = cfg.data.chat_template
-    try:
-        check_chat_template(tokenizer, chat)
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    check_chat_template(tokenizer, chat)
     warning = check_prompt_lengths(train_set, eval_set, lambda texts: [len(prompt_ids(tokenizer, t, chat))
                                                                         for t in texts], cfg.model.max_seq_len)
     if warning:

@@ -73,9 +73,11 @@ def prompt_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
 
 
 def check_chat_template(tokenizer, chat: bool) -> None:
-    """ValueError when `data.chat_template` is on and the tokenizer has no template to apply."""
+    """ConfigError when `data.chat_template` is on and the tokenizer has no template to apply."""
     if chat and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("data.chat_template: the tokenizer has no chat template (the built-in character "
+        from rl4bit.config import ConfigError
+
+        raise ConfigError("data.chat_template: the tokenizer has no chat template (the built-in character "
                          "tokenizer has none; a model.path checkpoint needs chat_template in its "
                          "tokenizer_config.json or chat_template.jinja); set data.chat_template=false")
 

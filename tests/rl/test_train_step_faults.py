@@ -12,7 +12,8 @@ from .conftest import QUICKSTART
 from .test_trainer_checkpoint import _rollouts
 
 
-def test_nonfinite_first_epoch_skips_the_step_and_empty_batches_train_nothing(small):
+def _three_epoch_trainer(small):
+    """A bf16 Trainer of 3 PPO epochs over micro-batches of 12 tokens, its rollouts, and their TrainBatch."""
     cfg = load_config(QUICKSTART, small + ["recipe.name=bf16", "rl.ppo_epochs=3", "trainer.tokens_per_microbatch=12",
                                            "trainer.max_nonfinite_steps=5"])
     trainer = Trainer(cfg)
@@ -20,6 +21,11 @@ def test_nonfinite_first_epoch_skips_the_step_and_empty_batches_train_nothing(sm
     outs = _rollouts(cfg, trainer)
     batch = TrainBatch([o.prompt_ids for o in outs], [o.completion_ids for o in outs], [o.logprobs for o in outs],
                        [1.0, -1.0, 0.5] * 3)
+    return trainer, outs, batch
+
+
+def test_nonfinite_first_epoch_skips_the_step_and_empty_batches_train_nothing(small):
+    trainer, outs, batch = _three_epoch_trainer(small)
     loss, calls = trainer._microbatch_loss, []
 
     def first_fails(*a, **k):  # what deferred_checks raises when a quantized GEMM met NaN/Inf
@@ -48,13 +54,7 @@ def test_nan_old_logprobs_from_a_failed_last_micro_batch_stop_the_later_epochs(s
     running every later epoch against NaN and counting each as another skipped step."""
     import torch
 
-    cfg = load_config(QUICKSTART, small + ["recipe.name=bf16", "rl.ppo_epochs=3", "trainer.tokens_per_microbatch=12",
-                                           "trainer.max_nonfinite_steps=5"])
-    trainer = Trainer(cfg)
-    trainer.setup_rl()
-    outs = _rollouts(cfg, trainer)
-    batch = TrainBatch([o.prompt_ids for o in outs], [o.completion_ids for o in outs], [o.logprobs for o in outs],
-                       [1.0, -1.0, 0.5] * 3)
+    trainer, outs, batch = _three_epoch_trainer(small)
     loss, seen = trainer._microbatch_loss, []
 
     def last_of_epoch0_fails(batch, mb, epoch, old, *a, **k):
