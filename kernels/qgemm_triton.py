@@ -37,7 +37,7 @@ they give the same bits. If it fails on some GPU, set ``TWO_CONFIGS = False``
 
 CUDA graphs: with ``counts`` a device int tensor (sum(counts) == R, not
 checked: that would sync) the tile map is built by one small kernel, the grid
-is fixed at cdiv(R, BLOCK_M) + min(E, R) row tiles (``n_row_tiles``; the tiles
+is fixed at cdiv(R, BLOCK_M) + min(E, R) - 1 row tiles (``n_row_tiles``; the tiles
 past the last expert exit at once) and nothing reads the device, so a decode step can be captured.
 
 Serving (`quantize_and_multiply`): the activation quantize kernel also writes the
@@ -277,14 +277,16 @@ def tile_first(N, BLOCK_N: tl.constexpr):
 
 
 def n_row_tiles(rows: int, groups: int, block_m: int) -> int:
-    """Row tiles a grouped call can need: cdiv(rows, block_m) + min(groups, rows).
+    """Row tiles a grouped call can need: cdiv(rows, block_m) + min(groups, rows) - 1 (0 without rows).
 
-    Expert e takes cdiv(c_e, block_m) <= c_e / block_m + 1 tiles, and only the experts with rows take any, at
-    most min(groups, rows) of them. The bound depends on the shape only (a CUDA graph's grid is fixed); with
-    min(groups, rows) rather than groups, a decode step's 4 rows over 32 experts launch 5 row tiles, not 33
-    of which 28 would exit at once.
+    The k experts with rows (k <= min(groups, rows)) take sum_e cdiv(c_e, block_m) = k + sum_e floor((c_e - 1) /
+    block_m) <= k + floor((rows - k) / block_m) <= k + cdiv(rows, block_m) - 1 tiles; the bound is reached
+    (e.g. k experts of block_m + 1 rows each). It depends on the shape only (a CUDA graph's grid is fixed).
+    With min(groups, rows) rather than groups, a decode step's 4 rows over 32 experts launch 4 row tiles, not
+    32 of which 28 would exit at once; without the - 1 (before the twenty-third session), a dense call
+    (one group) launched two row tiles, the second dead, as many dead programs as live ones.
     """
-    return triton.cdiv(rows, block_m) + min(groups, rows)
+    return triton.cdiv(rows, block_m) + min(groups, rows) - 1 if rows > 0 else 0
 
 
 def tile_map(counts, rows: int, block_m: int, device=None) -> torch.Tensor:

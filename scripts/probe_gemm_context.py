@@ -22,6 +22,11 @@ the profiler is the measurement; one that only the quantize opens is the pair's 
 grid of a 4-row call), the padding on row 0's experts (16 rows on each of 4 experts: the nineteenth session's
 mark), the padding uncounted (64-row call whose counts cover the 4 real entries: what routing padding rows to
 the expert-parallel sentinel would give), and the padding unmarked (its own 4 experts, 15 rows each).
+
+`--dead-tile` (twenty-third session) times the row-tile bound's `- 1`: each call with its tile map as
+`n_row_tiles` now sizes it, and with one dead (-1) tile appended (the bound before), side by side, as CUDA graphs
+of 64 calls: the issue's dense shape (K 4096, N 14336, one group: 1 row tile against 2) at 1 / 4 / 16 rows,
+rotating over 8 weight tensors (twice the L2), and the bench model's batch-1 gate_up (4 rows over 32 experts).
 """
 
 from __future__ import annotations
@@ -123,7 +128,42 @@ def padding_cases() -> int:
                   f"{_profiled_us(gr, '_nvfp4_grouped_kernel'):15.2f}")
     return 0
 
+def dead_tile_cases() -> int:
+    dev = "cuda"
+    g = torch.Generator().manual_seed(0)
+    print("tile map as n_row_tiles sizes it against the same map + one dead tile (the bound before); µs a call")
+    print(f"{'case':<34} {'tiles':>5} {'tight':>8} {'+1 dead':>8} {'ratio':>6}")
+    dense = [quantize(_weights((1, 14336, 4096), dev, 300 + i), "nvfp4", outer="group") for i in range(8)]
+    experts = [quantize(_weights((EXPERTS, N, K), dev, 400 + i), "nvfp4", outer="group") for i in range(LAYERS)]
+    cases = [(f"dense K 4096 N 14336, {m} rows", dense, m, [torch.tensor([m], dtype=torch.int32, device=dev)])
+             for m in (1, 4, 16)]
+    cases.append((f"gate_up {TOP_K} rows over {EXPERTS} experts", experts, TOP_K,
+                  [torch.bincount(torch.randperm(EXPERTS, generator=g)[:TOP_K], minlength=EXPERTS)
+                   .to(torch.int32).to(dev) for _ in range(CALLS)]))
+    for name, weights, rows, counts in cases:
+        groups, n, k = weights[0].shape
+        cfg = qg.pick_config(rows, groups, k, n)
+        qx = quantize(_weights((rows, k), dev, 3) * 50, "nvfp4", outer="row")
+        xh = qg.predecode(qx, qg.GPU_DECODE) if cfg.predecode_x else None
+        us = []
+        for extra in (0, 1):
+            maps = []
+            for c in counts:  # tile maps built outside the graphs; the dead tile appended by hand
+                cmap = qg.tile_map(c, rows, cfg.block_m, dev)
+                dead = torch.tensor([[-1] * extra, [0] * extra, [0] * extra], dtype=torch.int32, device=dev)
+                maps.append({"counts": c, (rows, cfg.block_m): torch.cat([cmap, dead], 1).contiguous()})
+            fns = [lambda i=i: qg.grouped_nvfp4(qx, weights[i % len(weights)], counts[i % len(counts)],
+                                                torch.bfloat16, config=cfg, xh=xh, maps=maps[i % len(maps)])
+                   for i in range(CALLS)]
+            us.append(replay_us(_graph(fns), 20) / CALLS)
+        tiles = maps[0][(rows, cfg.block_m)].shape[1] - 1
+        print(f"{name:<34} {tiles:>5} {us[0]:8.2f} {us[1]:8.2f} {us[1] / us[0]:5.2f}x")
+    return 0
+
+
 if __name__ == "__main__":
     import sys
 
-    raise SystemExit(padding_cases() if "--padding" in sys.argv[1:] else main())
+    if "--padding" in sys.argv[1:]:
+        raise SystemExit(padding_cases())
+    raise SystemExit(dead_tile_cases() if "--dead-tile" in sys.argv[1:] else main())

@@ -371,13 +371,21 @@ def test_pick_config_routes_by_rows_per_expert_and_k():
 @pytest.mark.parametrize("counts", [[0, 5, 16, 0, 33, 1, 0, 200],
                                     [1] * 8 + [0] * 24,  # few rows over many experts: min(E, R) row tiles, not E
                                     [17] * 8,  # every expert one row past a whole tile: two tiles each
+                                    [129] * 3,  # one row past whole tiles at block_m 128 too
+                                    [5],  # a dense call: one row tile, none dead
+                                    [40],
                                     [0, 0, 1, 0],
                                     [1000, 0, 3, 500, 7],  # over 64 tiles: the device map in several programs
                                     [2000] + [0] * 6])  # every row one expert's: its tiles split over programs
 def test_tile_map_covers_each_row_once(block_m, counts):
     rows = sum(counts)
     cmap = qg.tile_map(counts, rows, block_m, DEVICE)
-    assert cmap.shape == (3, -(-rows // block_m) + min(len(counts), rows))
+    assert cmap.shape == (3, -(-rows // block_m) + min(len(counts), rows) - 1)
+    live = sum(-(-c // block_m) for c in counts)
+    assert live <= cmap.shape[1]
+    if len(counts) == 1 or all(c % block_m == 1 for c in counts):  # tight: a dense call, or every expert one row
+        # past whole tiles
+        assert live == cmap.shape[1], (live, cmap.shape)
     on_device = qg.tile_map(torch.tensor(counts, dtype=torch.int32, device=DEVICE), rows, block_m)
     assert_bitwise_equal(on_device, cmap, "tile map: device kernel vs host")
     seen = torch.zeros(rows, dtype=torch.int64)
