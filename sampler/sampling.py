@@ -43,9 +43,27 @@ def effective_temperature(temperature: float) -> float:
     return 1.0 if temperature == 0 else float(temperature)
 
 
+def temperature_scaled(logits: torch.Tensor, temperature) -> torch.Tensor:
+    """logits in fp32 divided by T (a float, or a tensor that broadcasts), always as a true division by a tensor
+    on the logits' device: every site that scales logits (the sampler's draw, `policy_logprobs`, the trainer's
+    `TargetLogprobs` and its backward) goes through here, so they agree bitwise at every T.
+
+    Why not `logits / t` with t a Python float: on CUDA, PyTorch divides by a CPU scalar as a multiply by its
+    reciprocal (aten's div_true_kernel_cuda, "may lose one bit"), while a device tensor divisor (the sampler's
+    per-row temperatures) gets true division: at T = 0.7 the two differ in the last bit of about a tenth of the
+    scaled logits, and the trainer's recomputed logprobs then miss the sampler's. On the CPU both are true
+    division. vLLM divides by a device tensor too.
+    """
+    logits = logits.float()
+    if isinstance(temperature, torch.Tensor):
+        return logits / temperature.to(device=logits.device, dtype=torch.float32)
+    # filled on the device: a copy from the host would wait for the stream (the trainer calls this per chunk)
+    return logits / torch.full((), float(temperature), dtype=torch.float32, device=logits.device)
+
+
 def policy_logprobs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """log_softmax(logits / T) in fp32 over the full vocabulary (no truncation)."""
-    return torch.log_softmax(logits.float() / effective_temperature(temperature), dim=-1)
+    return torch.log_softmax(temperature_scaled(logits, effective_temperature(temperature)), dim=-1)
 
 
 def truncates(params: SamplingParams) -> bool:
@@ -120,7 +138,7 @@ def sample_rows_tensors(logits: torch.Tensor, params: list[SamplingParams], keys
     on the host one step later, while the next step already runs."""
     logits = logits.float()
     temps = to_device(torch.tensor([effective_temperature(p.temperature) for p in params]), logits.device)
-    logp = torch.log_softmax(logits / temps[:, None], dim=-1)
+    logp = torch.log_softmax(temperature_scaled(logits, temps[:, None]), dim=-1)
     # what argmax draws from: the raw logits (greedy rows), else processed logp plus Gumbel noise; the
     # per-row ops are only for rows that truncate (a batch-wide op otherwise: no launches per row)
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]

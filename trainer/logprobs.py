@@ -23,6 +23,7 @@ from transformers import AttentionInterface
 
 from rl4bit.kernels.attention import attend, compute_dtype, fused_attention_ok
 from rl4bit.sampler.kv_cache import MIN_ROWS, model_implementations, pad_rows
+from rl4bit.sampler.sampling import temperature_scaled
 from rl4bit.trainer.transfer import to_device
 
 
@@ -151,7 +152,7 @@ def chunk_rows(vocab: int) -> int:
 
 class TargetLogprobs(torch.autograd.Function):
     """(logp [R], entropy) = log_softmax(logits.float() / t)[r, target[r]] and the rows' summed entropy (no
-    gradient), computed `chunk` rows at a time.
+    gradient), computed `chunk` rows at a time; the division is `sampling.temperature_scaled`'s, the sampler's.
 
     The same logprobs as the whole-tensor expression (log_softmax reduces each row on its own; the entropy's
     row sums too on the CPU, tested; on CUDA a reduction's split may follow the row count, and the entropy is a
@@ -170,7 +171,7 @@ class TargetLogprobs(torch.autograd.Function):
         logp = torch.empty(rows, dtype=torch.float32, device=logits.device)
         ent = torch.empty(rows, dtype=torch.float32, device=logits.device)
         for a in range(0, rows, chunk):
-            out = torch.log_softmax(logits[a: a + chunk].float() / t, dim=-1)
+            out = torch.log_softmax(temperature_scaled(logits[a: a + chunk], t), dim=-1)
             logp[a: a + chunk] = out.gather(1, targets[a: a + chunk, None])[:, 0]
             ent[a: a + chunk] = -(out.exp() * out).sum(-1)
         ctx.save_for_backward(logits, targets)
@@ -184,8 +185,8 @@ class TargetLogprobs(torch.autograd.Function):
         logits, targets = ctx.saved_tensors
         grad = torch.empty_like(logits)
         for a in range(0, logits.shape[0], ctx.chunk):
-            out = torch.log_softmax(logits[a: a + ctx.chunk].float() / ctx.t, dim=-1)
+            out = torch.log_softmax(temperature_scaled(logits[a: a + ctx.chunk], ctx.t), dim=-1)
             ga = g[a: a + ctx.chunk, None]
             dz = torch.zeros_like(out).scatter_(1, targets[a: a + ctx.chunk, None], ga) - out.exp() * ga
-            grad[a: a + ctx.chunk] = (dz / ctx.t).to(logits.dtype)
+            grad[a: a + ctx.chunk] = temperature_scaled(dz, ctx.t).to(logits.dtype)
         return grad, None, None, None
