@@ -199,10 +199,14 @@ def _vllm_engine(model, tokenizer, config: SamplerConfig, max_seq_len: int | Non
     from rl4bit.sampler.vllm_engine import VLLMEngine
     from rl4bit.trainer.surgery import quant_modules
 
-    root = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="rl4bit-sampler-"))
+    tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="rl4bit-sampler-")
+    root = Path(workdir) if tmp is None else Path(tmp.name)  # a temporary one removed with the engine
     plan = {name: m.spec.fmt for name, m in quant_modules(model).items()}
     export = write_checkpoint(root / "export", model.eval(), plan, tokenizer=tokenizer)
     with torch.no_grad():  # the weight-sync receiver's reference: serving mode, masters dropped
         load_quantized(model, quantized_weights(model))
-    return VLLMEngine(export, workdir=root / "vllm", model=model, max_batch_size=config.max_batch_size,
-                      max_seq_len=max_seq_len, gpu_memory_utilization=config.gpu_memory_utilization)
+    engine = VLLMEngine(export, workdir=root / "vllm", model=model, max_batch_size=config.max_batch_size,
+                        max_seq_len=max_seq_len, gpu_memory_utilization=config.gpu_memory_utilization)
+    if tmp is not None:
+        engine.temp_dirs.append(tmp)
+    return engine

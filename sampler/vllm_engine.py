@@ -190,13 +190,17 @@ def _write_dir(dst: Path, form: ServingForm, tensors: dict[str, torch.Tensor], s
     from safetensors.torch import save_file
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.tmp-", dir=dst.parent))
-    save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(form.vllm_config(), indent=1) + "\n")
-    if src is not None:
-        for f in src.iterdir():
-            if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
-                shutil.copy(f, tmp / f.name)
-    fsync_tree(tmp)
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(form.vllm_config(), indent=1) + "\n")
+        if src is not None:
+            for f in src.iterdir():
+                if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+                    shutil.copy(f, tmp / f.name)
+        fsync_tree(tmp)
+    except BaseException:  # a full disk: leave no half-written copy behind to keep it full
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     replace_dir(tmp, dst)
 
 
@@ -272,8 +276,12 @@ class VLLMEngine:
                           f"scale), e.g. {demoted[:3]}")
         self.values = values
         self.tensors = self._encode_all(values)
-        self._tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="rl4bit-vllm-")
-        self.workdir = Path(workdir if workdir is not None else self._tmp.name)
+        self.temp_dirs: list[tempfile.TemporaryDirectory] = []
+        """Temporary directories removed with the engine: its workdir when none was given, and what the caller
+        hands over (`actor._vllm_engine`'s export)."""
+        if workdir is None:
+            self.temp_dirs.append(tempfile.TemporaryDirectory(prefix="rl4bit-vllm-"))
+        self.workdir = Path(workdir if workdir is not None else self.temp_dirs[0].name)
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.model_dir = self.workdir / "v0"
         _write_dir(self.model_dir, self.form, self.tensors, src)
@@ -297,7 +305,11 @@ class VLLMEngine:
         self.llm = LLM(**kw)
         self.tokenizer = self.llm.get_tokenizer()
         self._version = 0
-        self._rng = random.Random(seed)
+        self._served_dir = self.model_dir if self.multiprocess else None
+        """Multiprocess mode: the directory the workers last loaded (a failed reload restores from it)."""
+        self._rng = random.Random()
+        """Seeds of the requests that carry none: drawn from OS entropy, as the embedded engine's (`seed` is vLLM's
+        engine seed; drawing these from it gave every replica and every restart the same samples)."""
         self.tokens_generated = 0
         self.prompt_tokens = 0
         self.busy_s = 0.0
@@ -437,27 +449,42 @@ class VLLMEngine:
         if problems:
             raise ValueError(f"weight update v{update.version} rejected, v{self._version} keeps serving: "
                              + "; ".join(problems))
+        # multiprocess: the new version's directory first; if writing it fails, nothing was sent and the old
+        # version serves on (the directory `_write_dir` was writing is removed)
+        path = self._write_version(tensors, f"v{update.version}") if self.multiprocess else None
         try:
-            self._reload(tensors, f"v{update.version}")
+            self._reload(tensors, path)
         except Exception as err:
-            try:  # put the serving version back whole (every tensor), then report
-                self._reload(self.tensors, f"v{self._version}-restore")
+            try:  # put the serving version back whole (every tensor, or the directory it was loaded from), then report
+                self._reload(self.tensors, self._served_dir)
             except Exception as again:
                 self.broken = (f"reloading v{update.version} failed ({type(err).__name__}: {err}) and so did restoring "
                                f"v{self._version} ({type(again).__name__}: {again}): its weights are unknown; build a "
                                "new engine")
                 raise RuntimeError(self.broken) from again
+            finally:
+                if path is not None:
+                    shutil.rmtree(path, ignore_errors=True)
             raise
         self.values, self.tensors, self._version = values, tensors, update.version
-
-    def _reload(self, tensors: dict[str, torch.Tensor], tag: str) -> None:
-        if self.multiprocess:  # tensors cannot travel as RPC arguments: hand the workers a directory
-            path = self.workdir / tag
-            _write_dir(path, self.form, tensors, None)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
-            for old in self.workdir.iterdir():  # keep v0 (the engine's model dir) and the one now served
+        if path is not None:  # keep v0 (the engine's model dir) and the one now served
+            for old in self.workdir.iterdir():
                 if old.is_dir() and old not in (path, self.model_dir) and old.name.startswith("v"):
                     shutil.rmtree(old, ignore_errors=True)
+            self._served_dir = path
+
+    def _write_version(self, tensors: dict[str, torch.Tensor], tag: str) -> Path:
+        """Multiprocess mode: the tensors as a directory under workdir that the workers load (tensors cannot travel
+        as RPC arguments)."""
+        path = self.workdir / tag
+        _write_dir(path, self.form, tensors, None)
+        return path
+
+    def _reload(self, tensors: dict[str, torch.Tensor], path: Path | None) -> None:
+        """Load `tensors` into vLLM's workers: from `path` (multiprocess mode, `_write_version`), else passed in
+        process. Then the CPU MoE repack and a prefix-cache reset."""
+        if path is not None:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
         self.llm.collective_rpc("rl4bit_repack_moe")
@@ -473,8 +500,11 @@ def _value_problems(name: str, v, e: ckf.Entry, old) -> list[str]:
         return qtensor_problems(name, v, old.fmt, tuple(old.shape))
     if not isinstance(v, torch.Tensor):
         return [f"{name}: {type(v).__name__} is not a tensor"]
+    if isinstance(old, QTensor):  # served as its exact quantized values: a dense master would be served unquantized
+        return [f"{name}: a dense tensor for a weight the checkpoint holds as {old.fmt!r}; send its QTensor (the "
+                f"trainer's quantized weights, `surgery.quantized_weights`), as the embedded engine needs"]
     want = tuple(old.shape)
-    if tuple(v.shape) != want and not (isinstance(old, QTensor) and tuple(v.shape) in (want, want[1:])):
+    if tuple(v.shape) != want:
         return [f"{name}: shape {tuple(v.shape)} != model's {want}"]
     if v.is_floating_point() and not bool(torch.isfinite(v).all()):
         return [f"{name}: holds NaN/Inf values"]

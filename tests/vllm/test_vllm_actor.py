@@ -48,3 +48,18 @@ def test_vllm_sampler_syncs_buckets_from_the_trainer(engine, engine_b, models, t
     with pytest.raises(WeightSyncError):
         s.receive_bucket(bad)
     assert s.version == 1 and _greedy(s, ps) == _greedy(engine_b, ps)
+
+
+def test_a_sampler_without_workdir_owns_its_temporary_export():
+    """Without a workdir (the driver passes none) the export and vLLM's model directories go in a temporary
+    directory the engine owns, removed with it; before, a `mkdtemp` per sampler (two copies of the model) stayed
+    behind in /tmp for every replica, run and restart."""
+    import tempfile
+    from pathlib import Path
+
+    model, _ = make_model(0)
+    s = Sampler(model, build_tokenizer(), SamplerConfig(backend="vllm", max_batch_size=8), max_seq_len=128)
+    ALIVE.append(s)
+    owned = [Path(t.name) for t in s.engine.temp_dirs if isinstance(t, tempfile.TemporaryDirectory)]
+    assert any((d / "export" / "config.json").is_file() for d in owned)
+    assert s.engine.workdir.parent in owned  # vLLM's model directories inside it too

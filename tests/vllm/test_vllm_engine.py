@@ -70,6 +70,7 @@ def test_update_a_b_a_follows_each_version(engine, engine_b, models):
     ("unknown", "unknown tensor"), ("shape", "shape"), ("nan", "NaN"), ("old_version", "version"),
     ("qkv_scales", "global scales differ"), ("format", "format"), ("nan_block_scale", "scale: holds NaN/Inf"),
     ("scale_dtype", "scale: dtype and shape"),
+    ("dense_for_quantized", "send its QTensor"),  # was served unquantized, and no later QTensor update passed
 ])
 def test_rejected_update_keeps_old_version_serving(engine, models, breakage, message):
     ps = prompts(3, seed=5)
@@ -86,6 +87,10 @@ def test_rejected_update_keeps_old_version_serving(engine, models, breakage, mes
         update.tensors[name][1, 2] = float("nan")
     elif breakage == "old_version":
         update.version = version - 1
+    elif breakage == "dense_for_quantized":  # an expert weight (served in BF16 on the CPU) as a dense master
+        experts = "model.layers.0.mlp.experts.gate_up_proj"
+        update.tensors[experts] = torch.zeros(tuple(engine.values[experts].shape))
+        del q["model.layers.0.mlp.experts"]["gate_up_proj"]  # instead of its QTensor
     elif breakage in ("nan_block_scale", "scale_dtype"):  # an expert's NVFP4 block scales (E4M3 0x7F is NaN)
         w = q["model.layers.0.mlp.experts"]["down_proj"]
         scale = w.scale.clone()
@@ -116,11 +121,11 @@ def test_a_failed_reload_restores_or_retires_the_engine(export_a, new_engine, mo
     before = _greedy(eng, ps)
     real, calls = eng._reload, []
 
-    def flaky(tensors, tag):
-        calls.append(tag)
+    def flaky(tensors, path):
+        calls.append("restore" if tensors is eng.tensors else "new")
         if len(calls) == 1 or restore_fails:
-            raise OSError(f"injected failure reloading {tag}")
-        real(tensors, tag)
+            raise OSError(f"injected failure reloading the {calls[-1]} weights")
+        real(tensors, path)
 
     eng._reload = flaky
     if restore_fails:
@@ -133,9 +138,9 @@ def test_a_failed_reload_restores_or_retires_the_engine(export_a, new_engine, mo
             with pytest.raises(RuntimeError, match="vLLM engine unusable"):
                 call()
     else:
-        with pytest.raises(OSError, match="injected failure reloading v1"):
+        with pytest.raises(OSError, match="injected failure reloading the new weights"):
             eng.update_weights(*update_of(models["B"], eng.version + 1))
-        assert calls == ["v1", "v0-restore"] and eng.version == 0 and eng.broken is None
+        assert calls == ["new", "restore"] and eng.version == 0 and eng.broken is None
         assert _greedy(eng, ps) == before
 
 
@@ -315,3 +320,39 @@ def test_multiprocess_engine_reloads_from_a_directory(engine, engine_b, export_a
     assert want_a != want_b
     assert got["a"] == want_a and got["b"] == want_b and got["a_again"] == want_a
     assert got["version"] == 2 and got["version_dirs"] == ["v0", "v2"]
+
+
+def test_a_failed_version_write_keeps_the_old_version_serving(export_a, new_engine, models):
+    """The directory mode (multiprocess vLLM; here forced in process, where the worker reads the directory the
+    same way): a version whose directory cannot be written (a full disk) is refused before anything reaches vLLM,
+    leaves nothing on disk, and the engine serves on; the next update goes through, and only v0 and the served
+    version stay. Before, the failed write retired the engine (its restore wrote a second copy, and failed too)."""
+    import errno
+    from unittest import mock
+
+    eng = new_engine(export_a)
+    eng.multiprocess, eng._served_dir = True, eng.model_dir
+    ps = prompts(3, seed=8)
+    before = _greedy(eng, ps)
+    full = OSError(errno.ENOSPC, "No space left on device")
+    with mock.patch("safetensors.torch.save_file", side_effect=full), pytest.raises(OSError, match="No space left"):
+        eng.update_weights(*update_of(models["B"], 1))
+    assert eng.version == 0 and eng.broken is None
+    assert sorted(p.name for p in eng.workdir.iterdir()) == ["v0"]  # no half-written copy left
+    assert _greedy(eng, ps) == before
+    eng.update_weights(*update_of(models["B"], 1))
+    want_b = _greedy(eng, ps)
+    assert want_b != before
+    eng.update_weights(*update_of(models["A"], 2))
+    assert _greedy(eng, ps) == before
+    assert sorted(p.name for p in eng.workdir.iterdir()) == ["v0", "v2"]
+
+
+def test_requests_without_a_seed_differ_across_engines(export_a, new_engine):
+    """A request that carries no seed gets one drawn by the engine, from OS entropy (the embedded engine's rule):
+    two engines, like two replicas or a restarted one, sample it differently. Before, the draws came from the
+    engine seed (0 by default) and every replica gave the same samples."""
+    req = Request("a", prompts(1, seed=9)[0], SamplingParams(temperature=1.0, max_new_tokens=16, ignore_eos=True))
+    one, two = (new_engine(export_a).generate([req])[0] for _ in range(2))
+    assert one.error is None and two.error is None
+    assert one.completion_ids != two.completion_ids
