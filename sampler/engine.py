@@ -480,6 +480,8 @@ class EmbeddedEngine:
         if problems:
             raise ValueError(f"weight update v{update.version} rejected, v{self._version} keeps serving: "
                              + "; ".join(problems))
+        # the new QTensors moved before anything is overwritten: running out of memory there leaves v`version` whole
+        loads = [(module, {p: _to_device(q, self.device) for p, q in qweights.items()}) for module, qweights in loads]
         with torch.no_grad():
             for name, t in update.tensors.items():
                 live[name].copy_(t)
@@ -488,7 +490,7 @@ class EmbeddedEngine:
             if loads and self.graphs is not None:
                 self.graphs.reset()  # new QTensor storage: graphs captured before would read the old one
             for module, qweights in loads:
-                module.load_quantized({p: _to_device(q, self.device) for p, q in qweights.items()}, check=False)
+                module.load_quantized(qweights, check=False)
         self._version = update.version
 
     def _plan_quantized(self, quantized: dict, problems: list[str]):

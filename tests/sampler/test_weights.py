@@ -121,3 +121,30 @@ def test_rejected_quantized_update_changes_nothing(tokenizer, serving, breakage,
     after = model.state_dict()
     assert set(after) == set(saved) and all(torch.equal(saved[k], after[k]) for k in saved)
     assert _greedy(engine, ps) == before
+
+
+def test_a_failed_move_to_the_device_changes_nothing(tokenizer, monkeypatch):
+    """The new QTensors of modules not yet serving are moved to the engine's device before any weight is
+    overwritten: a failure there (the device out of memory) leaves the old weights and version serving, bit for
+    bit. Before, the dense tensors were already copied in by then."""
+    from rl4bit.sampler import engine as engine_mod
+    from rl4bit.trainer.surgery import quantized_weights
+
+    engine, model = _quantized_engine(tokenizer, serving=False)
+    ps = prompts(3, seed=9)
+    before = _greedy(engine, ps)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    other, _ = _quantized_engine(tokenizer, serving=False)
+    dense = {k: v.detach() + 1 for k, v in other.model.state_dict().items() if k.endswith("norm.weight")}
+
+    def out_of_memory(q, device):
+        raise torch.OutOfMemoryError("injected: the device is out of memory")
+
+    monkeypatch.setattr(engine_mod, "_to_device", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        engine.update_weights(WeightUpdate(1, dense), quantized_weights(other.model))
+    assert engine.version == 0
+    after = model.state_dict()
+    assert all(torch.equal(saved[k], after[k]) for k in saved)
+    monkeypatch.undo()
+    assert _greedy(engine, ps) == before
