@@ -63,6 +63,7 @@ graphs for prefill steps.
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 from dataclasses import dataclass, field
@@ -78,7 +79,8 @@ from rl4bit.sampler.rope_table import rope_tables
 from rl4bit.sampler.sampling import policy_logprobs, rows_to_lists, sample_rows, sample_rows_tensors
 from rl4bit.sampler.serving_dtype import precast
 from rl4bit.sampler.stop_strings import StopStrings
-from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts, request_error
+from rl4bit.sampler.types import (Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts,
+                                  nonfinite_logprob_error, request_error)
 from rl4bit.trainer import padding
 from rl4bit.trainer.fused_attention import pack_qkv
 
@@ -105,6 +107,8 @@ class _Seq:
     proc_logprobs: list[float] = field(default_factory=list)
     text: str = ""
     finish: str | None = None
+    error: str | None = None
+    """Why the sample failed mid-generation (finish "error": a non-finite logprob), else None."""
     followers: list["_Seq"] = field(default_factory=list)
     """The request's other samples, waiting to fork from this one's prefill (shared prompt KV)."""
 
@@ -382,6 +386,9 @@ class EmbeddedEngine:
         s.n_cached += len(s.pending)
         s.completion.append(token)
         s.logprobs.append(lp)
+        if not math.isfinite(lp):  # NaN/Inf logits: this sample ends here, failed; the others go on
+            s.finish, s.error = "error", nonfinite_logprob_error(s.logprobs)
+            return
         if plp is not None:
             s.proc_logprobs.append(plp)
         s.pending = [token]
@@ -430,7 +437,8 @@ class EmbeddedEngine:
     def _rollout(self, s: _Seq, version: int) -> Rollout:
         text = s.text or self.tokenizer.decode(s.completion, skip_special_tokens=True)
         return Rollout(s.request.id, s.sample_index, list(s.request.prompt_ids), s.completion, text, s.logprobs,
-                       s.finish, version, processed_logprobs=s.proc_logprobs if s.params.processed_logprobs else None)
+                       s.finish, version, error=s.error,
+                       processed_logprobs=s.proc_logprobs if s.params.processed_logprobs else None)
 
     # ------------------------------------------------------------------ scoring
     def score(self, prompt_ids: list[int], completion_ids: list[int], temperature: float = 1.0) -> list[float]:

@@ -138,6 +138,19 @@ class Rollout:
     """Per token log-prob under the truncated distribution sampled from; only when params.processed_logprobs."""
 
 
+def nonfinite_logprob_error(logprobs: list[float]) -> str | None:
+    """Why a sample's logprobs cannot be trusted (a message naming the token), or None: a NaN or infinite logprob
+    means the policy's logits for that token were not finite (activations overflowing or NaN; weights are checked
+    finite when loaded). Every backend fails such a sample alone (finish_reason "error", nothing of it trained on)
+    instead of handing NaN logprobs to the trainer."""
+    bad = next((i for i, lp in enumerate(logprobs) if not math.isfinite(lp)), None)
+    if bad is None:
+        return None
+    return (f"the policy's logprob of completion token {bad} is {logprobs[bad]}: its logits were NaN/Inf "
+            f"(non-finite activations); the sample is dropped. If every sample fails, check the model's weights "
+            f"and inputs (a bf16 overflow, a corrupt checkpoint)")
+
+
 def request_error(req: Request, vocab_size: int, max_seq_len: int) -> str | None:
     """Why `req` cannot run on a model of `vocab_size` tokens and `max_seq_len` context (a message
     naming the fix), or None. Every backend checks these; a backend's own limits come on top."""

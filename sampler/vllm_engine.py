@@ -72,7 +72,8 @@ from rl4bit.atomic import fsync_tree, replace_dir
 from rl4bit.kernels import QTensor, dequantize
 from rl4bit.kernels.checks import qtensor_problems
 from rl4bit.kernels.philox import derive_seed
-from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts, request_error
+from rl4bit.sampler.types import (Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts,
+                                  nonfinite_logprob_error, request_error)
 
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Linears vLLM fuses into one layer (qkv_proj, gate_up_proj): one NVFP4 global scale per fused layer."""
@@ -390,6 +391,10 @@ class VLLMEngine:
         if rescore:
             for r, lps in zip(rescore, self._score_many([(r.prompt_ids, r.completion_ids) for r in rescore])):
                 r.logprobs = lps
+        for r in results:  # NaN/Inf logits: that sample fails alone, as in the embedded engine
+            err = None if r is None or r.finish_reason == "error" else nonfinite_logprob_error(r.logprobs)
+            if err is not None:
+                r.finish_reason, r.error = "error", err
         return results
 
     # ------------------------------------------------------------------ scoring

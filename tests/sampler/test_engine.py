@@ -91,6 +91,31 @@ def test_bad_requests_fail_alone(engine, tokenizer):
         assert by_id[g.id].error is None and by_id[g.id].completion_ids == alone.completion_ids
 
 
+@pytest.mark.parametrize("params", [greedy(), SamplingParams(seed=3, max_new_tokens=10, n=2)])
+def test_a_sample_whose_logits_turn_nan_fails_alone(tokenizer, params):
+    """A token whose embedding is NaN makes its sequence's logits NaN (nothing else reads its rows): that sample
+    ends there with finish_reason "error" and a message naming the token, while the batch's other requests are
+    served as they would be alone. Before, the NaN logprobs went back as a normal rollout (on the CPU, and on a
+    GPU under the bf16 recipe, where no quantize kernel checks activations)."""
+    model = make_model(torch.float32)
+    clean = EmbeddedEngine(make_model(torch.float32), tokenizer, max_batch_size=8)
+    bad_token = 9
+    with torch.no_grad():
+        model.get_input_embeddings().weight[bad_token] = float("nan")
+    engine = EmbeddedEngine(model, tokenizer, max_batch_size=8)
+    good = [Request(f"ok{i}", [t for t in p if t != bad_token], params) for i, p in enumerate(prompts(3, seed=11))]
+    bad = Request("nan", [1, 5, bad_token, 6], params)
+    out = engine.generate([good[0], bad, good[1], good[2]])
+    failed = [r for r in out if r.request_id == "nan"]
+    assert len(failed) == params.n
+    for r in failed:
+        assert r.finish_reason == "error" and "completion token 0 is nan" in r.error, r.error
+        assert len(r.completion_ids) == len(r.logprobs) == 1
+    alone = clean.generate(good)
+    assert [(r.completion_ids, r.logprobs, r.error) for r in out if r.request_id != "nan"] == \
+        [(r.completion_ids, r.logprobs, None) for r in alone]
+
+
 def test_malformed_requests_fail_alone(engine):
     """Requests that are not well-formed objects (no SamplingParams, a prompt that is not a list of ints, not a
     Request at all) fail in their own rollout with a message naming the field; the others run."""

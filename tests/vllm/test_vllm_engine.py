@@ -356,3 +356,25 @@ def test_requests_without_a_seed_differ_across_engines(export_a, new_engine):
     one, two = (new_engine(export_a).generate([req])[0] for _ in range(2))
     assert one.error is None and two.error is None
     assert one.completion_ids != two.completion_ids
+
+
+def test_a_sample_with_a_nan_logprob_fails_alone(engine, monkeypatch):
+    """vLLM's logprob of a sampled token NaN (its logits overflowed): that sample fails alone with the embedded
+    engine's message, the others are returned as usual. The NaN is put into vLLM's own output objects (our
+    export and updates cannot carry a NaN weight to make one)."""
+    ps = prompts(3, seed=12)
+    reqs = [Request(str(i), p, SamplingParams(temperature=0.0, max_new_tokens=6)) for i, p in enumerate(ps)]
+    want = engine.generate(reqs)
+    real = engine.llm.generate
+
+    def one_nan(*args, **kw):
+        outs = real(*args, **kw)
+        c = outs[1].outputs[0]
+        c.logprobs[0][c.token_ids[0]].logprob = float("nan")
+        return outs
+
+    monkeypatch.setattr(engine.llm, "generate", one_nan)
+    got = engine.generate(reqs)
+    assert got[1].finish_reason == "error" and "completion token 0 is nan" in got[1].error
+    assert [(r.completion_ids, r.logprobs, r.error) for r in (got[0], got[2])] == \
+        [(r.completion_ids, r.logprobs, None) for r in (want[0], want[2])]
