@@ -49,7 +49,9 @@ global scale per expert input instead. We write `input_global_scale` = 1.0
 6*2**-9 to 6*448, no calibration; blocks with amax below 6*2**-6 (~0.09) get
 subnormal E4M3 scales (1-3 mantissa bits) and below ~6*2**-10 are zeroed, so
 inputs of small magnitude (e.g. some models' down-projection inputs) lose
-precision there. A calibrated scale per expert input (448*6 / amax from the
+precision there; at the other end a block whose amax passes 6*448 = 2688 gets
+the largest scale, 448, and its values clip to +-2688 (large activation
+outliers). A calibrated scale per expert input (448*6 / amax from the
 trainer's activations) would fix that; not done. vLLM serving therefore does NOT
 reproduce the trainer's activation numerics bit for bit; rl4bit's own sampler
 does (it reads the QTensors, not this field).
