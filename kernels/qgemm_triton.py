@@ -110,11 +110,18 @@ nineteenth sessions)."""
 
 
 DECODE = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=True, block_k=256)
-DECODE_SHORT_K = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=True, block_k=64)
-"""DECODE for K < DECODE_LONG_K in calls of many programs (`SMALL_GRID`; a 256 step would leave a few loop
-iterations to pipeline while other programs wait for the SM). Both from
-``scripts/sweep_decode_gemm.py`` on the H200 (64 configs, all bitwise equal to TRAIN): dense M=1 K=4096
-N=14336 50.1 -> 30.2 µs against the previous 16x32 one-warp tile; Qwen3-30B-A3B down (K=768) 62.8 -> 59.6 µs."""
+"""From ``scripts/sweep_decode_gemm.py`` on the H200 (64 configs, all bitwise equal to TRAIN): dense M=1 K=4096
+N=14336 50.1 -> 30.2 µs against the previous 16x32 one-warp tile. Twenty-third session (H200, 85 and 87
+configs, the tight row-tile bound): still the fastest on the dense shape and the bench model's gate_up, within 8%
+elsewhere."""
+DECODE_SHORT_K = Config(block_m=16, block_n=64, num_warps=2, num_stages=3, predecode_x=True, block_k=128)
+"""For K < DECODE_LONG_K in calls of many programs (`SMALL_GRID`): two warps a program and a 128-wide K step.
+Twenty-third session's sweeps (H200, every config bitwise equal to TRAIN, µs): Qwen3-30B-A3B down at 16 tokens
+(K 768, 128 rows over 87 experts, 4096 programs) 37.3, against DECODE 42.3 and the previous DECODE_SHORT_K
+(DECODE with a 64-wide step, ninth session: 59.6 against 62.8 for DECODE then) 46.4, which was slower than DECODE
+on every swept shape that day. Below SMALL_GRID this tile is not better than DECODE everywhere (the bench model's
+down at 1 / 8 tokens 8.7 / 17.1 against 7.1 / 15.7; 12.0 / 17.3 / 17.9 against 12.4 / 17.4 / 19.3 at 4 / 16 /
+64), so the threshold stays. Chosen from one shape above SMALL_GRID: a sweep over more such shapes is not done."""
 DECODE_LONG_K = 2048
 TRAIN = Config(block_m=128, block_n=128, num_warps=4, num_stages=3, block_k=64)
 """From ``scripts/sweep_decode_gemm.py --train`` on the H200 (45 configs, all bitwise equal): fastest or within
@@ -158,7 +165,8 @@ SMALL_GRID = 1024
 K < DECODE_LONG_K. With few programs a program's K loop is the call's latency and fewer, larger steps keep
 more bytes in flight. The fourteenth session's `sweep_decode_gemm.py --one-token` on the H200 (66 configs, all
 bitwise equal to TRAIN), the 1B model's down projection (K=768, N=2048, 32 experts), DECODE against
-DECODE_SHORT_K: 128 programs (1 token) 9.3 vs 11.2 µs, 224 (2 tokens) 11.2 vs 12.6, 448 (4) 13.0 vs 15.7, 736
+the DECODE_SHORT_K of then (DECODE with a 64-wide step; since the twenty-third session a two-warp tile, see
+DECODE_SHORT_K): 128 programs (1 token) 9.3 vs 11.2 µs, 224 (2 tokens) 11.2 vs 12.6, 448 (4) 13.0 vs 15.7, 736
 (8) 16.3 vs 19.1. With thousands (Qwen3-30B-A3B's down at 16 tokens: 4096) the 64-wide step won (59.6 against
 62.8 µs, ninth session). The crossover between 736 and 4096 is not swept: 1024 is a guess inside it."""
 
@@ -177,8 +185,8 @@ def decode_rows(rows: int, groups: int) -> bool:
 
 
 def pick_config(rows: int, groups: int = 1, k: int = DECODE_LONG_K, n: int | None = None) -> Config:
-    """DECODE for few rows (R <= DECODE_MAX_ROWS, or at most DECODE_MAX_ROWS_PER_GROUP rows an expert; its
-    64-wide-step twin DECODE_SHORT_K below K = DECODE_LONG_K unless the call has at most SMALL_GRID
+    """DECODE for few rows (R <= DECODE_MAX_ROWS, or at most DECODE_MAX_ROWS_PER_GROUP rows an expert;
+    DECODE_SHORT_K, its 16-row sibling, below K = DECODE_LONG_K unless the call has at most SMALL_GRID
     programs, `decode_programs`, with n the output columns; n None: by K alone), MID up to
     MID_MAX_ROWS_PER_GROUP rows an expert, else TRAIN.
 
@@ -281,7 +289,7 @@ def n_row_tiles(rows: int, groups: int, block_m: int) -> int:
 
     The k experts with rows (k <= min(groups, rows)) take sum_e cdiv(c_e, block_m) = k + sum_e floor((c_e - 1) /
     block_m) <= k + floor((rows - k) / block_m) <= k + cdiv(rows, block_m) - 1 tiles; the bound is reached
-    (e.g. k experts of block_m + 1 rows each). It depends on the shape only (a CUDA graph's grid is fixed).
+    (e.g. by groups = k <= block_m experts of block_m + 1 rows each, and by every dense call). It depends on the shape only (a CUDA graph's grid is fixed).
     With min(groups, rows) rather than groups, a decode step's 4 rows over 32 experts launch 4 row tiles, not
     32 of which 28 would exit at once; without the - 1 (before the twenty-third session), a dense call
     (one group) launched two row tiles, the second dead, as many dead programs as live ones.

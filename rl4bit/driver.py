@@ -551,10 +551,13 @@ def evaluate(cfg: JobConfig, tokenizer, samplers, pool, eval_set: list[dict], re
     t0 = time.perf_counter()
     requests = [_request(cfg, tokenizer, s, n=1, seed=0, rid=f"eval-{i}", greedy=True) for i, s in enumerate(eval_set)]
     rollouts = generate(samplers, requests, recover)
+    # a failed sample (finish_reason "error": a bad request, NaN logits) scores as an empty completion, whatever
+    # partial text it carries
+    texts = ["" if r.finish_reason == "error" else r.text for r in rollouts]
     m = {"eval/n": float(len(eval_set))}  # the items evaluated (a prompt file may hold fewer than data.eval_size)
     if all(s.get("answer") is not None for s in eval_set):
-        m["eval/accuracy"] = sum(exact_match(s["prompt"], r.text, s["answer"]) for s, r in zip(eval_set, rollouts)) / len(eval_set)
-    scores = get(pool.score([(s["prompt"], r.text, s) for s, r in zip(eval_set, rollouts)]))
+        m["eval/accuracy"] = sum(exact_match(s["prompt"], t, s["answer"]) for s, t in zip(eval_set, texts)) / len(eval_set)
+    scores = get(pool.score([(s["prompt"], t, s) for s, t in zip(eval_set, texts)]))
     ok = [v for v in scores.totals if v is not None]
     m["eval/reward_mean"] = sum(ok) / len(ok) if ok else 0.0
     m["time/eval_s"] = time.perf_counter() - t0

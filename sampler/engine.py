@@ -386,13 +386,13 @@ class EmbeddedEngine:
         s.n_cached += len(s.pending)
         s.completion.append(token)
         s.logprobs.append(lp)
-        if not math.isfinite(lp):  # NaN/Inf logits: this sample ends here, failed; the others go on
-            s.finish, s.error = "error", nonfinite_logprob_error(s.logprobs)
-            return
         if plp is not None:
             s.proc_logprobs.append(plp)
         s.pending = [token]
         self.tokens_generated += 1
+        if not math.isfinite(lp):  # NaN/Inf logits: this sample ends here, failed; the others go on
+            s.finish, s.error = "error", nonfinite_logprob_error(s.logprobs)
+            return
         self._check_finished(s, token)
 
     def _fork(self, seqs: list[_Seq], active: list[_Seq]) -> tuple[list[tuple[int, _Seq]], list[_Seq]]:

@@ -109,3 +109,27 @@ def test_resumed_run_matches_an_uninterrupted_one(tmp_path, small, deadline, kl_
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     assert strip_timing(a) == strip_timing(b)
     assert any(r.get("loss", 0) != 0 for r in a[3:]), "resume equality is vacuous if nothing trains"
+
+
+def test_eval_scores_a_failed_sample_as_an_empty_completion(monkeypatch):
+    """A failed eval sample (finish_reason "error": a bad request, NaN logits; vLLM's keep their text) counts as
+    an empty completion in eval/accuracy and eval/reward_mean, whatever partial text it carries. The samplers'
+    rollouts are given (the engines' error paths are tested in tests/sampler and tests/vllm); the reward pool and
+    the request building are the real ones."""
+    from rl4bit.actors import _LocalProxy
+    from rl4bit.config import load_config
+    from rl4bit.rewards import RewardPool
+    from rl4bit.sampler.types import Rollout
+    from rl4bit.tokenizer import build_tokenizer
+
+    cfg = load_config(QUICKSTART)
+    eval_set = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
+    rollouts = [Rollout("eval-0", 0, [1], [5], "2", [-0.1], "stop", 0),
+                Rollout("eval-1", 0, [1], [6], "4", [float("nan")], "error", 0, error="NaN logits")]
+    monkeypatch.setattr(driver, "generate", lambda samplers, requests, recover=None: rollouts)
+    pool = RewardPool(["rl4bit.rewards:exact_match"], [1.0])
+    try:
+        m = driver.evaluate(cfg, build_tokenizer(), [], _LocalProxy(pool, "RewardPool"), eval_set)
+    finally:
+        pool.close()
+    assert m["eval/accuracy"] == 0.5 and m["eval/reward_mean"] == 0.5

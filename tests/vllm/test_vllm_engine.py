@@ -112,11 +112,15 @@ def test_rejected_update_keeps_old_version_serving(engine, models, breakage, mes
     assert _greedy(engine, ps) == before
 
 
-@pytest.mark.parametrize("restore_fails", [False, True])
-def test_a_failed_reload_restores_or_retires_the_engine(export_a, new_engine, models, restore_fails):
+@pytest.mark.parametrize("restore_fails, directories", [(False, False), (True, False), (False, True)])
+def test_a_failed_reload_restores_or_retires_the_engine(export_a, new_engine, models, restore_fails, directories):
     """A reload that fails inside vLLM: the serving version is reloaded whole and keeps serving, bit for bit;
-    if that fails too the engine's weights are unknown, and it refuses to generate, score or update."""
+    if that fails too the engine's weights are unknown, and it refuses to generate, score or update.
+    directories: the multiprocess mode's (forced in process): the restore reloads the served directory, and
+    the failed version's directory is removed."""
     eng = new_engine(export_a)
+    if directories:
+        eng.multiprocess, eng._served_dir = True, eng.model_dir
     ps = prompts(3, seed=6)
     before = _greedy(eng, ps)
     real, calls = eng._reload, []
@@ -142,6 +146,8 @@ def test_a_failed_reload_restores_or_retires_the_engine(export_a, new_engine, mo
             eng.update_weights(*update_of(models["B"], eng.version + 1))
         assert calls == ["new", "restore"] and eng.version == 0 and eng.broken is None
         assert _greedy(eng, ps) == before
+        if directories:
+            assert sorted(p.name for p in eng.workdir.iterdir()) == ["v0"]
 
 
 def test_bad_requests_fail_alone(engine):
