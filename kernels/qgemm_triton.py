@@ -288,11 +288,12 @@ def n_row_tiles(rows: int, groups: int, block_m: int) -> int:
     """Row tiles a grouped call can need: cdiv(rows, block_m) + min(groups, rows) - 1 (0 without rows).
 
     The k experts with rows (k <= min(groups, rows)) take sum_e cdiv(c_e, block_m) = k + sum_e floor((c_e - 1) /
-    block_m) <= k + floor((rows - k) / block_m) <= k + cdiv(rows, block_m) - 1 tiles; the bound is reached
-    (e.g. by groups = k <= block_m experts of block_m + 1 rows each, and by every dense call). It depends on the shape only (a CUDA graph's grid is fixed).
-    With min(groups, rows) rather than groups, a decode step's 4 rows over 32 experts launch 4 row tiles, not
-    32 of which 28 would exit at once; without the - 1 (before the twenty-third session), a dense call
-    (one group) launched two row tiles, the second dead, as many dead programs as live ones.
+    block_m) <= k + floor((rows - k) / block_m) <= k + cdiv(rows, block_m) - 1 tiles; the bound is reached (e.g.
+    by groups = k <= block_m experts of block_m + 1 rows each, and by every dense call). It depends on the shape
+    only (a CUDA graph's grid is fixed). With min(groups, rows) rather than groups, a decode step's 4 rows over
+    32 experts launch 4 row tiles, not 32 of which 28 would exit at once; without the - 1 (before the
+    twenty-third session), a dense call (one group) launched two row tiles, the second dead, as many dead
+    programs as live ones.
     """
     return triton.cdiv(rows, block_m) + min(groups, rows) - 1 if rows > 0 else 0
 

@@ -556,7 +556,8 @@ def evaluate(cfg: JobConfig, tokenizer, samplers, pool, eval_set: list[dict], re
     texts = ["" if r.finish_reason == "error" else r.text for r in rollouts]
     m = {"eval/n": float(len(eval_set))}  # the items evaluated (a prompt file may hold fewer than data.eval_size)
     if all(s.get("answer") is not None for s in eval_set):
-        m["eval/accuracy"] = sum(exact_match(s["prompt"], t, s["answer"]) for s, t in zip(eval_set, texts)) / len(eval_set)
+        hits = sum(exact_match(s["prompt"], t, s["answer"]) for s, t in zip(eval_set, texts))
+        m["eval/accuracy"] = hits / len(eval_set)
     scores = get(pool.score([(s["prompt"], t, s) for s, t in zip(eval_set, texts)]))
     ok = [v for v in scores.totals if v is not None]
     m["eval/reward_mean"] = sum(ok) / len(ok) if ok else 0.0

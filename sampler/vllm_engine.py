@@ -456,7 +456,9 @@ class VLLMEngine:
                              + "; ".join(problems))
         # multiprocess: the new version's directory first; if writing it fails, nothing was sent and the old
         # version serves on (the directory `_write_dir` was writing is removed)
-        path = self._write_version(tensors, f"v{update.version}") if self.multiprocess else None
+        path = self.workdir / f"v{update.version}" if self.multiprocess else None
+        if path is not None:  # tensors cannot travel as RPC arguments: the workers load a directory
+            _write_dir(path, self.form, tensors, None)
         try:
             self._reload(tensors, path)
         except Exception as err:
@@ -478,15 +480,8 @@ class VLLMEngine:
                     shutil.rmtree(old, ignore_errors=True)
             self._served_dir = path
 
-    def _write_version(self, tensors: dict[str, torch.Tensor], tag: str) -> Path:
-        """Multiprocess mode: the tensors as a directory under workdir that the workers load (tensors cannot travel
-        as RPC arguments)."""
-        path = self.workdir / tag
-        _write_dir(path, self.form, tensors, None)
-        return path
-
     def _reload(self, tensors: dict[str, torch.Tensor], path: Path | None) -> None:
-        """Load `tensors` into vLLM's workers: from `path` (multiprocess mode, `_write_version`), else passed in
+        """Load `tensors` into vLLM's workers: from `path` (multiprocess mode: their directory), else passed in
         process. Then the CPU MoE repack and a prefix-cache reset."""
         if path is not None:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
