@@ -105,15 +105,18 @@ case "$mode" in
         tail -3 "$out/qgemm.txt"
         bash "$0" padding ;;
     rl)
-        for invariant in true false; do
+        # RL_INVARIANT (default "true false") picks the runs, RL_TEMPERATURE (default 1.0) the sampling temperature
+        limit=220  # the first job compiles (25 s a step on an H100)
+        for invariant in ${RL_INVARIANT:-true false}; do
             rm -rf /tmp/rl-$invariant  # a second call on a warm machine: no stale run dir
-            limit=160; [ $invariant = true ] && limit=220  # the first job compiles (25 s a step on an H100)
             run parity-$invariant $limit python3 -P -m rl4bit.cli train configs/gpu-h200.yaml \
-                -o model.invariant_kernels=$invariant -o rl.steps=2 -o sampler.max_new_tokens=32 \
+                -o model.invariant_kernels=$invariant -o sampler.temperature=${RL_TEMPERATURE:-1.0} \
+                -o rl.steps=2 -o sampler.max_new_tokens=32 \
                 -o sampler.ignore_eos=true -o run.warmup_sft_steps=0 -o data.eval_size=8 --out /tmp/rl-$invariant
             cp /tmp/rl-$invariant/metrics.jsonl "$out/metrics-$invariant.jsonl" 2>/dev/null
             grep -oE '"(step|mismatch/k3|mismatch/max_abs|time/[a-z_]+)": [-0-9.e]+' \
                 "$out/metrics-$invariant.jsonl" | head -24
+            limit=160
         done ;;
     step)
         # configs/gpu-h200.yaml's bf16 job peaked at 77.3 GiB on the H200 and ran out of memory on an 80 GB H100

@@ -4,6 +4,7 @@
     python3 -P scripts/sweep_decode_gemm.py --train     # the training-shape (TRAIN) tiles instead
     python3 -P scripts/sweep_decode_gemm.py --one-token | --rollout   # bench rollout's experts at batch 1 | 16, 64
     python3 -P scripts/sweep_decode_gemm.py --one-token --rollout --out DIR   # both; then scripts/ab_decode_config.py
+    python3 -P scripts/sweep_decode_gemm.py --short-k   # K < 2048 / gate_up shapes of 128-expert models around SMALL_GRID
 
 Why a sweep and not autotuning: the bits of the kernel do not depend on the
 tile config (each output is one k16 MMA chain in K order), but a config is
@@ -54,6 +55,14 @@ ROLLOUT_SHAPES = [("1b gate_up", 32, 2048, 1536, 16), ("1b down", 32, 768, 2048,
 (2.5x and 1.8x) and the grouped GEMMs are issue-bound rather than latency-bound (`--rollout`)."""
 MID_SHAPES = [("bench gate_up", 16, 2048, 1536, 256), ("bench down", 16, 768, 2048, 256)]
 """(name, E, K, N, tokens): the GPU job's batch-256 decode step (configs/gpu-h200.yaml: 16 experts, top-4)."""
+SHORT_K_SHAPES = [("a3b down", 128, 768, 2048, 4), ("a3b down", 128, 768, 2048, 8), ("a3b down", 128, 768, 2048, 16),
+                  ("a3b down", 128, 768, 2048, 32), ("a22b down", 128, 1536, 4096, 4),
+                  ("a22b down", 128, 1536, 4096, 16), ("a3b gate_up", 128, 2048, 1536, 1),
+                  ("a3b gate_up", 128, 2048, 1536, 4), ("a3b gate_up", 128, 2048, 1536, 16)]
+"""(name, E, K, N, tokens): Qwen3-30B-A3B's down (K 768) and Qwen3-235B-A22B's down (K 1536, N 4096), top-8 of
+128, at token counts on both sides of SMALL_GRID programs, where DECODE_SHORT_K was picked from one shape (A3B down
+at 16 tokens, twenty-third session); and A3B's gate_up (K 2048: DECODE) at 1 / 4 / 16 tokens, where two other tiles
+were faster that day (`--short-k`)."""
 
 
 def candidates() -> list[qg.Config]:
@@ -94,6 +103,7 @@ def main() -> int:
     p.add_argument("--mid", action="store_true", help="sweep mid-size tiles on batch-256 decode shapes")
     p.add_argument("--one-token", action="store_true", help="the decode tiles on bench rollout's batch-1 experts")
     p.add_argument("--rollout", action="store_true", help="the decode tiles on bench rollout's batch-16/64 experts")
+    p.add_argument("--short-k", action="store_true", help="the decode tiles on 128-expert shapes around SMALL_GRID")
     args = p.parse_args()
     dev = "cuda"
     gbps = copy_gbps(dev, args.reps)
@@ -103,6 +113,8 @@ def main() -> int:
         shapes, configs = TRAIN_SHAPES, train_candidates()
     elif args.mid:
         shapes, configs = MID_SHAPES, mid_candidates()
+    elif args.short_k:
+        shapes, configs = SHORT_K_SHAPES, candidates() + [qg.DECODE_SHORT_K, qg.MID]
     elif args.one_token or args.rollout:
         shapes = (ONE_TOKEN_SHAPES if args.one_token else []) + (ROLLOUT_SHAPES if args.rollout else [])
         configs = candidates() + [qg.DECODE_SHORT_K, qg.MID, qg.TRAIN]
