@@ -456,6 +456,22 @@ def _bcast_bytes(data: bytes | None, src: int, group) -> bytes | None:
     return data if is_src else buf.numpy().tobytes()
 
 
+def _receiver_step(receiver: WeightReceiver, step, *args) -> str | None:
+    """Run one receiver step; its failure as a message (None: it succeeded). Whatever it raises, the rank stays in
+    the collective (a rank leaving on an unexpected error would hang the others) and drops the staged update."""
+    import torch.distributed as dist
+
+    try:
+        step(*args)
+    except WeightSyncError as e:
+        return str(e)
+    except Exception as e:
+        receiver.abort(f"{type(e).__name__}: {e}")
+        return (f"receiver failed on rank {dist.get_rank()} ({type(e).__name__}: {e}); "
+                f"update dropped, v{receiver.serving_version()} keeps serving")
+    return None
+
+
 def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: WeightReceiver | None = None,
                      version: int | None = None, buckets: Iterable[Bucket] | None = None, group=None) -> int:
     """Collective weight update over torch.distributed (gloo on CPU, NCCL on GPU once blobs live on device).
@@ -463,8 +479,9 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
     Rank `src` passes `sender` and `version`; every other rank a `receiver`,
     which checks the n-th blob of the stream as bucket n of the header's
     version (SHA-256, then stamp): buckets go in order. An exception on the
-    sender mid-stream broadcasts an abort marker, so receivers never wait
-    forever. All ranks then agree (all_reduce MAX) on
+    sender before its header or mid-stream broadcasts an abort marker, so
+    receivers never wait forever; a receiver step raising anything drops its
+    staged update and stays in the collective. All ranks then agree (all_reduce MAX) on
     whether every receiver committed; on any failure every rank raises
     WeightSyncError carrying the lowest failing rank's message, and the
     receivers keep serving their previous version.
@@ -475,43 +492,44 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
     me = dist.get_rank()
     error: str | None = None
     if me == src:
-        header = json.dumps({"version": version, "count": sender.num_buckets, "layout": sender.layout()}).encode()
-        _bcast_bytes(header, src, group)
         try:
-            for b in (buckets if buckets is not None else sender.buckets(version)):
-                _bcast_bytes(b.sha256.encode() + b.payload, src, group)
-        except Exception as e:  # tell the receivers, then report
-            error = f"sender failed mid-stream ({type(e).__name__}: {e})"
+            header = json.dumps({"version": version, "count": sender.num_buckets, "layout": sender.layout()}).encode()
+        except Exception as e:  # the receivers wait for a header: send them the abort marker instead
+            error = f"sender failed before the header ({type(e).__name__}: {e})"
             _bcast_bytes(None, src, group)
         else:
-            _bcast_bytes(b"", src, group)  # end of stream
-    else:
-        h = json.loads(_bcast_bytes(None, src, group))
-        version = h["version"]
-        try:
-            receiver.begin(version, h["count"], h["layout"])
-        except WeightSyncError as e:
-            error = str(e)
-        i = 0
-        while True:
-            blob = _bcast_bytes(None, src, group)
-            if blob is None:
-                error = error or f"sender aborted update v{version} after {i} bucket(s)"
-                receiver.abort(error)
-                break
-            if blob == b"":
-                break
-            if error is None:
-                try:
-                    receiver.receive(version, i, blob[64:], blob[:64].decode(errors="replace"))
-                except WeightSyncError as e:
-                    error = str(e)
-            i += 1
-        if error is None:
+            _bcast_bytes(header, src, group)
             try:
-                receiver.commit(version)
-            except WeightSyncError as e:
-                error = str(e)
+                for b in (buckets if buckets is not None else sender.buckets(version)):
+                    _bcast_bytes(b.sha256.encode() + b.payload, src, group)
+            except Exception as e:  # tell the receivers, then report
+                error = f"sender failed mid-stream ({type(e).__name__}: {e})"
+                _bcast_bytes(None, src, group)
+            else:
+                _bcast_bytes(b"", src, group)  # end of stream
+    else:
+        blob = _bcast_bytes(None, src, group)
+        if blob is None:
+            error = "sender failed before the header"
+        else:
+            h = json.loads(blob)
+            version = h["version"]
+            error = _receiver_step(receiver, receiver.begin, version, h["count"], h["layout"])
+            i = 0
+            while True:
+                blob = _bcast_bytes(None, src, group)
+                if blob is None:
+                    error = error or f"sender aborted update v{version} after {i} bucket(s)"
+                    receiver.abort(error)
+                    break
+                if blob == b"":
+                    break
+                if error is None:
+                    error = _receiver_step(receiver, receiver.receive, version, i, blob[64:],
+                                           blob[:64].decode(errors="replace"))
+                i += 1
+            if error is None:
+                error = _receiver_step(receiver, receiver.commit, version)
     world = dist.get_world_size(group)
     first = torch.tensor([world if error is None else me], dtype=torch.int64)
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)  # lowest failing rank reports for everyone

@@ -84,6 +84,13 @@ def interrupted(buckets, after: int):
         yield b
 
 
+def raising(err: Exception):
+    """A stand-in method that raises `err` (a step failing with an error other than WeightSyncError)."""
+    def fail(*args, **kwargs):
+        raise err
+    return fail
+
+
 def broadcast_worker(rank: int, world: int, init_file: str) -> None:
     import torch.distributed as dist
 
@@ -105,6 +112,13 @@ def broadcast_worker(rank: int, world: int, init_file: str) -> None:
                 broadcast_update(0, sender=sender, version=2, buckets=stale(sender.buckets(2), old, 0))
             with pytest.raises(WeightSyncError, match=MISROUTED_1):
                 broadcast_update(0, sender=sender, version=2, buckets=misrouted(sender.buckets(2), 1))
+            for _ in ("receive", "commit"):  # the receiver raises something other than WeightSyncError
+                with pytest.raises(WeightSyncError, match="receiver failed on rank 1"):
+                    broadcast_update(0, sender=sender, version=2)
+            sender.layout = raising(RuntimeError("layout broke"))
+            with pytest.raises(WeightSyncError, match="sender failed before the header.*layout broke"):
+                broadcast_update(0, sender=sender, version=2)
+            del sender.layout
             broadcast_update(0, sender=sender, version=2)
         else:
             rx = WeightReceiver(make_sampler_model())
@@ -116,6 +130,17 @@ def broadcast_worker(rank: int, world: int, init_file: str) -> None:
                     broadcast_update(0, receiver=rx)
                 assert rx.serving_version() == 1
                 assert_serves(rx.snapshot(), trainer)
+            # a receiver step raising an unexpected error (a device OOM) must not leave the sender waiting
+            for step, err in (("receive", MemoryError("out of device memory")), ("commit", RuntimeError("copy failed"))):
+                setattr(rx, step, raising(err))
+                with pytest.raises(WeightSyncError, match=f"receiver failed on rank 1 .*{err}"):
+                    broadcast_update(0, receiver=rx)
+                delattr(rx, step)
+                assert rx.serving_version() == 1 and rx._staging is None
+                assert_serves(rx.snapshot(), trainer)
+            with pytest.raises(WeightSyncError, match="sender failed before the header"):
+                broadcast_update(0, receiver=rx)
+            assert rx.serving_version() == 1
             assert broadcast_update(0, receiver=rx) == 2
             bump_weights(trainer)
             assert_serves(rx.snapshot(), trainer)
