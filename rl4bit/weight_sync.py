@@ -481,8 +481,9 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
     version (SHA-256, then stamp): buckets go in order. An exception on the
     sender before its header or mid-stream broadcasts an abort marker, so
     receivers never wait forever; a receiver step raising anything drops its
-    staged update and stays in the collective. All ranks then agree (all_reduce MAX) on
-    whether every receiver committed; on any failure every rank raises
+    staged update and stays in the collective. All ranks then agree
+    (all_reduce MIN over the failing ranks) on whether every receiver
+    committed; on any failure every rank raises
     WeightSyncError carrying the lowest failing rank's message, and the
     receivers keep serving their previous version.
     Returns the update's version.
