@@ -114,15 +114,22 @@ DECODE = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=T
 N=14336 50.1 -> 30.2 µs against the previous 16x32 one-warp tile. Twenty-third session (H200, 85 and 87
 configs, the tight row-tile bound): still the fastest on the dense shape and the bench model's gate_up, within 8%
 elsewhere."""
-DECODE_SHORT_K = Config(block_m=16, block_n=64, num_warps=2, num_stages=3, predecode_x=True, block_k=128)
-"""For K < DECODE_LONG_K in calls of many programs (`SMALL_GRID`): two warps a program and a 128-wide K step.
-Twenty-third session's sweeps (H200, every config bitwise equal to TRAIN, µs): Qwen3-30B-A3B down at 16 tokens
-(K 768, 128 rows over 87 experts, 4096 programs) 37.3, against DECODE 42.3 and the previous DECODE_SHORT_K
-(DECODE with a 64-wide step, ninth session: 59.6 against 62.8 for DECODE then) 46.4, which was slower than DECODE
-on every swept shape that day. Below SMALL_GRID this tile is not better than DECODE everywhere (the bench model's
-down at 1 / 8 tokens 8.7 / 17.1 against 7.1 / 15.7; 12.0 / 17.3 / 17.9 against 12.4 / 17.4 / 19.3 at 4 / 16 /
-64), so the threshold stays. Chosen from one shape above SMALL_GRID: a sweep over more such shapes is not done."""
-DECODE_LONG_K = 2048
+DECODE_WIDE = Config(block_m=16, block_n=128, num_warps=4, num_stages=3, predecode_x=True, block_k=256)
+"""DECODE's 128-wide sibling, for DECODE-row calls of more than `SMALL_GRID` programs, whatever K. Sweeps of 86-87
+configs, every one bitwise equal to TRAIN (µs; DECODE_WIDE / DECODE / the previous DECODE_SHORT_K, a two-warp
+16 x 64 tile with a 128-wide K step that ran below K 2048):
+
+- H100, twenty-fourth session (`sweep_decode_gemm.py --large-grid`): Qwen3-30B-A3B down (K 768) at 8 / 16 / 32
+  tokens 28.8 / 40.5 / 50.6 against DECODE 28.9 / 42.4 / 53.4 and SHORT_K 29.6 / 41.7 / 51.2; Qwen3-235B-A22B
+  down (K 1536, N 4096) at 4 / 16 tokens 53.8 / 127.7 against 52.9 / 136.1 and 58.9 / 145.3; A3B gate_up (K 2048)
+  at 16 tokens 69.4 against 72.0 (SHORT_K 83.1). The fastest of the sweep on 5 of these 6 shapes, within 2% on
+  the sixth.
+- H200, twenty-third session: A3B down at 16 tokens 39.3 against 42.2 (SHORT_K 37.3, the best there); A3B gate_up
+  at 16 tokens 65.5 against 70.9 (best 64.4).
+
+Over these eight calls it takes 476 µs against 499 for DECODE and 507 for the previous rule (SHORT_K below K 2048,
+DECODE above), and is at most 5.4% over a shape's best. Per-GPU picks differ (SHORT_K won the H200's A3B down and
+lost the H100's A22B down by 14%): one rule for both, not a table per GPU."""
 TRAIN = Config(block_m=128, block_n=128, num_warps=4, num_stages=3, block_k=64)
 """From ``scripts/sweep_decode_gemm.py --train`` on the H200 (45 configs, all bitwise equal): fastest or within
 2% of it on Qwen3-30B-A3B gate_up / down at 4096 tokens (947.8 / 462.7 µs) and the bench model's at 16384
@@ -161,14 +168,14 @@ MID_MAX_ROWS_PER_GROUP = 64
 
 
 SMALL_GRID = 1024
-"""Programs (row tiles holding rows x column tiles) up to which a DECODE call keeps the 256-wide K step at
-K < DECODE_LONG_K. With few programs a program's K loop is the call's latency and fewer, larger steps keep
-more bytes in flight. The fourteenth session's `sweep_decode_gemm.py --one-token` on the H200 (66 configs, all
-bitwise equal to TRAIN), the 1B model's down projection (K=768, N=2048, 32 experts), DECODE against
-the DECODE_SHORT_K of then (DECODE with a 64-wide step; since the twenty-third session a two-warp tile, see
-DECODE_SHORT_K): 128 programs (1 token) 9.3 vs 11.2 µs, 224 (2 tokens) 11.2 vs 12.6, 448 (4) 13.0 vs 15.7, 736
-(8) 16.3 vs 19.1. With thousands (Qwen3-30B-A3B's down at 16 tokens: 4096) the 64-wide step won (59.6 against
-62.8 µs, ninth session). The crossover between 736 and 4096 is not swept: 1024 is a guess inside it."""
+"""Programs of DECODE's tiles (row tiles holding rows x 64-wide column tiles) up to which a DECODE-row call runs
+DECODE; past it, DECODE_WIDE. With few programs a program's K loop is the call's latency and narrow tiles spread
+the bytes over more SMs. Below the threshold neither tile wins everywhere (sweeps of the twenty-third and
+twenty-fourth sessions, µs, DECODE / DECODE_WIDE): H200, the bench model at 1 token 9.9 / 14.1 (gate_up) and
+7.1 / 8.3 (down), down at 16 tokens (832 programs) 17.4 / 18.3, at 64 (1024) 19.3 / 18.8, gate_up at 64 (768)
+31.2 / 29.5; H100, A3B down at 4 tokens (960) 18.9 / 21.5, gate_up at 4 (720) 31.3 / 30.5. DECODE's losses
+there are at most 8% (against the sweep's best), DECODE_WIDE's up to 42%, hence DECODE. History: the threshold
+was first K-dependent (a narrower K step below K 2048, ninth to twenty-third sessions)."""
 
 
 def decode_programs(rows: int, groups: int, n: int) -> int:
@@ -184,11 +191,10 @@ def decode_rows(rows: int, groups: int) -> bool:
     return TWO_CONFIGS and (rows <= DECODE_MAX_ROWS or rows <= DECODE_MAX_ROWS_PER_GROUP * groups)
 
 
-def pick_config(rows: int, groups: int = 1, k: int = DECODE_LONG_K, n: int | None = None) -> Config:
+def pick_config(rows: int, groups: int = 1, n: int | None = None) -> Config:
     """DECODE for few rows (R <= DECODE_MAX_ROWS, or at most DECODE_MAX_ROWS_PER_GROUP rows an expert;
-    DECODE_SHORT_K, its 16-row sibling, below K = DECODE_LONG_K unless the call has at most SMALL_GRID
-    programs, `decode_programs`, with n the output columns; n None: by K alone), MID up to
-    MID_MAX_ROWS_PER_GROUP rows an expert, else TRAIN.
+    DECODE_WIDE, its 128-wide sibling, when the call has more than SMALL_GRID programs, `decode_programs`, with
+    n the output columns; n None: DECODE), MID up to MID_MAX_ROWS_PER_GROUP rows an expert, else TRAIN.
 
     The choice depends on the call's shape only; all configs give the same bits per row (GPU-tested), so a
     row's result does not depend on which one ran.
@@ -196,9 +202,9 @@ def pick_config(rows: int, groups: int = 1, k: int = DECODE_LONG_K, n: int | Non
     if not TWO_CONFIGS:
         return TRAIN
     if decode_rows(rows, groups):
-        if k >= DECODE_LONG_K or (n is not None and decode_programs(rows, groups, n) <= SMALL_GRID):
-            return DECODE
-        return DECODE_SHORT_K
+        if n is not None and decode_programs(rows, groups, n) > SMALL_GRID:
+            return DECODE_WIDE
+        return DECODE
     return MID if groups > 1 and rows <= MID_MAX_ROWS_PER_GROUP * groups else TRAIN
 
 
@@ -557,7 +563,7 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
     """y [R, N] in out_dtype = grouped dequant(qx) @ dequant(qw[e])ᵀ; rows of expert e contiguous (counts[e]).
 
     counts: list of ints or an int tensor [E] (a device tensor keeps the call free of host syncs).
-    config: the tile config (default: ``pick_config(R, E, K, N)``). decode: "asm" (GPU default), "bits" (the same
+    config: the tile config (default: ``pick_config(R, E, N)``). decode: "asm" (GPU default), "bits" (the same
     bit trick in Triton ops; interpreter default) or "f32" (plain decode): the same values either way.
     xh: qx already decoded to the FP16 operand by the same `decode` (`quantize_and_multiply`: the bit-trick
     decodes carry 2**-14, "f32" does not, and nothing here can tell), used when the config pre-decodes x.
@@ -566,7 +572,7 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
     rows, k, groups, n = grouped_shapes(qx, qw, "nvfp4", "grouped_nvfp4")
     dev = qx.data.device
     decode = _decode_mode(decode)
-    cfg = config or pick_config(rows, groups, k, n)
+    cfg = config or pick_config(rows, groups, n)
     if cfg.block_k % 16 or (cfg.block_k < MIN_COMPILED_BLOCK_K and not interpret()):
         raise ValueError(f"config block_k={cfg.block_k}: compiled kernels take multiples of 16 from "
                          f"{MIN_COMPILED_BLOCK_K} (see MIN_COMPILED_BLOCK_K; the interpreter takes 16 and up)")
@@ -611,9 +617,8 @@ def quantize_and_multiply(x: torch.Tensor, qw, counts, out_dtype: torch.dtype = 
     from rl4bit.kernels.triton_dispatch import quantize_nvfp4_rows
 
     decode = _decode_mode(decode)
-    k = x.shape[-1] // 2 if swiglu else x.shape[-1]
     r = x.shape[0] if rows is None else rows.numel()
-    cfg = config or pick_config(r, qw.shape[0], k, qw.shape[1])
+    cfg = config or pick_config(r, qw.shape[0], qw.shape[1])
     got = quantize_nvfp4_rows(x, four_over_six=four_over_six, decode=decode if cfg.predecode_x else None,
                               swiglu=swiglu, rows=rows, cast=cast)
     if got is None and swiglu:

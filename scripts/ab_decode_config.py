@@ -8,7 +8,7 @@
 decode step. The candidate is the config with the least summed µs over the sweep's shapes at the rollout's
 batches (1 / 16 / 64 tokens: a layer's gate_up and down projection each), among the configs bitwise equal to
 TRAIN on every one of them. Run A uses `qgemm_triton`'s defaults; run B sets both decode-family configs
-(`DECODE`, `DECODE_SHORT_K`) to the candidate, so every decode call runs the tile the sweep timed. `bench
+(`DECODE`, `DECODE_WIDE`) to the candidate, so every decode call runs the tile the sweep timed. `bench
 rollout`'s 1B model and prompts, NVFP4 experts, greedy; per batch the order is A, B, A, B (drift shows as
 A-to-A spread), and B's completions must equal A's token for token (the tiles give the same bits, so a
 difference is a bug: exit status 1).
@@ -73,8 +73,8 @@ def main() -> int:
     print(f"candidate: {cand}")
     for s, us in shape_us.items():
         print(f"  sweep {us:7.1f} us  {s}")
-    default = (qg.DECODE, qg.DECODE_SHORT_K)
-    print(f"defaults: DECODE {qg.DECODE}, DECODE_SHORT_K {qg.DECODE_SHORT_K}")
+    default = (qg.DECODE, qg.DECODE_WIDE)
+    print(f"defaults: DECODE {qg.DECODE}, DECODE_WIDE {qg.DECODE_WIDE}")
     dev = args.device
     model = build_model(args.model, args.prompt + args.new + 1, torch.bfloat16, dev)
     qmodel = served_model(model, "nvfp4")
@@ -85,11 +85,11 @@ def main() -> int:
         runs = {"A": [], "B": []}
         outs = {}
         for label in ("A", "B", "A", "B"):
-            qg.DECODE, qg.DECODE_SHORT_K = default if label == "A" else (cand, cand)
+            qg.DECODE, qg.DECODE_WIDE = default if label == "A" else (cand, cand)
             try:
                 r = bench_engine(qmodel, prompts, args.new, dev, completions=True)
             finally:
-                qg.DECODE, qg.DECODE_SHORT_K = default
+                qg.DECODE, qg.DECODE_WIDE = default
             outs.setdefault(label, r.pop("completions"))
             runs[label].append(_figures(r, b, args.prompt))
         equal = outs["A"] == outs["B"]

@@ -72,7 +72,7 @@ def main() -> int:
         experts = torch.randperm(EXPERTS, generator=g)[:TOP_K]
         counts = torch.bincount(experts, minlength=EXPERTS).to(torch.int32).to(dev)
         routes.append((counts, torch.zeros(TOP_K, dtype=torch.int64, device=dev)))
-    cfg = qg.pick_config(TOP_K, EXPERTS, K, N)
+    cfg = qg.pick_config(TOP_K, EXPERTS, N)
 
     def gemm(qw, counts, maps, rows):
         return qg.quantize_and_multiply(x, qw, counts, torch.bfloat16, config=cfg, maps=maps, rows=rows,
@@ -114,7 +114,7 @@ def padding_cases() -> int:
         print(f"{what} (K {k}, N {n}, {EXPERTS} experts, 16-layer footprint); µs a call")
         print(f"{'case':<30} {'config':>6} {'events':>8} {'profiler: GEMM':>15}")
         for name, (rows, counts) in cases.items():
-            cfg = qg.pick_config(rows, EXPERTS, k, n)
+            cfg = qg.pick_config(rows, EXPERTS, n)
             qx = quantize(_weights((rows, k), dev, 3) * 50, "nvfp4", outer="row")
             xh = qg.predecode(qx, qg.GPU_DECODE) if cfg.predecode_x else None
             maps = [{} for _ in counts]
@@ -123,7 +123,7 @@ def padding_cases() -> int:
             fns = [lambda i=i: qg.grouped_nvfp4(qx, layers[i % LAYERS], counts[i], torch.bfloat16, config=cfg,
                                                 xh=xh, maps=maps[i]) for i in range(CALLS)]
             gr = _graph(fns)
-            label = "DECODE" if cfg == qg.DECODE else ("SHORT" if cfg == qg.DECODE_SHORT_K else "other")
+            label = "DECODE" if cfg == qg.DECODE else ("WIDE" if cfg == qg.DECODE_WIDE else "other")
             print(f"{name:<30} {label:>6} {replay_us(gr, 20) / CALLS:8.2f} "
                   f"{_profiled_us(gr, '_nvfp4_grouped_kernel'):15.2f}")
     return 0
@@ -142,7 +142,7 @@ def dead_tile_cases() -> int:
                    .to(torch.int32).to(dev) for _ in range(CALLS)]))
     for name, weights, rows, counts in cases:
         groups, n, k = weights[0].shape
-        cfg = qg.pick_config(rows, groups, k, n)
+        cfg = qg.pick_config(rows, groups, n)
         qx = quantize(_weights((rows, k), dev, 3) * 50, "nvfp4", outer="row")
         xh = qg.predecode(qx, qg.GPU_DECODE) if cfg.predecode_x else None
         us = []

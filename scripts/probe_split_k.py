@@ -10,7 +10,7 @@ order, would run s times the programs with 1/s of the K loop each. Its bits diff
 (the training forward would have to sum the same chunks in the same order), so before paying for that, this
 probe times what the split's programs would cost: the same weight bytes laid out as [E, N * s, K / s] (the
 same rows, s times the column tiles, 1/s of the K steps), against [E, N, K], with today's kernel (DECODE, and
-DECODE_SHORT_K where K / s < 2048 would pick it). What it leaves out is the reduction (a partial write, a
+DECODE_WIDE where the split call passes SMALL_GRID programs). What it leaves out is the reduction (a partial write, a
 last-program hand-off, an ordered add): the probe's times are lower bounds on a split GEMM's.
 
 Prints µs a call (CUDA graphs of rotating weight copies, median) beside the HBM floor of the bytes read.
@@ -58,7 +58,7 @@ def main() -> int:
             qws = _copies(lambda i: q0 if i == 0 else quantize(_weights((e, ns, ks), dev, 10 + i), "nvfp4",
                                                                outer="group"), per_expert * touched, dev)
             qx = quantize_activation(_weights((rows, ks), dev, 2) * 50, spec)
-            cfg = qg.pick_config(rows, e, ks, ns)
+            cfg = qg.pick_config(rows, e, ns)
             # as served: x decoded by the quantize kernel, outside the timed GEMM
             xh = qg.predecode(qx, qg.GPU_DECODE) if cfg.predecode_x else None
             us = _time_us([lambda q=q: qg.grouped_nvfp4(qx, q, ct, torch.bfloat16, config=cfg, xh=xh) for q in qws],

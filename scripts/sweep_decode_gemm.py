@@ -4,7 +4,7 @@
     python3 -P scripts/sweep_decode_gemm.py --train     # the training-shape (TRAIN) tiles instead
     python3 -P scripts/sweep_decode_gemm.py --one-token | --rollout   # bench rollout's experts at batch 1 | 16, 64
     python3 -P scripts/sweep_decode_gemm.py --one-token --rollout --out DIR   # both; then scripts/ab_decode_config.py
-    python3 -P scripts/sweep_decode_gemm.py --short-k   # K < 2048 / gate_up shapes of 128-expert models around SMALL_GRID
+    python3 -P scripts/sweep_decode_gemm.py --large-grid   # 128-expert models' decode shapes around SMALL_GRID programs
 
 Why a sweep and not autotuning: the bits of the kernel do not depend on the
 tile config (each output is one k16 MMA chain in K order), but a config is
@@ -55,14 +55,14 @@ ROLLOUT_SHAPES = [("1b gate_up", 32, 2048, 1536, 16), ("1b down", 32, 768, 2048,
 (2.5x and 1.8x) and the grouped GEMMs are issue-bound rather than latency-bound (`--rollout`)."""
 MID_SHAPES = [("bench gate_up", 16, 2048, 1536, 256), ("bench down", 16, 768, 2048, 256)]
 """(name, E, K, N, tokens): the GPU job's batch-256 decode step (configs/gpu-h200.yaml: 16 experts, top-4)."""
-SHORT_K_SHAPES = [("a3b down", 128, 768, 2048, 4), ("a3b down", 128, 768, 2048, 8), ("a3b down", 128, 768, 2048, 16),
+LARGE_GRID_SHAPES = [("a3b down", 128, 768, 2048, 4), ("a3b down", 128, 768, 2048, 8), ("a3b down", 128, 768, 2048, 16),
                   ("a3b down", 128, 768, 2048, 32), ("a22b down", 128, 1536, 4096, 4),
                   ("a22b down", 128, 1536, 4096, 16), ("a3b gate_up", 128, 2048, 1536, 1),
                   ("a3b gate_up", 128, 2048, 1536, 4), ("a3b gate_up", 128, 2048, 1536, 16)]
 """(name, E, K, N, tokens): Qwen3-30B-A3B's down (K 768) and Qwen3-235B-A22B's down (K 1536, N 4096), top-8 of
-128, at token counts on both sides of SMALL_GRID programs, where DECODE_SHORT_K was picked from one shape (A3B down
+128, at token counts on both sides of SMALL_GRID programs, where the previous DECODE_SHORT_K was picked from one shape (A3B down
 at 16 tokens, twenty-third session); and A3B's gate_up (K 2048: DECODE) at 1 / 4 / 16 tokens, where two other tiles
-were faster that day (`--short-k`)."""
+were faster that day (`--large-grid`)."""
 
 
 def candidates() -> list[qg.Config]:
@@ -103,7 +103,7 @@ def main() -> int:
     p.add_argument("--mid", action="store_true", help="sweep mid-size tiles on batch-256 decode shapes")
     p.add_argument("--one-token", action="store_true", help="the decode tiles on bench rollout's batch-1 experts")
     p.add_argument("--rollout", action="store_true", help="the decode tiles on bench rollout's batch-16/64 experts")
-    p.add_argument("--short-k", action="store_true", help="the decode tiles on 128-expert shapes around SMALL_GRID")
+    p.add_argument("--large-grid", action="store_true", help="the decode tiles on 128-expert shapes around SMALL_GRID")
     args = p.parse_args()
     dev = "cuda"
     gbps = copy_gbps(dev, args.reps)
@@ -113,11 +113,11 @@ def main() -> int:
         shapes, configs = TRAIN_SHAPES, train_candidates()
     elif args.mid:
         shapes, configs = MID_SHAPES, mid_candidates()
-    elif args.short_k:
-        shapes, configs = SHORT_K_SHAPES, candidates() + [qg.DECODE_SHORT_K, qg.MID]
+    elif args.large_grid:
+        shapes, configs = LARGE_GRID_SHAPES, candidates() + [qg.DECODE_WIDE, qg.MID]
     elif args.one_token or args.rollout:
         shapes = (ONE_TOKEN_SHAPES if args.one_token else []) + (ROLLOUT_SHAPES if args.rollout else [])
-        configs = candidates() + [qg.DECODE_SHORT_K, qg.MID, qg.TRAIN]
+        configs = candidates() + [qg.DECODE_WIDE, qg.MID, qg.TRAIN]
     else:
         shapes, configs = SHAPES, candidates() + [qg.TRAIN]
     for name, e, k, n, m in shapes:
@@ -148,9 +148,9 @@ def main() -> int:
                                    fields=dataclasses.asdict(cfg), us=us, floor_us=floor_us, bitwise=same))
         shape_rows.sort(key=lambda r: r.get("us", 1e9))
         results += shape_rows
-        picked = qg.pick_config(rows, e, k, n)
+        picked = qg.pick_config(rows, e, n)
         print(f"\n{label}: HBM floor {floor_us:.1f} us (copy {gbps:.0f} GB/s); pick_config: {picked}")
-        shown = (repr(qg.DECODE), repr(qg.DECODE_SHORT_K), repr(qg.MID), repr(qg.TRAIN), repr(picked))
+        shown = (repr(qg.DECODE), repr(qg.DECODE_WIDE), repr(qg.MID), repr(qg.TRAIN), repr(picked))
         for r in shape_rows[:8] + [r for r in shape_rows[8:] if r["config"] in shown]:
             tflops = 2.0 * rows * k * n / r["us"] / 1e6 if "us" in r else float("nan")
             print(f"  {r.get('us', float('nan')):8.1f} us {tflops:6.0f} TFLOP/s  bitwise={r.get('bitwise')}  {r['config']}"

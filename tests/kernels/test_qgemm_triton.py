@@ -349,22 +349,23 @@ def triton_cdiv(a, b):
     return -(-a // b)
 
 
-def test_pick_config_routes_by_rows_per_expert_and_k():
-    assert qg.pick_config(1) is qg.DECODE and qg.pick_config(64, 1, 768) is qg.DECODE_SHORT_K
+def test_pick_config_routes_by_rows_per_expert_and_grid():
+    assert qg.pick_config(1) is qg.DECODE and qg.pick_config(64) is qg.DECODE  # without n: DECODE
     assert qg.pick_config(65) is qg.TRAIN
-    assert qg.pick_config(128, 128, 2048) is qg.DECODE  # MoE decode: 16 tokens x top-8 over 128 experts
-    assert qg.pick_config(1024, 16, 2048) is qg.MID  # batched MoE decode: 256 tokens x top-4 over 16 experts
-    assert qg.pick_config(1025, 16, 2048) is qg.TRAIN and qg.pick_config(1024, 1, 2048) is qg.TRAIN
-    assert qg.pick_config(32768, 128, 2048) is qg.TRAIN  # a training micro-batch
-    # K < DECODE_LONG_K: the 256-wide K step while the call has few programs (a batch-1 MoE step: four experts
-    # x 32 column tiles), the 64-wide one past SMALL_GRID; without n, by K alone
-    assert qg.pick_config(4, 32, 768, 2048) is qg.DECODE and qg.pick_config(4, 32, 768) is qg.DECODE_SHORT_K
+    assert qg.pick_config(1024, 16, 1536) is qg.MID  # batched MoE decode: 256 tokens x top-4 over 16 experts
+    assert qg.pick_config(1025, 16, 1536) is qg.TRAIN and qg.pick_config(1024, 1, 1536) is qg.TRAIN
+    assert qg.pick_config(32768, 128, 1536) is qg.TRAIN  # a training micro-batch
+    # DECODE while the call has at most SMALL_GRID programs (a batch-1 MoE step: four experts x 32 column tiles),
+    # DECODE_WIDE past it, whatever K
     assert qg.decode_programs(4, 32, 2048) == 128 and qg.decode_programs(64, 32, 2048) == 1024
-    assert qg.pick_config(64, 32, 768, 2048) is qg.DECODE  # batch 16 (1024 programs)
-    assert qg.pick_config(65, 33, 768, 2048) is qg.DECODE_SHORT_K  # 33 x 32 programs
-    assert qg.pick_config(128, 128, 768, 2048) is qg.DECODE_SHORT_K  # Qwen3-30B-A3B down, 16 tokens
-    assert qg.pick_config(1, 1, 768, 64 * (qg.SMALL_GRID + 1)) is qg.DECODE_SHORT_K
-    assert qg.pick_config(1, 1, 768, 64 * qg.SMALL_GRID) is qg.DECODE
+    assert qg.pick_config(4, 32, 2048) is qg.DECODE
+    assert qg.pick_config(64, 32, 2048) is qg.DECODE  # batch 16 (1024 programs)
+    assert qg.pick_config(65, 33, 2048) is qg.DECODE_WIDE  # 33 x 32 programs
+    assert qg.pick_config(128, 128, 2048) is qg.DECODE_WIDE  # Qwen3-30B-A3B down, 16 tokens (87 experts hold rows)
+    assert qg.pick_config(128, 128, 1536) is qg.DECODE_WIDE  # its gate_up
+    assert qg.pick_config(16, 1, 14336) is qg.DECODE  # the dense decode shape: 224 programs
+    assert qg.pick_config(1, 1, 64 * (qg.SMALL_GRID + 1)) is qg.DECODE_WIDE
+    assert qg.pick_config(1, 1, 64 * qg.SMALL_GRID) is qg.DECODE
 
 
 @pytest.mark.parametrize("block_m", [16, 128])
@@ -589,11 +590,12 @@ def test_gpu_configs_and_decodes_bitwise_equal():
 
 def _configs_bitwise_equal(qx, qw, counts):
     ref = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=qg.TRAIN)
-    for cfg in (qg.DECODE, qg.DECODE_SHORT_K, qg.MID, qg.Config(16, 32, 4, 4), qg.Config(64, 64, 4, 3), qg.TRAIN,
+    for cfg in (qg.DECODE, qg.DECODE_WIDE, qg.MID, qg.Config(16, 32, 4, 4), qg.Config(64, 64, 4, 3), qg.TRAIN,
                 qg.Config(16, 16, 1, 8, True, block_k=256), qg.Config(16, 64, 2, 4, True, block_k=128),
                 qg.Config(128, 128, 8, 3, block_k=128), qg.Config(16, 64, 2, 3, True, block_k=256, w_first=True),
                 qg.Config(16, 32, 2, 3, True, block_k=256, w_first=True), qg.Config(16, 32, 1, 3, False, w_first=True),
-                qg.Config(16, 64, 8, 3, True, block_k=256), qg.Config(16, 128, 8, 5, True, block_k=128)):
+                qg.Config(16, 64, 8, 3, True, block_k=256), qg.Config(16, 128, 8, 5, True, block_k=128),
+                qg.Config(16, 64, 2, 3, True, block_k=128)):
         for decode in qg.DECODES:
             got = qg.grouped_nvfp4(qx, qw, counts, torch.float32, config=cfg, decode=decode)
             assert_bitwise_equal(got, ref, f"{cfg} decode={decode} vs TRAIN asm")
