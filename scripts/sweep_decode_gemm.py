@@ -31,6 +31,7 @@ import dataclasses
 import itertools
 import json
 import os
+import statistics
 
 import torch
 
@@ -104,6 +105,9 @@ def main() -> int:
     p.add_argument("--one-token", action="store_true", help="the decode tiles on bench rollout's batch-1 experts")
     p.add_argument("--rollout", action="store_true", help="the decode tiles on bench rollout's batch-16/64 experts")
     p.add_argument("--large-grid", action="store_true", help="the decode tiles on 128-expert shapes around SMALL_GRID")
+    p.add_argument("--ab", action="store_true", help="with --large-grid: only DECODE, DECODE_WIDE and the previous "
+                   "DECODE_SHORT_K, timed in --rounds interleaved rounds (median of the rounds)")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds a config (median)")
     args = p.parse_args()
     dev = "cuda"
     gbps = copy_gbps(dev, args.reps)
@@ -115,6 +119,8 @@ def main() -> int:
         shapes, configs = MID_SHAPES, mid_candidates()
     elif args.large_grid:
         shapes, configs = LARGE_GRID_SHAPES, candidates() + [qg.DECODE_WIDE, qg.MID]
+        if args.ab:
+            configs = [qg.DECODE, qg.DECODE_WIDE, qg.Config(16, 64, 2, 3, True, block_k=128)]
     elif args.one_token or args.rollout:
         shapes = (ONE_TOKEN_SHAPES if args.one_token else []) + (ROLLOUT_SHAPES if args.rollout else [])
         configs = candidates() + [qg.DECODE_WIDE, qg.MID, qg.TRAIN]
@@ -134,18 +140,27 @@ def main() -> int:
         ref = qg.grouped_nvfp4(qx, q0, ct, torch.float32, config=qg.TRAIN)
         floor_us = per_expert * touched / gbps / 1e3
         label = f"{name} M={m} ({rows} rows, {touched} experts) K={k} N={n}"
-        shape_rows = []
+        shape_rows, times = [], {}
+        for _ in range(args.rounds):  # rounds interleave the configs, so drift over the run hits them alike
+            for cfg in configs:
+                if times.get(repr(cfg)) is False:
+                    continue
+                try:
+                    us = _time_us([lambda q=q: qg.grouped_nvfp4(qx, q, ct, torch.bfloat16, config=cfg) for q in qws],
+                                  dev, args.reps)
+                except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
+                    shape_rows.append(dict(shape=label, config=repr(cfg), error=f"{type(err).__name__}: {err}"[:200]))
+                    times[repr(cfg)] = False
+                    continue
+                times.setdefault(repr(cfg), []).append(us)
         for cfg in configs:
-            try:
-                got = qg.grouped_nvfp4(qx, q0, ct, torch.float32, config=cfg)
-                same = bool(torch.equal(got.view(torch.int32), ref.view(torch.int32)))
-                us = _time_us([lambda q=q: qg.grouped_nvfp4(qx, q, ct, torch.bfloat16, config=cfg) for q in qws], dev,
-                              args.reps)
-            except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
-                shape_rows.append(dict(shape=label, config=repr(cfg), error=f"{type(err).__name__}: {err}"[:200]))
+            if times.get(repr(cfg)) is False:
                 continue
+            got = qg.grouped_nvfp4(qx, q0, ct, torch.float32, config=cfg)
+            same = bool(torch.equal(got.view(torch.int32), ref.view(torch.int32)))
             shape_rows.append(dict(shape=label, name=name, k=k, n=n, tokens=m, config=repr(cfg),
-                                   fields=dataclasses.asdict(cfg), us=us, floor_us=floor_us, bitwise=same))
+                                   fields=dataclasses.asdict(cfg), us=statistics.median(times[repr(cfg)]),
+                                   rounds=times[repr(cfg)], floor_us=floor_us, bitwise=same))
         shape_rows.sort(key=lambda r: r.get("us", 1e9))
         results += shape_rows
         picked = qg.pick_config(rows, e, n)
@@ -153,8 +168,9 @@ def main() -> int:
         shown = (repr(qg.DECODE), repr(qg.DECODE_WIDE), repr(qg.MID), repr(qg.TRAIN), repr(picked))
         for r in shape_rows[:8] + [r for r in shape_rows[8:] if r["config"] in shown]:
             tflops = 2.0 * rows * k * n / r["us"] / 1e6 if "us" in r else float("nan")
-            print(f"  {r.get('us', float('nan')):8.1f} us {tflops:6.0f} TFLOP/s  bitwise={r.get('bitwise')}  {r['config']}"
-                  + (f"  {r['error']}" if "error" in r else ""))
+            spread = f" ({min(r['rounds']):.1f}-{max(r['rounds']):.1f})" if len(r.get("rounds", [])) > 1 else ""
+            print(f"  {r.get('us', float('nan')):8.1f} us{spread} {tflops:6.0f} TFLOP/s  bitwise={r.get('bitwise')}  "
+                  f"{r['config']}" + (f"  {r['error']}" if "error" in r else ""))
         bad = [r for r in shape_rows if r.get("bitwise") is False]
         print(f"  configs not bitwise equal to TRAIN: {len(bad)} of {len(shape_rows)}")
     if args.out:
