@@ -372,7 +372,7 @@ class VLLMEngine:
 
     def _collect(self, results: list, where: list, prompts: list, params: list, version: int) -> list[Rollout]:
         """Run vLLM on the valid requests and put their rollouts in `results` (rescoring truncated ones)."""
-        outs = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        outs = self._run(prompts, params)
         rescore = []
         for (slot, req, i), out in zip(where, outs):
             c = out.outputs[0]
@@ -397,6 +397,24 @@ class VLLMEngine:
                 r.finish_reason, r.error = "error", err
         return results
 
+    def _run(self, prompts: list, params) -> list:
+        """vLLM's outputs for `prompts`, in order (`LLM.enqueue`, then `wait_for_completion`). A call failing
+        part-way (an error or an interrupt in vLLM's step loop) aborts its own requests: left inside vLLM, they
+        would come back first among the next call's outputs, paired with the wrong requests, and hold KV blocks,
+        which keeps a weight update from resetting the prefix cache."""
+        if not prompts:
+            return []
+        ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        try:
+            outs = self.llm.wait_for_completion(use_tqdm=False)
+        except BaseException:
+            self.llm.llm_engine.abort_request(ids, internal=True)
+            raise
+        if len(outs) != len(prompts):
+            raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(prompts)} requests (requests of another "
+                               "caller in this engine?); the rollouts cannot be matched to the requests")
+        return outs
+
     # ------------------------------------------------------------------ scoring
     def _score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
         from vllm import SamplingParams as VP
@@ -404,7 +422,7 @@ class VLLMEngine:
 
         self._check_usable()
         prompts = [TokensPrompt(prompt_token_ids=list(p) + list(c)) for p, c in pairs]
-        outs = self.llm.generate(prompts, VP(max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False)
+        outs = self._run(prompts, VP(max_tokens=1, temperature=0, prompt_logprobs=0))
         res = []
         for (p, c), out in zip(pairs, outs):
             ids = list(p) + list(c)
@@ -482,13 +500,16 @@ class VLLMEngine:
 
     def _reload(self, tensors: dict[str, torch.Tensor], path: Path | None) -> None:
         """Load `tensors` into vLLM's workers: from `path` (multiprocess mode: their directory), else passed in
-        process. Then the CPU MoE repack and a prefix-cache reset."""
+        process. Then the CPU MoE repack and a prefix-cache reset, which must succeed: cached blocks hold the old
+        weights' KV, and a later prompt sharing their prefix would reuse them."""
         if path is not None:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
         self.llm.collective_rpc("rl4bit_repack_moe")
-        self.llm.reset_prefix_cache()
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM could not reset its prefix cache (requests still hold KV blocks); cached "
+                               "prompts would reuse the previous weights' KV")
 
 
 def _value_problems(name: str, v, e: ckf.Entry, old) -> list[str]:

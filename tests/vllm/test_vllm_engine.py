@@ -371,7 +371,7 @@ def test_a_sample_with_a_nan_logprob_fails_alone(engine, monkeypatch):
     ps = prompts(3, seed=12)
     reqs = [Request(str(i), p, SamplingParams(temperature=0.0, max_new_tokens=6)) for i, p in enumerate(ps)]
     want = engine.generate(reqs)
-    real = engine.llm.generate
+    real = engine.llm.wait_for_completion
 
     def one_nan(*args, **kw):
         outs = real(*args, **kw)
@@ -379,8 +379,73 @@ def test_a_sample_with_a_nan_logprob_fails_alone(engine, monkeypatch):
         c.logprobs[0][c.token_ids[0]].logprob = float("nan")
         return outs
 
-    monkeypatch.setattr(engine.llm, "generate", one_nan)
+    monkeypatch.setattr(engine.llm, "wait_for_completion", one_nan)
     got = engine.generate(reqs)
     assert got[1].finish_reason == "error" and "completion token 0 is nan" in got[1].error
     assert [(r.completion_ids, r.logprobs, r.error) for r in (got[0], got[2])] == \
         [(r.completion_ids, r.logprobs, None) for r in (want[0], want[2])]
+
+
+def _interrupt_generate(engine, monkeypatch, ps):
+    """A generate interrupted after vLLM's first step (a KeyboardInterrupt, an error in the step loop), with its
+    requests unfinished inside vLLM at that moment."""
+    real, calls = engine.llm.llm_engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("interrupted mid-generate")
+        return real()
+
+    monkeypatch.setattr(engine.llm.llm_engine, "step", step)
+    with pytest.raises(RuntimeError, match="interrupted"):
+        _greedy(engine, ps, n_new=12)
+    monkeypatch.undo()
+
+
+def test_requests_left_by_an_interrupted_generate_do_not_shift_the_next_ones(engine, monkeypatch):
+    """vLLM returns every request that finishes during a call, the leftovers first: they were paired with the
+    next call's requests by position (each request got another prompt's completion)."""
+    ps = prompts(3, seed=11)
+    want = _greedy(engine, ps)
+    _interrupt_generate(engine, monkeypatch, prompts(2, seed=12))
+    assert not engine.llm.llm_engine.has_unfinished_requests(), "the interrupted call's requests were not aborted"
+    got = engine.generate([Request(str(i), p, SamplingParams(temperature=0.0, max_new_tokens=8))
+                           for i, p in enumerate(ps)])
+    assert [r.prompt_ids for r in got] == ps and [r.completion_ids for r in got] == want
+    assert not engine.llm.llm_engine.has_unfinished_requests()
+
+
+def test_an_update_after_an_interrupted_generate_resets_the_prefix_cache(engine, engine_b, models, monkeypatch):
+    """Leftover requests hold KV blocks, so vLLM refuses to reset its prefix cache: the update must clear them
+    first, or later prompts sharing a cached prefix would reuse the old weights' KV."""
+    ps = prompts(2, seed=3) + [[1] + [4 + i % 50 for i in range(100)]]  # a long prompt: full prefix-cache blocks
+    want_b = _greedy(engine_b, ps)
+    _greedy(engine, ps)  # the long prompt's blocks cached under the current weights
+    _interrupt_generate(engine, monkeypatch, ps)
+    resets = []
+    real_reset = engine.llm.reset_prefix_cache
+    monkeypatch.setattr(engine.llm, "reset_prefix_cache", lambda *a, **k: resets.append(real_reset(*a, **k)) or resets[-1])
+    version = engine.version
+    engine.update_weights(*update_of(models["B"], version + 1))
+    assert resets and all(resets), "the prefix cache was not reset"
+    assert _greedy(engine, ps) == want_b
+    engine.update_weights(*update_of(models["A"], version + 2))  # leave the shared engine serving A
+
+
+def test_a_refused_prefix_cache_reset_fails_the_update(engine, models, monkeypatch):
+    """vLLM refusing the reset after a reload: the update fails (the old version is restored and serves on)
+    instead of serving new weights beside the old weights' cached KV."""
+    ps = prompts(2, seed=5)
+    want = _greedy(engine, ps)
+    real_reset, calls = engine.llm.reset_prefix_cache, []
+
+    def reset(*args, **kwargs):  # the first reset refused, the restore's granted
+        calls.append(1)
+        return len(calls) > 1 and real_reset(*args, **kwargs)
+
+    monkeypatch.setattr(engine.llm, "reset_prefix_cache", reset)
+    version = engine.version
+    with pytest.raises(RuntimeError, match="could not reset its prefix cache"):
+        engine.update_weights(*update_of(models["B"], version + 1))
+    assert len(calls) == 2 and engine.version == version and _greedy(engine, ps) == want
