@@ -214,7 +214,12 @@ class RLConfig:
     """Divide group-centred rewards by the group std (GRPO); False keeps only centring (Dr. GRPO)."""
 
     def validate(self, path: str) -> None:
+        from rl4bit.sampler.types import MAX_N
+
         _positive(self, path, "steps", "prompts_per_step", "samples_per_prompt", "ppo_epochs")
+        if self.samples_per_prompt > MAX_N:
+            raise ConfigError(f"{path}.samples_per_prompt: {self.samples_per_prompt} is above the sampler's {MAX_N} "
+                              "samples a request; use a smaller group")
         if self.clip_eps <= 0:
             raise ConfigError(f"{path}.clip_eps: {self.clip_eps} must be > 0")
         if self.kl_coef < 0:

@@ -27,6 +27,9 @@ FINISH_REASONS = ("stop", "length", "error")
 MIN_TEMPERATURE = 0.01
 """Smallest temperature above 0: logits / T overflows FP32 for tiny T (NaN logprobs), and vLLM raises any T
 below this to it (sampling at another temperature than asked). 0 means greedy."""
+MAX_N = 4096
+"""Most samples a request: each takes a batch slot, a KV-cache row and a Rollout, so an n of millions (a token
+count passed as n) would exhaust the host before failing; split larger requests."""
 MAX_SEED = 2**63 - 1
 """Largest seed: Philox keys are folded to 63 bits (`kernels.philox.derive_seed`), so larger seeds would collide."""
 
@@ -82,8 +85,8 @@ class SamplingParams:
             raise ValueError(f"min_p: {m!r} must be in [0, 1] (0 = off; 1 keeps the top token and its ties)")
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens: {self.max_new_tokens!r} must be an int >= 1")
-        if not _is_int(self.n) or self.n < 1:
-            raise ValueError(f"n: {self.n!r} must be an int >= 1")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n: {self.n!r} must be an int in [1, {MAX_N}]; split larger requests")
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
             raise ValueError(f"stop: {self.stop!r} must be a list of non-empty strings")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(
@@ -186,12 +189,12 @@ def request_error(req: Request, vocab_size: int, max_seq_len: int) -> str | None
 
 def failed_rollouts(req, error: str, version: int) -> list[Rollout]:
     """The rollouts of a request that cannot run (`request_error`): one a requested sample (one when n itself
-    is bad), finish_reason "error" with `error`; the prompt echoed when it is a list, else []."""
+    is bad, above MAX_N included), finish_reason "error" with `error`; the prompt echoed when it is a list, else []."""
     n = getattr(getattr(req, "params", None), "n", None)
     ids = getattr(req, "prompt_ids", None)
     ids = list(ids) if isinstance(ids, (list, tuple)) else []
     return [Rollout(getattr(req, "id", None), i, ids, [], "", [], "error", version, error=error)
-            for i in range(n if _is_int(n) and n >= 1 else 1)]
+            for i in range(n if _is_int(n) and 1 <= n <= MAX_N else 1)]
 
 
 @dataclass

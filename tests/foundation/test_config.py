@@ -56,6 +56,7 @@ def test_derived_batch_sizes():
         ("run:\n  warmup_lr: -1\n", ["run.warmup_lr", "-1", "> 0"]),
         ("trainer:\n  device: 'cuda:x'\n", ["trainer.device", "cuda:x", "cuda:N"]),
         ("rl:\n  samples_per_prompt: 0\n", ["rl.samples_per_prompt", "0", "> 0"]),
+        ("rl:\n  samples_per_prompt: 5000\n", ["rl.samples_per_prompt", "5000", "4096"]),
         ("rl:\n  samples_per_prompt: 2.5\n", ["rl.samples_per_prompt", "expected an integer"]),
         ("recipe:\n  name: nvfp3\n", ["recipe", "nvfp3", "nvfp4"]),
         ("sampler:\n  backend: vlm\n", ["sampler.backend", "'vlm'", "did you mean 'vllm'"]),

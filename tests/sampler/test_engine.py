@@ -80,10 +80,13 @@ def test_bad_requests_fail_alone(engine, tokenizer):
         Request("temp", [1, 4], SamplingParams(temperature=-1.0)),
         Request("topp", [1, 4], SamplingParams(top_p=0.0)),
         Request("vocab", [1, 10_000], greedy()),
+        Request("many", [1, 4], SamplingParams(n=10**9)),  # one error rollout, not a billion (nor a full host)
     ]
-    out = engine.generate([bad[0], good[0], bad[1], bad[2], good[1], bad[3], bad[4]])
+    out = engine.generate([bad[0], good[0], bad[1], bad[2], good[1], bad[3], bad[4], bad[5]])
     by_id = {r.request_id: r for r in out}
-    for r, key in zip(bad, ("empty prompt", "does not fit the context", "temperature", "top_p", "vocabulary")):
+    assert len(out) == len(good) + len(bad)
+    for r, key in zip(bad, ("empty prompt", "does not fit the context", "temperature", "top_p", "vocabulary",
+                            "n: 1000000000 must be an int in [1, 4096]")):
         got = by_id[r.id]
         assert got.finish_reason == "error" and key in got.error and got.completion_ids == []
     for g in good:
