@@ -3,8 +3,10 @@
 A reader (or a resumed run) sees either the old file or the new one, never a
 torn write, even if the process is killed mid-write. Directories (checkpoints,
 exports) are written to a temporary sibling, synced with `fsync_tree`, and
-swapped in with `replace_dir`. Leaves out: cross-device moves (the temporary
-always sits beside its target).
+swapped in with `replace_dir`; a crash between its two renames leaves only the
+hidden previous copy, which `restore_dir` (run by `replace_dir` and by the
+export and checkpoint readers) puts back. Leaves out: cross-device moves (the
+temporary always sits beside its target).
 """
 
 from __future__ import annotations
@@ -57,13 +59,38 @@ def fsync_tree(path: str | Path) -> None:
     fsync_dir(path)
 
 
+def _aside(out: Path) -> list[Path]:
+    """The holders `replace_dir` moves an existing `out` into (`.NAME.old-XXXX/NAME`), newest first."""
+    held = [d for d in out.parent.glob(f".{out.name}.old-*") if (d / out.name).is_dir()]
+    return sorted(held, key=lambda d: d.stat().st_mtime_ns, reverse=True)
+
+
+def restore_dir(out: str | Path) -> bool:
+    """Put back the previous copy of `out` when a crash between `replace_dir`'s two renames left `out` missing
+    (the newest copy moved aside); True when it did. Leftover holders of an `out` that exists are removed."""
+    out = Path(out)
+    if not out.parent.is_dir():
+        return False
+    held = _aside(out)
+    restored = False
+    if held and not out.exists():
+        os.rename(held[0] / out.name, out)
+        fsync_dir(out.parent)
+        restored = True
+    for d in out.parent.glob(f".{out.name}.old-*"):
+        shutil.rmtree(d, ignore_errors=True)
+    return restored
+
+
 def replace_dir(tmp: str | Path, out: str | Path) -> None:
     """Rename the finished directory `tmp` over `out`.
 
     An existing `out` is moved aside first and deleted only once the new one is
-    in place, so at every instant one complete version exists on disk.
+    in place, so at every instant one complete version exists on disk (between
+    the two renames, only aside: `restore_dir` puts it back).
     """
     tmp, out = Path(tmp), Path(out)
+    restore_dir(out)
     old = None
     if out.exists():
         old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))

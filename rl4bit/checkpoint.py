@@ -53,7 +53,7 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from rl4bit.atomic import atomic_write_text, fsync_tree, replace_dir
+from rl4bit.atomic import atomic_write_text, fsync_tree, replace_dir, restore_dir
 from rl4bit.checkpoint_format import CheckpointError
 
 FORMAT = 2
@@ -211,6 +211,7 @@ def latest_dir(run_dir: str | Path) -> Path:
     if not pointer.is_file():
         raise FileNotFoundError(f"{run_dir} has no checkpoint ({pointer} is missing); it stopped before run.checkpoint_every steps")
     ckpt = root / (_pointed(root) or "?")
+    restore_dir(ckpt)  # a crash mid-swap of a rewritten step directory left it aside
     if not ckpt.is_dir():  # deleted by hand after a corruption report, or a damaged pointer: newest left
         left = step_dirs(root)
         if not left:

@@ -49,7 +49,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from rl4bit import ct_layout
-from rl4bit.atomic import fsync_tree, replace_dir
+from rl4bit.atomic import fsync_tree, replace_dir, restore_dir
 from rl4bit.kernels import QTensor
 from rl4bit.kernels.checks import all_finite
 
@@ -455,8 +455,10 @@ def _index_problem(index) -> str | None:
 def read_index(path: str | Path) -> tuple[dict, list[Entry], dict]:
     """(index, layout entries, layout) of an export, checked; CheckpointError naming the file otherwise.
 
-    The layout is checked against the index's SHA-256 (exports written before it was recorded: not checked)."""
+    The layout is checked against the index's SHA-256 (exports written before it was recorded: not checked). An
+    export that a crash mid-swap left aside (`atomic.restore_dir`) is put back first."""
     path = Path(path)
+    restore_dir(path)
     for f in (INDEX, LAYOUT, "config.json"):
         if not (path / f).is_file():
             raise CheckpointError(f"{path}: {f} is missing; this is not a complete rl4bit checkpoint (re-export it)")

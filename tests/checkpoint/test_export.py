@@ -291,6 +291,57 @@ def test_interrupted_export_keeps_previous(exported, trainer_model, tmp_path, mo
     ckf.read_tensors(out)
 
 
+def test_a_crash_between_the_swap_renames_keeps_the_previous_export(exported, trainer_model, tmp_path, monkeypatch):
+    """Killed after the old export was moved aside and before the new one was renamed in: `out` is missing for a
+    moment. The next reader (or export) puts the previous export back, whole."""
+    import os
+    import shutil
+
+    from pathlib import Path
+
+    from rl4bit import atomic
+
+    model, plan = trainer_model
+    out = tmp_path / "ckpt"
+    shutil.copytree(exported, out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = os.rename
+
+    def dying_rename(src, dst):  # os.rename itself (every module's): the export's shard writes rename too
+        if Path(dst) == out:  # the new export's rename into place, after the old one went aside
+            raise KeyboardInterrupt("killed mid-swap")
+        return real(src, dst)
+
+    monkeypatch.setattr(atomic.os, "rename", dying_rename)
+    with pytest.raises(KeyboardInterrupt):
+        ckf.write_checkpoint(out, model, plan, max_shard_bytes=60_000)
+    monkeypatch.setattr(atomic.os, "rename", real)
+    assert not out.exists() and len(list(tmp_path.glob(".ckpt.old-*"))) == 1  # the window itself
+    ckf.read_tensors(out)  # the reader restores it
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    with pytest.raises(KeyboardInterrupt):  # the same crash again, then a complete re-export
+        monkeypatch.setattr(atomic.os, "rename", dying_rename)
+        ckf.write_checkpoint(out, model, plan, max_shard_bytes=60_000)
+    monkeypatch.setattr(atomic.os, "rename", real)
+    ckf.write_checkpoint(out, model, plan, max_shard_bytes=60_000)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    ckf.read_tensors(out)
+
+
+def test_a_step_directory_left_aside_is_restored_on_resume(tmp_path):
+    """The checkpoint side: a rewritten step directory caught mid-swap is put back by `latest_dir`."""
+    from rl4bit import checkpoint as ck
+
+    root = tmp_path / "checkpoints"
+    held = root / ".step_000003.old-abc"
+    (held / "step_000003").mkdir(parents=True)
+    (held / "step_000003" / "state.json").write_text("{}")
+    (root / "latest.json").write_text(json.dumps({"step": 3, "dir": "step_000003"}))
+    assert ck.latest_dir(tmp_path) == root / "step_000003"
+    assert (root / "step_000003" / "state.json").read_text() == "{}" and not held.exists()
+
+
 # ------------------------------------------------------------------ what export refuses to overwrite
 
 
