@@ -78,7 +78,7 @@ from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_impleme
 from rl4bit.sampler.rope_table import rope_tables
 from rl4bit.sampler.sampling import policy_logprobs, rows_to_lists, sample_rows, sample_rows_tensors
 from rl4bit.sampler.serving_dtype import precast
-from rl4bit.sampler.stop_strings import StopStrings
+from rl4bit.sampler.detokenizer import IncrementalDetokenizer
 from rl4bit.sampler.types import (Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts,
                                   nonfinite_logprob_error, request_error)
 from rl4bit.trainer import padding
@@ -97,15 +97,14 @@ class _Seq:
     """Philox key of this sample's noise (from the request seed and sample index); None when greedy."""
     stop_ids: set[int]
     max_new: int
-    stops: StopStrings
-    """The request's stop strings, checked on the completion's tail (stop_strings.py)."""
+    detok: IncrementalDetokenizer | None
+    """The completion's text, decoded after the prompt as vLLM does, and its stop strings (detokenizer.py)."""
     slot: int = -1
     n_cached: int = 0
     pending: list[int] = field(default_factory=list)
     completion: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     proc_logprobs: list[float] = field(default_factory=list)
-    text: str = ""
     finish: str | None = None
     error: str | None = None
     """Why the sample failed mid-generation (finish "error": a non-finite logprob), else None."""
@@ -255,8 +254,8 @@ class EmbeddedEngine:
             key = derive_seed(seed, i) & (2**63 - 1)
         max_new = min(p.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
-        return _Seq(out_index, req, i, p, key, stop_ids, max_new, StopStrings(self.tokenizer, p.stop),
-                    pending=list(req.prompt_ids))
+        return _Seq(out_index, req, i, p, key, stop_ids, max_new,
+                    IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop), pending=list(req.prompt_ids))
 
     def _forward(self, seqs: list[_Seq], tokens_per_seq: list[list[int]], starts: list[int], rows: list[int]):
         """One packed forward; returns fp32 logits [len(rows), V] of the packed positions `rows`."""
@@ -423,21 +422,15 @@ class EmbeddedEngine:
         return forked, unplaced
 
     def _check_finished(self, s: _Seq, token: int) -> None:
-        if token in s.stop_ids:
+        stopped = s.detok.step(token)  # every token, a stop token too (vLLM: include_stop_str_in_output)
+        if stopped or token in s.stop_ids:
             s.finish = "stop"
-        elif s.params.stop:
-            cut = s.stops.check(s.completion)
-            if cut is not None:
-                s.text = cut
-                s.finish = "stop"
-                return
-        if s.finish is None and len(s.completion) >= s.max_new:
+        elif len(s.completion) >= s.max_new:
             s.finish = "length"
 
     def _rollout(self, s: _Seq, version: int) -> Rollout:
-        text = s.text or self.tokenizer.decode(s.completion, skip_special_tokens=True)
-        return Rollout(s.request.id, s.sample_index, list(s.request.prompt_ids), s.completion, text, s.logprobs,
-                       s.finish, version, error=s.error,
+        return Rollout(s.request.id, s.sample_index, list(s.request.prompt_ids), s.completion, s.detok.text,
+                       s.logprobs, s.finish, version, error=s.error,
                        processed_logprobs=s.proc_logprobs if s.params.processed_logprobs else None)
 
     # ------------------------------------------------------------------ scoring
@@ -447,8 +440,7 @@ class EmbeddedEngine:
         ids = list(prompt_ids) + list(completion_ids)
         if not prompt_ids or not completion_ids or len(ids) > self.max_seq_len:
             raise ValueError(f"score needs a non-empty prompt and completion of <= {self.max_seq_len} tokens in all")
-        s = _Seq(-1, Request("score", list(prompt_ids)), 0, SamplingParams(), None, set(), 0,
-                 StopStrings(self.tokenizer, []))
+        s = _Seq(-1, Request("score", list(prompt_ids)), 0, SamplingParams(), None, set(), 0, None)
         s.slot = self.cache.acquire()
         try:
             with model_implementations(self.model), torch.inference_mode():

@@ -57,7 +57,8 @@ class SamplingParams:
     max_new_tokens: int = 32
     """Most completion tokens; hitting it ends the completion with finish_reason "length"."""
     stop: list[str] = field(default_factory=list)
-    """Stop strings: a completion ends as soon as its decoded text contains one (kept in the text, finish_reason "stop")."""
+    """Stop strings: a completion ends as soon as its text, decoded after the prompt as vLLM does, contains one (kept
+    in the text, cut right after it; of several completed by one token, the one ending first; finish_reason "stop")."""
     stop_token_ids: list[int] = field(default_factory=list)
     """Token ids that end a completion (kept in completion_ids, finish_reason "stop"); the engine adds the tokenizer's eos."""
     n: int = 1
@@ -128,7 +129,9 @@ class Rollout:
     completion_ids: list[int]
     """Sampled token ids, including the stop token if one ended it."""
     text: str
-    """Decoded completion (special tokens skipped); includes the stop string if one ended it."""
+    """Decoded completion (special tokens skipped), decoded after the prompt as vLLM does (`sampler.detokenizer`: a
+    SentencePiece tokenizer's leading space kept, an unfinished UTF-8 character held back); includes the stop
+    string if one ended it."""
     logprobs: list[float]
     """Per completion token: log-prob at the sampling temperature BEFORE top-p/top-k/min-p truncation (what the trainer recomputes)."""
     finish_reason: str
