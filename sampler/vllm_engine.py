@@ -399,21 +399,31 @@ class VLLMEngine:
 
     def _run(self, prompts: list, params) -> list:
         """vLLM's outputs for `prompts`, in order (`LLM.enqueue`, then `wait_for_completion`). A call failing
-        part-way (an error or an interrupt in vLLM's step loop) aborts its own requests: left inside vLLM, they
-        would come back first among the next call's outputs, paired with the wrong requests, and hold KV blocks,
-        which keeps a weight update from resetting the prefix cache."""
+        part-way (an error or an interrupt in vLLM's step loop) aborts its requests: left inside vLLM, they would
+        come back first among the next call's outputs, paired with the wrong requests, and hold KV blocks, which
+        keeps a weight update from resetting the prefix cache."""
         if not prompts:
             return []
-        ids = self.llm.enqueue(prompts, params, use_tqdm=False)
+        self._abort_leftovers()
         try:
+            self.llm.enqueue(prompts, params, use_tqdm=False)
             outs = self.llm.wait_for_completion(use_tqdm=False)
         except BaseException:
-            self.llm.llm_engine.abort_request(ids, internal=True)
+            self._abort_leftovers()
             raise
         if len(outs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(prompts)} requests (requests of another "
                                "caller in this engine?); the rollouts cannot be matched to the requests")
         return outs
+
+    def _abort_leftovers(self) -> None:
+        """Abort every request unfinished inside vLLM: this engine is vLLM's only caller and runs one call at a
+        time, so any is a leftover of an interrupted call (one interrupted while vLLM was still adding requests
+        included, which `enqueue`'s own clean-up, for Exceptions only, misses). vLLM lists them only in its
+        output processor's `request_states` (internal ids)."""
+        engine = self.llm.llm_engine
+        if engine.has_unfinished_requests():
+            engine.abort_request(list(engine.output_processor.request_states), internal=True)
 
     # ------------------------------------------------------------------ scoring
     def _score_many(self, pairs: list[tuple[list[int], list[int]]]) -> list[list[float]]:
@@ -481,7 +491,7 @@ class VLLMEngine:
             self._reload(tensors, path)
         except Exception as err:
             try:  # put the serving version back whole (every tensor, or the directory it was loaded from), then report
-                self._reload(self.tensors, self._served_dir)
+                self._reload(self.tensors, self._served_dir, restoring=True)
             except Exception as again:
                 self.broken = (f"reloading v{update.version} failed ({type(err).__name__}: {err}) and so did restoring "
                                f"v{self._version} ({type(again).__name__}: {again}): its weights are unknown; build a "
@@ -498,16 +508,19 @@ class VLLMEngine:
                     shutil.rmtree(old, ignore_errors=True)
             self._served_dir = path
 
-    def _reload(self, tensors: dict[str, torch.Tensor], path: Path | None) -> None:
+    def _reload(self, tensors: dict[str, torch.Tensor], path: Path | None, restoring: bool = False) -> None:
         """Load `tensors` into vLLM's workers: from `path` (multiprocess mode: their directory), else passed in
-        process. Then the CPU MoE repack and a prefix-cache reset, which must succeed: cached blocks hold the old
-        weights' KV, and a later prompt sharing their prefix would reuse them."""
+        process. Then the CPU MoE repack and a prefix-cache reset, which must succeed for a new version: cached
+        blocks hold the old weights' KV, and a later prompt sharing their prefix would reuse them. `restoring`
+        (the serving version put back after a failed reload, nothing run in between): the cached blocks are that
+        version's own, so a refused reset is harmless there."""
+        self._abort_leftovers()
         if path is not None:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
         self.llm.collective_rpc("rl4bit_repack_moe")
-        if not self.llm.reset_prefix_cache():
+        if not self.llm.reset_prefix_cache() and not restoring:
             raise RuntimeError("vLLM could not reset its prefix cache (requests still hold KV blocks); cached "
                                "prompts would reuse the previous weights' KV")
 
