@@ -59,27 +59,40 @@ def fsync_tree(path: str | Path) -> None:
     fsync_dir(path)
 
 
-def _aside(out: Path) -> list[Path]:
-    """The holders `replace_dir` moves an existing `out` into (`.NAME.old-XXXX/NAME`), newest first."""
-    held = [d for d in out.parent.glob(f".{out.name}.old-*") if (d / out.name).is_dir()]
+HOLDER = ".{name}.old-"
+"""Prefix of the directory (`tempfile.mkdtemp`, beside `out`) that `replace_dir` moves an existing `out` into."""
+
+
+def _holders(out: Path) -> list[Path]:
+    """`replace_dir`'s holders of `out`: directories named HOLDER + mkdtemp's suffix holding nothing but `out.name`
+    (or nothing: emptied), newest first. A user's own `.NAME.old-*` with anything else inside is not one."""
+    held = []
+    for d in out.parent.glob(HOLDER.format(name=out.name) + "*"):
+        try:
+            inside = [c.name for c in d.iterdir()] if d.is_dir() and not d.is_symlink() else None
+        except OSError:
+            inside = None
+        if inside is not None and inside in ([], [out.name]):
+            held.append(d)
     return sorted(held, key=lambda d: d.stat().st_mtime_ns, reverse=True)
 
 
 def restore_dir(out: str | Path) -> bool:
     """Put back the previous copy of `out` when a crash between `replace_dir`'s two renames left `out` missing
-    (the newest copy moved aside); True when it did. Leftover holders of an `out` that exists are removed."""
+    (that copy sits in a holder beside it); True when it did. Readers call it: it only ever renames a holder's
+    copy back to a missing `out`, never deletes (`replace_dir` removes spent holders).
+
+    Leaves out: a reader racing a writer in another process. The reader may put the old copy back between the
+    writer's two renames; the writer's second rename then fails and the old copy stays: no version is lost."""
     out = Path(out)
-    if not out.parent.is_dir():
+    if out.exists() or not out.parent.is_dir():
         return False
-    held = _aside(out)
-    restored = False
-    if held and not out.exists():
-        os.rename(held[0] / out.name, out)
-        fsync_dir(out.parent)
-        restored = True
-    for d in out.parent.glob(f".{out.name}.old-*"):
-        shutil.rmtree(d, ignore_errors=True)
-    return restored
+    held = [d for d in _holders(out) if (d / out.name).is_dir()]
+    if not held:
+        return False
+    os.rename(held[0] / out.name, out)
+    fsync_dir(out.parent)
+    return True
 
 
 def replace_dir(tmp: str | Path, out: str | Path) -> None:
@@ -91,9 +104,11 @@ def replace_dir(tmp: str | Path, out: str | Path) -> None:
     """
     tmp, out = Path(tmp), Path(out)
     restore_dir(out)
+    for spent in _holders(out):  # an earlier swap's, left by a crash after its second rename
+        shutil.rmtree(spent, ignore_errors=True)
     old = None
     if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        old = Path(tempfile.mkdtemp(prefix=HOLDER.format(name=out.name), dir=out.parent))
         os.rename(out, old / out.name)
     os.rename(tmp, out)
     fsync_dir(out.parent)

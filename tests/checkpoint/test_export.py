@@ -317,15 +317,17 @@ def test_a_crash_between_the_swap_renames_keeps_the_previous_export(exported, tr
         ckf.write_checkpoint(out, model, plan, max_shard_bytes=60_000)
     monkeypatch.setattr(atomic.os, "rename", real)
     assert not out.exists() and len(list(tmp_path.glob(".ckpt.old-*"))) == 1  # the window itself
-    ckf.read_tensors(out)  # the reader restores it
+    mine = tmp_path / ".ckpt.old-mine"  # a user's directory that only looks like a holder: never touched
+    (mine / "notes").mkdir(parents=True)
+    ckf.read_tensors(out)  # the reader restores it (and deletes nothing: the emptied holder stays)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert len(list(tmp_path.glob(".ckpt.old-*"))) == 2 and (mine / "notes").is_dir()
     with pytest.raises(KeyboardInterrupt):  # the same crash again, then a complete re-export
         monkeypatch.setattr(atomic.os, "rename", dying_rename)
         ckf.write_checkpoint(out, model, plan, max_shard_bytes=60_000)
     monkeypatch.setattr(atomic.os, "rename", real)
-    ckf.write_checkpoint(out, model, plan, max_shard_bytes=60_000)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    ckf.write_checkpoint(out, model, plan, max_shard_bytes=60_000)  # the writer removes its own spent holders
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.old-mine", "ckpt"] and (mine / "notes").is_dir()
     ckf.read_tensors(out)
 
 
@@ -339,7 +341,7 @@ def test_a_step_directory_left_aside_is_restored_on_resume(tmp_path):
     (held / "step_000003" / "state.json").write_text("{}")
     (root / "latest.json").write_text(json.dumps({"step": 3, "dir": "step_000003"}))
     assert ck.latest_dir(tmp_path) == root / "step_000003"
-    assert (root / "step_000003" / "state.json").read_text() == "{}" and not held.exists()
+    assert (root / "step_000003" / "state.json").read_text() == "{}" and not (held / "step_000003").exists()
 
 
 # ------------------------------------------------------------------ what export refuses to overwrite
