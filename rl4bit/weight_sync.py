@@ -456,9 +456,11 @@ def _bcast_bytes(data: bytes | None, src: int, group) -> bytes | None:
     return data if is_src else buf.numpy().tobytes()
 
 
-def _receiver_step(receiver: WeightReceiver, step, *args) -> str | None:
+def _receiver_step(receiver: WeightReceiver, step, *args, applying: bool = False) -> str | None:
     """Run one receiver step; its failure as a message (None: it succeeded). Whatever it raises, the rank stays in
-    the collective (a rank leaving on an unexpected error would hang the others) and drops the staged update."""
+    the collective (a rank leaving on an unexpected error would hang the others) and drops the staged update.
+    applying: the step is the commit, which copies into the target: an unexpected error there (a device OOM
+    part-way through a plain model's modules) may leave the target's weights partly updated, and says so."""
     import torch.distributed as dist
 
     try:
@@ -467,8 +469,11 @@ def _receiver_step(receiver: WeightReceiver, step, *args) -> str | None:
         return str(e)
     except Exception as e:
         receiver.abort(f"{type(e).__name__}: {e}")
-        return (f"receiver failed on rank {dist.get_rank()} ({type(e).__name__}: {e}); "
-                f"update dropped, v{receiver.serving_version()} keeps serving")
+        where = f"receiver failed on rank {dist.get_rank()} ({type(e).__name__}: {e})"
+        if applying:
+            return (f"{where} while applying the update: its weights may be partly updated (still stamped "
+                    f"v{receiver.serving_version()}); rebuild or resync it")
+        return f"{where}; update dropped, v{receiver.serving_version()} keeps serving"
     return None
 
 
@@ -530,8 +535,8 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
                                            blob[:64].decode(errors="replace"))
                 i += 1
             if error is None:
-                error = _receiver_step(receiver, receiver.commit, version)
-    world = dist.get_world_size(group)
+                error = _receiver_step(receiver, receiver.commit, version, applying=True)
+    world = dist.get_world_size()  # global: `me` is a global rank, also in a subgroup
     first = torch.tensor([world if error is None else me], dtype=torch.int64)
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)  # lowest failing rank reports for everyone
     if int(first) < world:
