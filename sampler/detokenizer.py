@@ -15,7 +15,9 @@ So both backends' Rollout.text agree (tests/vllm/test_detokenizer_peer.py compar
   the one ending first wins (ties: list order); the text is cut right after it.
 Each step decodes only the tokens since the last emitted chunk (a few), so a step costs the same at any length;
 the first decodes the prompt once. Without stop strings nothing is decoded until `text` is read (the same
-stream, run then), which keeps the engine's decode loop free of it.
+stream, run then: when the engine builds the finished sample's Rollout). Cost (this 2-core CPU, review
+measurement): ~2 µs a token, 2.4 ms for a 1024-token completion against 0.43 ms for the single
+`tokenizer.decode` the engine used before; with stop strings it is paid token by token instead.
 
 A tokenizer without a `tokenizers` backend (a slow one, a benchmark's stub) runs the same algorithm in Python
 over `tokenizer.decode` (`_PyDecodeStream`).
@@ -74,16 +76,19 @@ class IncrementalDetokenizer:
         except Exception as e:  # vLLM's recovery, on the same condition
             if not str(e).startswith(INVALID_PREFIX):
                 raise
-            self.stream = DecodeStream(skip_special_tokens=True)
+            self.stream = (DecodeStream(skip_special_tokens=True) if self.backend is not None
+                           else _PyDecodeStream(self.stream.tokenizer, []))
             new = self.stream.step(self.backend, token) or ""
         self._text += new
         return new
 
 
 class _PyDecodeStream:
-    """tokenizers' DecodeStream (step_decode_stream, tokenizers 0.23) over `tokenizer.decode`."""
+    """tokenizers' DecodeStream (step_decode_stream, tokenizers 0.23) over `tokenizer.decode`, its "Invalid prefix"
+    error included (the decoded window no longer starting with the prefix text)."""
 
     def __init__(self, tokenizer, prompt_ids: list[int]):
+        self.tokenizer = tokenizer
         self.decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
         self.ids, self.prefix, self.prefix_index = list(prompt_ids), "", 0
 
@@ -96,6 +101,8 @@ class _PyDecodeStream:
         text = self.decode(self.ids)
         if len(text) <= len(self.prefix) or text.endswith("\ufffd"):
             return None
+        if not text.startswith(self.prefix):
+            raise ValueError(f"{INVALID_PREFIX}: {self.prefix!r} is not a prefix of {text!r}")
         new = text[len(self.prefix):]
         self.ids = self.ids[self.prefix_index:]
         self.prefix, self.prefix_index = self.decode(self.ids), len(self.ids)

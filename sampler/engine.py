@@ -23,7 +23,8 @@ scores a given token sequence (`score`), so sampled logprobs equal a
 full-sequence rescoring through the engine bitwise. Against the stock HF
 forward (SDPA attention, unpadded GEMMs) they agree to fp tolerance only.
 
-Bad input fails only its own request (finish_reason "error", `error` says why).
+A completion's text and its stop strings come from detokenizer.py (decoded after the prompt, token by token,
+as vLLM writes them). Bad input fails only its own request (finish_reason "error", `error` says why).
 `update_weights` is all-or-nothing and pointer-stable.
 
 Under autocast the weights the forward only reads through a cast (linears,

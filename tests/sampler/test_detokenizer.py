@@ -101,6 +101,8 @@ def test_the_python_stream_equals_tokenizers_decode_stream(name):
     for trial in range(30):
         ids = completion_ids(tok, rng, 80)
         prompt, comp = ids[:rng.randrange(1, 20)], ids[20:]
+        if trial % 5 == 0:  # a prompt of special tokens only (it decodes to "")
+            prompt = [rng.choice(tok.all_special_ids) for _ in range(rng.randint(1, 3))]
         full = tok.decode(comp, skip_special_tokens=True)
         stops = [full[a:a + rng.randint(1, 6)] for a in (rng.randrange(max(1, len(full) - 1))
                                                          for _ in range(rng.choice((0, 1, 2))))]
