@@ -115,15 +115,15 @@ N=14336 50.1 -> 30.2 µs against the previous 16x32 one-warp tile. Twenty-third 
 configs, the tight row-tile bound): still the fastest on the dense shape and the bench model's gate_up, within 8%
 elsewhere."""
 DECODE_WIDE = Config(block_m=16, block_n=128, num_warps=4, num_stages=3, predecode_x=True, block_k=256)
-"""DECODE's 128-wide sibling, for DECODE-row calls of more than `SMALL_GRID` programs, whatever K. Sweeps of 86-87
-configs, every one bitwise equal to TRAIN (µs; DECODE_WIDE / DECODE / the previous DECODE_SHORT_K, a two-warp
-16 x 64 tile with a 128-wide K step that ran below K 2048):
+"""DECODE's 128-wide sibling, for DECODE-row calls of more than `SMALL_GRID` programs, whatever K. Sweeps of
+84-87 distinct configs, every one bitwise equal to TRAIN (µs; DECODE_WIDE / DECODE / the previous DECODE_SHORT_K,
+a two-warp 16 x 64 tile with a 128-wide K step that ran below K 2048):
 
 - H100, twenty-fourth session (`sweep_decode_gemm.py --large-grid`): Qwen3-30B-A3B down (K 768) at 8 / 16 / 32
   tokens 28.8 / 40.5 / 50.6 against DECODE 28.9 / 42.4 / 53.4 and SHORT_K 29.6 / 41.7 / 51.2; Qwen3-235B-A22B
   down (K 1536, N 4096) at 4 / 16 tokens 53.8 / 127.7 against 52.9 / 136.1 and 58.9 / 145.3; A3B gate_up (K 2048)
-  at 16 tokens 69.4 against 72.0 (SHORT_K 83.1). The fastest of the sweep on 5 of these 6 shapes, within 2% on
-  the sixth.
+  at 16 tokens 69.4 against 72.0 (SHORT_K 83.1). The fastest of the sweep on 4 of these 6 shapes, within 2% on
+  the other two (A22B).
 - H200, twenty-third session: A3B down at 16 tokens 39.3 against 42.2 (SHORT_K 37.3, the best there); A3B gate_up
   at 16 tokens 65.5 against 70.9 (best 64.4).
 

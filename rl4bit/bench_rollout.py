@@ -236,6 +236,9 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     compare_unfused: also the NVFP4-weights engine with the fused kernels off.
     compare_unmarked: also both engines with their padding rows unmarked (routed as any row)."""
 
+    from rl4bit.sampler.types import SamplingParams
+
+    SamplingParams(n=samples).validate()  # n's bound, before the engine is sized by it
     cuda = torch.device(device).type == "cuda"
     if cuda and not quick:
         name, p, new, batches = "1b", 128, 512, batches or [1, 16, 64, 256]
@@ -361,6 +364,12 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--compare-unmarked", action="store_true",
                    help="also both engines with their padding rows routed as any row")
     args = a.parse_args(argv)
+    from rl4bit.sampler.types import SamplingParams
+
+    try:  # before any model or KV cache is sized by it
+        SamplingParams(n=args.samples).validate()
+    except ValueError as e:
+        a.error(f"--samples: {e}")
     run(device=args.device, quick=args.quick, out=args.out,
         batches=[int(x) for x in args.batches.split(",")] if args.batches else None, new_tokens=args.new_tokens,
         samples=args.samples, compare_unfused=args.compare_unfused, compare_unmarked=args.compare_unmarked)

@@ -109,6 +109,8 @@ def main() -> int:
                    "DECODE_SHORT_K, timed in --rounds interleaved rounds (median of the rounds)")
     p.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds a config (median)")
     args = p.parse_args()
+    if args.ab and not args.large_grid:
+        p.error("--ab times the three tiles on the --large-grid shapes: pass --large-grid too")
     dev = "cuda"
     gbps = copy_gbps(dev, args.reps)
     spec = GemmSpec("nvfp4")
@@ -126,6 +128,7 @@ def main() -> int:
         configs = candidates() + [qg.DECODE_WIDE, qg.MID, qg.TRAIN]
     else:
         shapes, configs = SHAPES, candidates() + [qg.TRAIN]
+    configs = list(dict.fromkeys(configs))  # candidates() holds DECODE and DECODE_WIDE already: each timed once
     for name, e, k, n, m in shapes:
         w = _weights((e, n, k), dev, 1)
         q0 = quantize(w, "nvfp4", outer="group")
@@ -156,8 +159,12 @@ def main() -> int:
         for cfg in configs:
             if times.get(repr(cfg)) is False:
                 continue
-            got = qg.grouped_nvfp4(qx, q0, ct, torch.float32, config=cfg)
-            same = bool(torch.equal(got.view(torch.int32), ref.view(torch.int32)))
+            try:
+                got = qg.grouped_nvfp4(qx, q0, ct, torch.float32, config=cfg)
+                same = bool(torch.equal(got.view(torch.int32), ref.view(torch.int32)))
+            except Exception as err:  # reported, not fatal, as above
+                shape_rows.append(dict(shape=label, config=repr(cfg), error=f"{type(err).__name__}: {err}"[:200]))
+                continue
             shape_rows.append(dict(shape=label, name=name, k=k, n=n, tokens=m, config=repr(cfg),
                                    fields=dataclasses.asdict(cfg), us=statistics.median(times[repr(cfg)]),
                                    rounds=times[repr(cfg)], floor_us=floor_us, bitwise=same))

@@ -54,3 +54,16 @@ def test_step_terms():
     # one token reads less than the whole model; NVFP4 experts read fewer bytes than BF16 ones
     assert one["step_bytes"] < one["weight_bytes"]
     assert read_floor("small", 1, 32, 32, "nvfp4")["step_bytes"] < one["step_bytes"]
+
+
+def test_samples_above_the_bound_are_refused_before_anything_is_built(capsys):
+    """`--samples` sizes the engine (batch x samples rows, their KV cache): above sampler.types.MAX_N it is refused
+    up front, as a request's n is, instead of building an engine that large first."""
+    from rl4bit import bench_rollout
+    from rl4bit.sampler.types import MAX_N
+
+    with pytest.raises(SystemExit):
+        bench_rollout.main(["--samples", str(MAX_N + 1)])
+    assert f"--samples: n: {MAX_N + 1} must be an int in [1, {MAX_N}]" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="n: 0 must be"):
+        bench_rollout.run(samples=0)
