@@ -61,9 +61,9 @@ LARGE_GRID_SHAPES = [("a3b down", 128, 768, 2048, 4), ("a3b down", 128, 768, 204
                   ("a22b down", 128, 1536, 4096, 16), ("a3b gate_up", 128, 2048, 1536, 1),
                   ("a3b gate_up", 128, 2048, 1536, 4), ("a3b gate_up", 128, 2048, 1536, 16)]
 """(name, E, K, N, tokens): Qwen3-30B-A3B's down (K 768) and Qwen3-235B-A22B's down (K 1536, N 4096), top-8 of
-128, at token counts on both sides of SMALL_GRID programs, where the previous DECODE_SHORT_K was picked from one shape (A3B down
-at 16 tokens, twenty-third session); and A3B's gate_up (K 2048: DECODE) at 1 / 4 / 16 tokens, where two other tiles
-were faster that day (`--large-grid`)."""
+128, at token counts on both sides of SMALL_GRID programs, where the previous DECODE_SHORT_K was picked from one
+shape (A3B down at 16 tokens, twenty-third session); and A3B's gate_up (K 2048) at 1 / 4 / 16 tokens, where two
+other tiles were faster that day (`--large-grid`). The sweep behind DECODE_WIDE (twenty-fourth session)."""
 
 
 def candidates() -> list[qg.Config]:

@@ -4,8 +4,9 @@ with the options our vLLM backend sets (skip_special_tokens, include_stop_str_in
 
 Random completions of four in-memory tokenizers (byte-level BPE, SentencePiece BPE with byte fallback,
 WordPiece with clean-up rules, rl4bit's characters; tests/sampler/tokenizer_zoo.py) after random prompts, with
-special tokens mixed in and stop strings cut from their text; every fifth prompt is special tokens only. Decoded alone, as the engine did before, the
-SentencePiece and WordPiece texts differed from vLLM's in most cases (a leading space, clean-up rules).
+special tokens mixed in and stop strings cut from their text; every fifth prompt is special tokens only.
+Decoded alone, as the engine did before, the SentencePiece and WordPiece texts differed from vLLM's in most
+cases (a leading space, clean-up rules).
 """
 
 from __future__ import annotations

@@ -440,7 +440,8 @@ def test_an_update_after_an_interrupted_generate_resets_the_prefix_cache(engine,
     _interrupt_generate(engine, monkeypatch, ps)
     resets = []
     real_reset = engine.llm.reset_prefix_cache
-    monkeypatch.setattr(engine.llm, "reset_prefix_cache", lambda *a, **k: resets.append(real_reset(*a, **k)) or resets[-1])
+    monkeypatch.setattr(engine.llm, "reset_prefix_cache",
+                        lambda *a, **k: resets.append(real_reset(*a, **k)) or resets[-1])
     version = engine.version
     engine.update_weights(*update_of(models["B"], version + 1))
     assert resets and all(resets), "the prefix cache was not reset"
