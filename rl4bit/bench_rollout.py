@@ -65,15 +65,6 @@ MODELS = {
 }
 
 
-class _NullTokenizer:
-    """The engine decodes text for stop strings and Rollout.text; the bench needs neither."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return ""
-
-
 def build_model(name: str, max_len: int, dtype, device):
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -106,7 +97,7 @@ def bench_engine(model, prompts: torch.Tensor, new: int, device, params=None, sh
     params = params or SamplingParams(temperature=0.0, max_new_tokens=new)
     b, p = prompts.shape
     rows = b * params.n
-    engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=rows, device=device, max_seq_len=p + new + 1,
+    engine = EmbeddedEngine(model, None, max_batch_size=rows, device=device, max_seq_len=p + new + 1,
                             max_prefill_tokens=max(4096, rows * p), share_prefix=share_prefix)
     reqs = [Request(str(i), row.tolist(), dataclasses.replace(params, seed=i) if params.temperature > 0 else params)
             for i, row in enumerate(prompts)]

@@ -99,7 +99,8 @@ class _Seq:
     stop_ids: set[int]
     max_new: int
     detok: IncrementalDetokenizer | None
-    """The completion's text, decoded after the prompt as vLLM does, and its stop strings (detokenizer.py)."""
+    """The completion's text, decoded after the prompt as vLLM does, and its stop strings (detokenizer.py); None:
+    no tokenizer (token ids only) or a scoring pass."""
     slot: int = -1
     n_cached: int = 0
     pending: list[int] = field(default_factory=list)
@@ -140,7 +141,9 @@ class EmbeddedEngine:
         "off" (op by op, like prefill), "auto" ("cuda" on a CUDA device, else "off").
         share_prefix: the n samples of a request prefill their prompt once: the others copy its KV and
         draw their first token from its logits (what their own prefill gives: rows never mix; bitwise on
-        the CPU, tested)."""
+        the CPU, tested).
+        tokenizer None: token ids only (vLLM's `skip_tokenizer_init`): Rollout.text is "", eos ids come from
+        the model's configs, and a request with stop strings fails alone (benchmarks, profiles)."""
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size: {max_batch_size} must be >= 1")
         if min_rows < 1:
@@ -198,6 +201,9 @@ class EmbeddedEngine:
         waiting: list[_Seq] = []
         for req in requests:
             err = request_error(req, self.vocab_size, self.max_seq_len)
+            if err is None and self.tokenizer is None and req.params.stop:
+                err = ("stop strings need a tokenizer: this engine was built without one (token ids only); "
+                       "use stop_token_ids, or build it with the model's tokenizer")
             if err is not None:
                 results.extend(failed_rollouts(req, err, version))
                 continue
@@ -256,7 +262,8 @@ class EmbeddedEngine:
         max_new = min(p.max_new_tokens, self.max_seq_len - len(req.prompt_ids))
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos_ids)
         return _Seq(out_index, req, i, p, key, stop_ids, max_new,
-                    IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop), pending=list(req.prompt_ids))
+                    None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, req.prompt_ids, p.stop),
+                    pending=list(req.prompt_ids))
 
     def _forward(self, seqs: list[_Seq], tokens_per_seq: list[list[int]], starts: list[int], rows: list[int]):
         """One packed forward; returns fp32 logits [len(rows), V] of the packed positions `rows`."""
@@ -423,14 +430,15 @@ class EmbeddedEngine:
         return forked, unplaced
 
     def _check_finished(self, s: _Seq, token: int) -> None:
-        stopped = s.detok.step(token)  # every token, a stop token too (vLLM: include_stop_str_in_output)
+        stopped = s.detok is not None and s.detok.step(token)  # every token, a stop token too (vLLM does)
         if stopped or token in s.stop_ids:
             s.finish = "stop"
         elif len(s.completion) >= s.max_new:
             s.finish = "length"
 
     def _rollout(self, s: _Seq, version: int) -> Rollout:
-        return Rollout(s.request.id, s.sample_index, list(s.request.prompt_ids), s.completion, s.detok.text,
+        text = "" if s.detok is None else s.detok.text
+        return Rollout(s.request.id, s.sample_index, list(s.request.prompt_ids), s.completion, text,
                        s.logprobs, s.finish, version, error=s.error,
                        processed_logprobs=s.proc_logprobs if s.params.processed_logprobs else None)
 

@@ -11,7 +11,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rl4bit.bench_rollout import _NullTokenizer, build_model, served_model
+from rl4bit.bench_rollout import build_model, served_model
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, SamplingParams
 
@@ -54,7 +54,7 @@ def main() -> None:
     prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
     reqs = [Request(str(i), r.tolist(), SamplingParams(temperature=args.temperature, max_new_tokens=args.new, seed=i)) for i, r in enumerate(prompts)]
     for name, m in (("bf16", served_model(model, "bf16")), ("nvfp4", served_model(model, "nvfp4"))):
-        eng = EmbeddedEngine(m, _NullTokenizer(), max_batch_size=args.batch, device=args.device,
+        eng = EmbeddedEngine(m, None, max_batch_size=args.batch, device=args.device,
                              max_seq_len=args.prompt + args.new + 1, max_prefill_tokens=args.batch * args.prompt,
                              decode_graphs=args.graphs)
         eng.generate([Request(r.id, r.prompt_ids, SamplingParams(max_new_tokens=3)) for r in reqs])  # compiles, graphs

@@ -16,7 +16,6 @@ from unittest import mock
 
 import torch
 
-from rl4bit.bench_rollout import _NullTokenizer
 from rl4bit.kernels import (attention, attention_triton, combine_triton, fused, invariant, qk_rope_triton,
                             rmsnorm_triton, router_triton)
 from rl4bit.sampler.engine import EmbeddedEngine
@@ -79,12 +78,12 @@ def test_engine_with_fused_kernels_is_batch_invariant_and_scores_its_samples():
     with _fused_kernels() as dev:
         with spies[0] as norms, spies[1] as ropes, spies[2] as combines, spies[3] as attentions, spies[4] as routers, \
                 spies[5] as add_norms:
-            engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=4, autocast=torch.bfloat16,
+            engine = EmbeddedEngine(model, None, max_batch_size=4, autocast=torch.bfloat16,
                                     max_seq_len=32, device=DEVICE, decode_graphs="off")
             alone = [engine.generate([r])[0] for r in reqs]
             together = engine.generate(reqs[::-1])[::-1]
             scores = [engine.score(r.prompt_ids, r.completion_ids, temperature) for r in together]
-            static = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=4, autocast=torch.bfloat16,
+            static = EmbeddedEngine(model, None, max_batch_size=4, autocast=torch.bfloat16,
                                     max_seq_len=32, device=DEVICE, decode_graphs="static").generate(reqs)
             prompts, completions = [r.prompt_ids for r in together], [r.completion_ids for r in together]
             with torch.autocast(dev, torch.bfloat16), torch.no_grad():
@@ -120,7 +119,7 @@ def test_decode_steps_split_over_key_chunks_give_the_unsplit_bits():
     with _fused_kernels() as dev:
         runs = {}
         for mode in ("off", "static"):
-            engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=2, autocast=torch.bfloat16,
+            engine = EmbeddedEngine(model, None, max_batch_size=2, autocast=torch.bfloat16,
                                     max_seq_len=KEY_CHUNK + 32, device=DEVICE, decode_graphs=mode)
             with mock.patch.object(attention_triton, "attention", wraps=attention_triton.attention) as calls:
                 runs[mode] = engine.generate(reqs)
@@ -157,7 +156,7 @@ def test_padding_rows_ride_on_row_0s_experts_and_real_rows_keep_their_bits():
             hooks.callback(m.register_forward_pre_hook(record, with_kwargs=True).remove)
         runs = {}
         for mode in ("off", "static"):
-            engine = EmbeddedEngine(model, _NullTokenizer(), max_batch_size=2, autocast=torch.bfloat16,
+            engine = EmbeddedEngine(model, None, max_batch_size=2, autocast=torch.bfloat16,
                                     max_seq_len=32, device=DEVICE, decode_graphs=mode)
             seen.clear()
             runs[mode] = engine.generate(reqs[:1])  # one sequence: every forward has padding rows

@@ -178,3 +178,15 @@ def test_processed_logprobs_follow_truncation(engine):
     assert all(lp < 0 for lp in top1.logprobs)  # policy logprobs stay un-truncated
     plain = engine.generate([Request("n", p, SamplingParams(seed=0))])[0]
     assert plain.processed_logprobs is None
+
+
+def test_an_engine_without_a_tokenizer_serves_token_ids_only(engine):
+    """tokenizer None (vLLM's skip_tokenizer_init; benchmarks): the same tokens and logprobs, text "", and a
+    request with stop strings fails alone with the reason."""
+    bare = EmbeddedEngine(make_model(torch.float32), None, max_batch_size=8)
+    reqs = [Request("a", prompts(1, 4)[0], greedy()), Request("s", prompts(1, 5)[0], SamplingParams(stop=["x"]))]
+    got = bare.generate(reqs)
+    want = engine.generate(reqs[:1])[0]
+    assert (got[0].completion_ids, got[0].logprobs, got[0].text, got[0].error) == \
+        (want.completion_ids, want.logprobs, "", None)
+    assert got[1].finish_reason == "error" and "stop strings need a tokenizer" in got[1].error
