@@ -116,7 +116,7 @@ configs, the tight row-tile bound): still the fastest on the dense shape and the
 elsewhere."""
 DECODE_WIDE = Config(block_m=16, block_n=128, num_warps=4, num_stages=3, predecode_x=True, block_k=256)
 """DECODE's 128-wide sibling, for DECODE-row calls of more than `SMALL_GRID` programs, whatever K. Sweeps of
-84-87 distinct configs, every one bitwise equal to TRAIN (µs; DECODE_WIDE / DECODE / the previous DECODE_SHORT_K,
+84-85 distinct configs, every one bitwise equal to TRAIN (µs; DECODE_WIDE / DECODE / the previous DECODE_SHORT_K,
 a two-warp 16 x 64 tile with a 128-wide K step that ran below K 2048):
 
 - H100, twenty-fourth session (`sweep_decode_gemm.py --large-grid`): Qwen3-30B-A3B down (K 768) at 8 / 16 / 32

@@ -11,7 +11,9 @@ temporary always sits beside its target).
 
 from __future__ import annotations
 
+import glob
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -64,23 +66,28 @@ HOLDER = ".{name}.old-"
 
 
 def _holders(out: Path) -> list[Path]:
-    """`replace_dir`'s holders of `out`: directories named HOLDER + mkdtemp's suffix holding nothing but `out.name`
-    (or nothing: emptied), newest first. A user's own `.NAME.old-*` with anything else inside is not one."""
+    """`replace_dir`'s holders of `out`: directories named HOLDER + mkdtemp's 8-character suffix holding nothing but
+    `out.name` (or nothing: emptied), newest first. A user's own `.NAME.old-*` is not one unless it has exactly
+    that form and content."""
+    prefix = HOLDER.format(name=out.name)
     held = []
-    for d in out.parent.glob(HOLDER.format(name=out.name) + "*"):
+    for d in out.parent.glob(glob.escape(prefix) + "*"):
+        if not re.fullmatch(re.escape(prefix) + r"[a-z0-9_]{8}", d.name):
+            continue
         try:
             inside = [c.name for c in d.iterdir()] if d.is_dir() and not d.is_symlink() else None
-        except OSError:
-            inside = None
-        if inside is not None and inside in ([], [out.name]):
-            held.append(d)
-    return sorted(held, key=lambda d: d.stat().st_mtime_ns, reverse=True)
+            if inside is not None and inside in ([], [out.name]):
+                held.append((d.stat().st_mtime_ns, d))
+        except OSError:  # gone meanwhile (another process's clean-up)
+            continue
+    return [d for _, d in sorted(held, reverse=True)]
 
 
 def restore_dir(out: str | Path) -> bool:
     """Put back the previous copy of `out` when a crash between `replace_dir`'s two renames left `out` missing
     (that copy sits in a holder beside it); True when it did. Readers call it: it only ever renames a holder's
-    copy back to a missing `out`, never deletes (`replace_dir` removes spent holders).
+    copy back to a missing `out`, never deletes (`replace_dir` removes spent holders). Two readers restoring at
+    once: one renames, the other finds `out` back.
 
     Leaves out: a reader racing a writer in another process. The reader may put the old copy back between the
     writer's two renames; the writer's second rename then fails and the old copy stays: no version is lost."""
@@ -90,7 +97,10 @@ def restore_dir(out: str | Path) -> bool:
     held = [d for d in _holders(out) if (d / out.name).is_dir()]
     if not held:
         return False
-    os.rename(held[0] / out.name, out)
+    try:
+        os.rename(held[0] / out.name, out)
+    except OSError:  # another reader restored it first (or the writer renamed its new copy in)
+        return False
     fsync_dir(out.parent)
     return True
 

@@ -489,8 +489,9 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
     staged update and stays in the collective. All ranks then agree
     (all_reduce MIN over the failing ranks) on whether every receiver
     committed; on any failure every rank raises
-    WeightSyncError carrying the lowest failing rank's message, and the
-    receivers keep serving their previous version.
+    WeightSyncError carrying the lowest failing rank's message. A receiver
+    that failed keeps its previous version (or, failing while applying, says
+    it may be partly updated); one that committed serves the new version.
     Returns the update's version.
     """
     import torch.distributed as dist
@@ -541,6 +542,5 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)  # lowest failing rank reports for everyone
     if int(first) < world:
         msg = _bcast_bytes(error.encode() if me == int(first) else None, int(first), group).decode()
-        raise WeightSyncError(error if error is not None else
-                              f"weight sync v{version} failed on rank {int(first)}: {msg}; receivers keep their previous version")
+        raise WeightSyncError(error if error is not None else f"weight sync v{version} failed on rank {int(first)}: {msg}")
     return version

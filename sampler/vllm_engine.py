@@ -409,7 +409,11 @@ class VLLMEngine:
             self.llm.enqueue(prompts, params, use_tqdm=False)
             outs = self.llm.wait_for_completion(use_tqdm=False)
         except BaseException:
-            self._abort_leftovers()
+            try:
+                self._abort_leftovers()
+            except Exception as again:  # the call's own error is the one to report; the next call retries
+                warnings.warn(f"vLLM: aborting a failed call's requests failed too ({type(again).__name__}: {again}); "
+                              "the next call retries")
             raise
         if len(outs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outs)} outputs for {len(prompts)} requests (requests of another "
@@ -420,7 +424,11 @@ class VLLMEngine:
         """Abort every request unfinished inside vLLM: this engine is vLLM's only caller and runs one call at a
         time, so any is a leftover of an interrupted call (one interrupted while vLLM was still adding requests
         included, which `enqueue`'s own clean-up, for Exceptions only, misses). vLLM lists them only in its
-        output processor's `request_states` (internal ids)."""
+        output processor's `request_states` (internal ids; our requests are n = 1, no parent requests).
+
+        Leaves out: a request vLLM drops from `request_states` on a stop string before aborting it in its core, if
+        an interrupt falls between the two (`LLMEngine.step`): the core keeps it to max_tokens, and a weight update
+        meanwhile fails with a refused prefix-cache reset (the old version serving on)."""
         engine = self.llm.llm_engine
         if engine.has_unfinished_requests():
             engine.abort_request(list(engine.output_processor.request_states), internal=True)

@@ -317,17 +317,20 @@ def test_a_crash_between_the_swap_renames_keeps_the_previous_export(exported, tr
         ckf.write_checkpoint(out, model, plan, max_shard_bytes=60_000)
     monkeypatch.setattr(atomic.os, "rename", real)
     assert not out.exists() and len(list(tmp_path.glob(".ckpt.old-*"))) == 1  # the window itself
-    mine = tmp_path / ".ckpt.old-mine"  # a user's directory that only looks like a holder: never touched
+    mine = tmp_path / ".ckpt.old-mine"  # a user's directories that only look like holders: never touched
     (mine / "notes").mkdir(parents=True)
+    backup = tmp_path / ".ckpt.old-backup"  # the holder's content, not its name's form
+    shutil.copytree(exported, backup / "ckpt")
     ckf.read_tensors(out)  # the reader restores it (and deletes nothing: the emptied holder stays)
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
-    assert len(list(tmp_path.glob(".ckpt.old-*"))) == 2 and (mine / "notes").is_dir()
+    assert len(list(tmp_path.glob(".ckpt.old-*"))) == 3 and (mine / "notes").is_dir()
     with pytest.raises(KeyboardInterrupt):  # the same crash again, then a complete re-export
         monkeypatch.setattr(atomic.os, "rename", dying_rename)
         ckf.write_checkpoint(out, model, plan, max_shard_bytes=60_000)
     monkeypatch.setattr(atomic.os, "rename", real)
     ckf.write_checkpoint(out, model, plan, max_shard_bytes=60_000)  # the writer removes its own spent holders
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.old-mine", "ckpt"] and (mine / "notes").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.old-backup", ".ckpt.old-mine", "ckpt"]
+    assert (mine / "notes").is_dir() and (backup / "ckpt" / "config.json").is_file()
     ckf.read_tensors(out)
 
 
@@ -336,7 +339,7 @@ def test_a_step_directory_left_aside_is_restored_on_resume(tmp_path):
     from rl4bit import checkpoint as ck
 
     root = tmp_path / "checkpoints"
-    held = root / ".step_000003.old-abc"
+    held = root / ".step_000003.old-k3j_9x0a"  # mkdtemp's form
     (held / "step_000003").mkdir(parents=True)
     (held / "step_000003" / "state.json").write_text("{}")
     (root / "latest.json").write_text(json.dumps({"step": 3, "dir": "step_000003"}))

@@ -125,3 +125,18 @@ def test_without_stop_strings_nothing_is_decoded_until_the_text_is_read():
     d = IncrementalDetokenizer(tok, ids[:2], [])
     assert not any(d.step(t) for t in ids[2:]) and tok.calls == 0
     assert d.text == tok.tok.decode(ids, skip_special_tokens=True)[len(tok.tok.decode(ids[:2])):] and tok.calls > 0
+
+
+def test_a_decode_that_rewrites_earlier_text_restarts_the_stream():
+    """DecodeStream's "Invalid prefix" case: a decode that changes text already emitted (token 9 upper-cases its
+    window). When a step's text no longer starts with the emitted prefix (at the 0 after the 9), the stream starts
+    again from that token with no context, as vLLM restarts its stream; nothing raises."""
+    class Rewriting:
+        def decode(self, ids, skip_special_tokens=True):
+            text = "".join("ab"[i % 2] for i in ids if i != 9)
+            return text.upper() if 9 in ids else text
+
+    d = IncrementalDetokenizer(Rewriting(), [0, 1], ["zz"])
+    assert [d.step(t) for t in (0, 1, 9, 0, 1)] == [False] * 5
+    assert d.text == "ab" + "ab"  # 9 emits nothing (its text is no longer than the prefix); the 0 after it
+    # decodes 'BA' against the prefix 'b': the restart, from the 0 alone ('a'), then the 1 ('b')
