@@ -542,5 +542,6 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)  # lowest failing rank reports for everyone
     if int(first) < world:
         msg = _bcast_bytes(error.encode() if me == int(first) else None, int(first), group).decode()
-        raise WeightSyncError(error if error is not None else f"weight sync v{version} failed on rank {int(first)}: {msg}")
+        raise WeightSyncError(error if error is not None else
+                              f"weight sync v{version} failed on rank {int(first)}: {msg}")
     return version

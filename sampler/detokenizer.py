@@ -19,7 +19,7 @@ stream, run then: when the engine builds the finished sample's Rollout). Cost (t
 measurement): ~2 µs a token, 2.4 ms for a 1024-token completion against 0.43 ms for the single
 `tokenizer.decode` the engine used before; with stop strings it is paid token by token instead.
 
-A tokenizer without a `tokenizers` backend (a slow one, a benchmark's stub) runs the same algorithm in Python
+A tokenizer without a `tokenizers` backend (a slow one, a test's stand-in) runs the same algorithm in Python
 over `tokenizer.decode` (`_PyDecodeStream`).
 
 Leaves out: vLLM's own slow path for such tokenizers (convert_tokens_to_string over a 5-token prefix window).

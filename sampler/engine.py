@@ -75,11 +75,11 @@ from rl4bit.kernels import deferred_checks
 from rl4bit.kernels.checks import all_finite, qtensor_problems
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.sampler.decode_graph import DecodeGraphs
+from rl4bit.sampler.detokenizer import IncrementalDetokenizer
 from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_implementations, pad_rows
 from rl4bit.sampler.rope_table import rope_tables
 from rl4bit.sampler.sampling import policy_logprobs, rows_to_lists, sample_rows, sample_rows_tensors
 from rl4bit.sampler.serving_dtype import precast
-from rl4bit.sampler.detokenizer import IncrementalDetokenizer
 from rl4bit.sampler.types import (Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts,
                                   nonfinite_logprob_error, request_error)
 from rl4bit.trainer import padding
