@@ -56,10 +56,11 @@ ROLLOUT_SHAPES = [("1b gate_up", 32, 2048, 1536, 16), ("1b down", 32, 768, 2048,
 (2.5x and 1.8x) and the grouped GEMMs are issue-bound rather than latency-bound (`--rollout`)."""
 MID_SHAPES = [("bench gate_up", 16, 2048, 1536, 256), ("bench down", 16, 768, 2048, 256)]
 """(name, E, K, N, tokens): the GPU job's batch-256 decode step (configs/gpu-h200.yaml: 16 experts, top-4)."""
-LARGE_GRID_SHAPES = [("a3b down", 128, 768, 2048, 4), ("a3b down", 128, 768, 2048, 8), ("a3b down", 128, 768, 2048, 16),
-                  ("a3b down", 128, 768, 2048, 32), ("a22b down", 128, 1536, 4096, 4),
-                  ("a22b down", 128, 1536, 4096, 16), ("a3b gate_up", 128, 2048, 1536, 1),
-                  ("a3b gate_up", 128, 2048, 1536, 4), ("a3b gate_up", 128, 2048, 1536, 16)]
+LARGE_GRID_SHAPES = [("a3b down", 128, 768, 2048, 4), ("a3b down", 128, 768, 2048, 8),
+                     ("a3b down", 128, 768, 2048, 16), ("a3b down", 128, 768, 2048, 32),
+                     ("a22b down", 128, 1536, 4096, 4), ("a22b down", 128, 1536, 4096, 16),
+                     ("a3b gate_up", 128, 2048, 1536, 1), ("a3b gate_up", 128, 2048, 1536, 4),
+                     ("a3b gate_up", 128, 2048, 1536, 16)]
 """(name, E, K, N, tokens): Qwen3-30B-A3B's down (K 768) and Qwen3-235B-A22B's down (K 1536, N 4096), top-8 of
 128, at token counts on both sides of SMALL_GRID programs, where the previous DECODE_SHORT_K was picked from one
 shape (A3B down at 16 tokens, twenty-third session); and A3B's gate_up (K 2048) at 1 / 4 / 16 tokens, where two
@@ -143,22 +144,18 @@ def main() -> int:
         ref = qg.grouped_nvfp4(qx, q0, ct, torch.float32, config=qg.TRAIN)
         floor_us = per_expert * touched / gbps / 1e3
         label = f"{name} M={m} ({rows} rows, {touched} experts) K={k} N={n}"
-        shape_rows, times = [], {}
+        shape_rows, times = [], {cfg: [] for cfg in configs}
         for _ in range(args.rounds):  # rounds interleave the configs, so drift over the run hits them alike
-            for cfg in configs:
-                if times.get(repr(cfg)) is False:
-                    continue
+            for cfg in list(times):
                 try:
                     us = _time_us([lambda q=q: qg.grouped_nvfp4(qx, q, ct, torch.bfloat16, config=cfg) for q in qws],
                                   dev, args.reps)
                 except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
                     shape_rows.append(dict(shape=label, config=repr(cfg), error=f"{type(err).__name__}: {err}"[:200]))
-                    times[repr(cfg)] = False
+                    del times[cfg]
                     continue
-                times.setdefault(repr(cfg), []).append(us)
-        for cfg in configs:
-            if times.get(repr(cfg)) is False:
-                continue
+                times[cfg].append(us)
+        for cfg in times:
             try:
                 got = qg.grouped_nvfp4(qx, q0, ct, torch.float32, config=cfg)
                 same = bool(torch.equal(got.view(torch.int32), ref.view(torch.int32)))
@@ -166,8 +163,8 @@ def main() -> int:
                 shape_rows.append(dict(shape=label, config=repr(cfg), error=f"{type(err).__name__}: {err}"[:200]))
                 continue
             shape_rows.append(dict(shape=label, name=name, k=k, n=n, tokens=m, config=repr(cfg),
-                                   fields=dataclasses.asdict(cfg), us=statistics.median(times[repr(cfg)]),
-                                   rounds=times[repr(cfg)], floor_us=floor_us, bitwise=same))
+                                   fields=dataclasses.asdict(cfg), us=statistics.median(times[cfg]),
+                                   rounds=times[cfg], floor_us=floor_us, bitwise=same))
         shape_rows.sort(key=lambda r: r.get("us", 1e9))
         results += shape_rows
         picked = qg.pick_config(rows, e, n)
