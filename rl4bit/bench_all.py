@@ -59,7 +59,20 @@ def _rows_kernels(res) -> list[tuple]:
 
 
 def _rows_gemm(res) -> list[tuple]:
-    return [tuple(r) for r in res.get("summary", [])]  # bench_gemm states its own rows in this form
+    """`bench_gemm.run`'s rows: the decode cases beside the BF16 baseline and the HBM floor (their targets: the
+    speed-up and the share of HBM bandwidth), the training cases beside `torch.bmm`."""
+    from rl4bit.bench_gemm import HBM_TARGET, SPEEDUP_TARGET
+
+    rows = []
+    for r in res:
+        base = f"{r['baseline']} {r['baseline_us']:.1f} µs"
+        if "floor_us" in r:
+            rows.append((f"gemm {r['case']} {r['shape']}", f"{r['us']:.1f} µs",
+                         f"{base}; HBM floor {r['floor_us']:.1f} µs ({r['of_hbm']:.0%})", r["speedup"],
+                         f">= {SPEEDUP_TARGET}x, >= {HBM_TARGET:.0%} HBM"))
+        else:
+            rows.append((f"gemm {r['case']} {r['shape']}", f"{r['us']:.1f} µs", base, r["speedup"], None))
+    return rows
 
 
 def _rows_train(res) -> list[tuple]:
@@ -152,7 +165,8 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, secti
             continue
         try:
             rows.extend(SUMMARY[name](r["result"]))
-        except (KeyError, TypeError, ZeroDivisionError) as e:
+        except Exception as e:  # a summary that cannot be built loses neither the other rows nor the JSON
+            traceback.print_exc()
             rows.append((f"[{name}]", "no summary", f"{type(e).__name__}: {e}", None, None))
     _print_summary(rows, device)
     if out:

@@ -82,6 +82,9 @@ def _worker(rank: int, world: int, port: int, device_kind: str, shape: dict, rep
     else:
         device, backend = torch.device("cpu"), "gloo"
         torch.set_num_threads(1)
+    from rl4bit.trainer.sharding import bind_world_defaults_early
+
+    bind_world_defaults_early()
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timedelta(seconds=300))
     try:
         h, e, k, t = shape["hidden"], shape["experts"], shape["top_k"], shape["tokens"]

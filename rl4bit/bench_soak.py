@@ -87,6 +87,10 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, config
     from rl4bit.rundir import create_run_dir
 
     steps = steps or (8 if quick else 100)
+    warmup = max(2, steps // 4)
+    if steps - warmup + 1 < 2:  # steps are numbered from 1: warmup..steps must hold the 2 the verdict compares
+        raise SystemExit(f"bench soak: --steps {steps} leaves fewer than 2 steps after the {warmup}-step warm-up; "
+                         f"give --steps {warmup + 1} or more")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("bench soak on cuda needs a GPU (use --device cpu)")
     o = (QUICK if quick else []) + [f"rl.steps={steps}", "ray.mode=local", "run.progress=false", f"trainer.device={device}"]
@@ -108,7 +112,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, config
     with tempfile.TemporaryDirectory(prefix="rl4bit-soak-") as tmp:
         run_dir = create_run_dir(cfg, Path(out) / "run" if out else Path(tmp) / "run")
         driver.run(cfg, run_dir, on_step=on_step)
-    v = verdict(rows, max(2, steps // 4))
+    v = verdict(rows, warmup)
     print(f"soak: RSS after the {v['warmup_steps']}-step warm-up {v['rss_at_warmup_mib']:.1f} MiB, grew "
           f"{v['rss_growth_mib']:+.1f} MiB over {steps - v['warmup_steps']} steps (bound {v['rss_bound_mib']:.1f} MiB = "
           f"{RSS_BOUND_MIB:.0f} + {RSS_BOUND_FRAC:.0%}), slope {v['rss_slope_mib_per_step']:+.3f} MiB/step"

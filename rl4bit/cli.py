@@ -98,11 +98,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _device(name: str) -> str:
-    if name != "auto":
-        return name
+    """`--device`: auto -> cuda where a GPU is visible, else cpu. Raises ValueError, naming what to pass instead,
+    for a device this process cannot use (checked here once, before any bench builds a model on it)."""
     import torch
 
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+        raise ValueError(f"--device {name!r}: choose cpu, cuda, cuda:N or auto")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
+                         f"{'no GPU visible' if torch.backends.cuda.is_built() else 'a CPU-only build'}); "
+                         "use --device cpu (with --quick for the small shapes)")
+    if index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this process sees {torch.cuda.device_count()} GPU(s)")
+    return name
 
 
 def cmd_config(args) -> int:
@@ -120,8 +131,13 @@ def cmd_bench(args) -> int:
     import inspect
 
     module, what = BENCHES[args.what]
+    try:
+        device = _device(args.device)
+    except ValueError as e:
+        print(f"rl4bit bench {args.what}: {e}", file=sys.stderr)
+        return 2
     mod = _require(module, f"`rl4bit bench {args.what}` ({what})")
-    kwargs = dict(device=_device(args.device), quick=args.quick, out=args.out)
+    kwargs = dict(device=device, quick=args.quick, out=args.out)
     params = inspect.signature(mod.run).parameters
     if args.batches:
         try:

@@ -179,7 +179,7 @@ def _reference_rewards(run_dir: str) -> dict[int, float]:
 
 def reward_gap(reference_run_dir: str | Path, step: int, reward: float) -> float | None:
     """This run's reward minus the reference run's at `step`; None when the reference has no such step."""
-    ref = _reference_rewards(str(Path(reference_run_dir).resolve()))
+    ref = _reference_rewards(str(Path(reference_run_dir).expanduser().resolve()))
     return None if step not in ref else float(reward) - ref[step]
 
 

@@ -24,18 +24,50 @@ import torch
 from rl4bit import driver
 from rl4bit.trainer import actor, surgery
 
-RECORD: dict = {"on": False, "logits": []}
+RECORD: dict = {"on": False, "logits": [], "force": None, "layer": 0}
+"""on: record the margins of this forward's routers; force: (layer, packed row) whose k-th expert is swapped for
+its (k+1)-th (the other side of a near-tie), counted by `layer` from the forward's first router call."""
 
 
 def _recording_router(orig):
     def router_forward(module, orig_forward, hidden_states, *args, **kwargs):
         out = orig(module, orig_forward, hidden_states, *args, **kwargs)
+        k = module.top_k
         if RECORD["on"]:
-            k = module.top_k
             top = out[0].detach().float().topk(k + 1, dim=-1).values
             RECORD["logits"].append(top[:, k - 1] - top[:, k])  # the k-th minus the (k+1)-th logit
+        if RECORD["force"] is not None:
+            layer, row = RECORD["force"]
+            if RECORD["layer"] == layer:
+                out = _swapped(module, out, row, k)
+            RECORD["layer"] += 1
         return out
     return router_forward
+
+
+def _swapped(module, out, row: int, k: int):
+    """The router's (logits, weights, index) with row `row`'s k-th expert replaced by its (k+1)-th."""
+    logits, weights, index = out
+    probs = torch.softmax(logits.float(), dim=-1)
+    order = probs.topk(k + 1, dim=-1).indices
+    index = index.clone()
+    index[row] = torch.cat([order[row, : k - 1], order[row, k:]]).to(index.dtype)
+    top = probs.gather(1, index.long())
+    if getattr(module, "_rl4bit_router_normalize", getattr(module, "norm_topk_prob", True)):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return logits, top.to(weights.dtype), index
+
+
+def _alone(trainer, prompt, completion, force=None) -> torch.Tensor:
+    """The trainer's logprobs of one sequence packed alone (batch-invariant: the packed recompute's bits), with
+    the routing swap `force` = (layer, row in this packing) or without."""
+    RECORD["force"], RECORD["layer"] = force, 0
+    try:
+        with torch.no_grad(), trainer._autocast():
+            return actor.sequence_logprobs(trainer.model, [prompt], [completion], trainer.cfg.sampler.temperature,
+                                           trainer.cfg.model.max_seq_len)[0][0].double().cpu()
+    finally:
+        RECORD["force"] = None
 
 
 def _rows(prompts, completions):
@@ -54,6 +86,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--top", type=int, default=8)
+    p.add_argument("--probe-above", type=float, default=3e-4,
+                   help="swap-test the largest-gap token of every sequence whose largest gap is above this")
     p.add_argument("--out", default="/tmp/rl-outliers")
     p.add_argument("--config", default="configs/gpu-h200.yaml")
     p.add_argument("-o", "--override", action="append", default=[])
@@ -61,6 +95,7 @@ def main() -> None:
 
     surgery._fp32_router_forward = _recording_router(surgery._fp32_router_forward)  # before any model is built
     tokens: list[tuple[float, float, int]] = []  # (gap, smallest margin, its layer) of every token this step
+    probes: list[str] = []  # this step's forced-swap lines
     steps: list[list] = []
     orig_loss = actor.Trainer._microbatch_loss
 
@@ -85,10 +120,26 @@ def main() -> None:
         small, layer = margins.min(0)
         comps = [batch.completion_ids[i] for i in mb]
         for i, rows in zip(mb, _rows([batch.prompt_ids[i] for i in mb], comps)):
-            gap = (torch.as_tensor(batch.sampler_logprobs[i], dtype=torch.float64)
-                   - old[i].detach().double().cpu()).abs()
+            samp = torch.as_tensor(batch.sampler_logprobs[i], dtype=torch.float64)
+            gap = (samp - old[i].detach().double().cpu()).abs()
             for g, r in zip(gap.tolist(), rows):
                 tokens.append((g, small[r].item(), layer[r].item()))
+            j = int(gap.argmax())
+            if gap[j] < a.probe_above:
+                continue
+            # the token's three nearest ties, each swapped alone in a recompute of its sequence
+            prompt, comp = batch.prompt_ids[i], batch.completion_ids[i]
+            nz = (gap > 0).nonzero().flatten().tolist()
+            line = (f"  seq {i} token {j}/{len(comp)}: gap {gap[j]:.3e}; nonzero gaps in the sequence at "
+                    f"{nz[:12]}{' ...' if len(nz) > 12 else ''}")
+            base = _alone(self, prompt, comp)
+            line += f"\n    alone == packed: {bool(torch.equal(base, old[i].detach().double().cpu()))}"
+            for lay in margins[:, rows[j]].argsort()[:3].tolist():
+                forced = _alone(self, prompt, comp, (lay, len(prompt) - 1 + j))
+                line += (f"\n    swap layer {lay} (margin {margins[lay, rows[j]]:.3e}): sampler - trainer at the "
+                         f"token {samp[j] - forced[j]:+.3e} (unswapped {samp[j] - base[j]:+.3e}); later tokens' "
+                         f"largest |change| {(forced[j + 1:] - base[j + 1:]).abs().max().item() if j + 1 < len(comp) else 0:.2e}")
+            probes.append(line)
         return loss
 
     actor.Trainer._microbatch_loss = microbatch_loss
@@ -96,8 +147,9 @@ def main() -> None:
 
     def train_step(self, batch):
         tokens.clear()
+        probes.clear()
         out = orig_step(self, batch)
-        steps.append(list(tokens))
+        steps.append((list(tokens), list(probes)))
         return out
 
     actor.Trainer.train_step = train_step
@@ -106,19 +158,21 @@ def main() -> None:
                  "run.warmup_sft_steps=0", "data.eval_size=8", "ray.mode=local", *a.override]
     rc = driver.main(a.config, a.out, overrides=overrides)
     print(f"T={a.temperature} invariant={a.invariant}: job rc {rc}")
-    for s, toks in enumerate(steps, 1):
+    for s, (toks, lines) in enumerate(steps, 1):
         gaps = torch.tensor([t[0] for t in toks])
         small = torch.tensor([t[1] for t in toks])
         q = torch.tensor([0.001, 0.01, 0.1, 0.5])
         print(f"step {s}: {len(toks)} tokens; smallest top-k margin over the layers, quantiles 0.1% / 1% / 10% / "
               f"50%: {' / '.join(f'{v:.2e}' for v in torch.quantile(small, q).tolist())}")
         print(f"  tokens with gap > 1e-3: {int((gaps > 1e-3).sum())}; > 1e-4: {int((gaps > 1e-4).sum())}; "
+              f"> 0: {int((gaps > 0).sum())}; "
               f"median gap {gaps.median().item():.2e}")
         order = torch.argsort(gaps, descending=True)[: a.top]
         for j in order.tolist():
             g, m, layer = toks[j]
             rank = (small < m).float().mean().item()
             print(f"  gap {g:.3e}  smallest margin {m:.3e} (layer {layer}; quantile {rank:.4f})")
+        print("\n".join(lines))
     sys.exit(rc)
 
 

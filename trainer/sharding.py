@@ -43,6 +43,7 @@ is 127.0.0.1 unless given), HSDP / 2D meshes, mixed-precision all-gathers.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import math
 from contextlib import contextmanager
@@ -66,7 +67,20 @@ def init_group(rank: int, world: int, addr: str, port: int, device: torch.device
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    bind_world_defaults_early()
     dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=rank, world_size=world)
+
+
+def bind_world_defaults_early() -> None:
+    """Import `torch.distributed.nn.functional` now, before any process group exists.
+
+    Its functions take `group=group.WORLD` as a default argument, evaluated at its first import, and building a
+    transformers model imports it (via `torch.distributed.fsdp`). Imported after `init_process_group`, it holds
+    the default group for the life of the process: `destroy_process_group` then frees nothing, and gloo's
+    threads and sockets are torn down inside interpreter finalization, where a gloo thread waiting for the GIL
+    aborts the process ("terminate called without an active exception"). Call it before every
+    `init_process_group` (the trainer group, the benchmarks' and the tests' worker processes)."""
+    importlib.import_module("torch.distributed.nn.functional")
 
 
 def close_group() -> None:

@@ -92,11 +92,16 @@ def raising(err: Exception):
 
 
 def broadcast_worker(rank: int, world: int, init_file: str) -> None:
+    from datetime import timedelta
+
     import torch.distributed as dist
 
+    from rl4bit.trainer.sharding import bind_world_defaults_early
     from rl4bit.weight_sync import broadcast_update
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    bind_world_defaults_early()  # else destroy_process_group frees nothing and gloo can abort at exit
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=120))  # a lost peer fails the test instead of hanging it
     try:
         trainer, plan = make_trainer_model(0)  # both ranks build it: rank 1 uses it as the expected values
         sender = WeightSender(trainer, plan, bucket_bytes=BUCKET_BYTES)
@@ -145,5 +150,6 @@ def broadcast_worker(rank: int, world: int, init_file: str) -> None:
             assert broadcast_update(0, receiver=rx) == 2
             bump_weights(trainer)
             assert_serves(rx.snapshot(), trainer)
-    finally:
+        dist.barrier()  # both ranks past their last collective before either closes its pairs (as close_group)
+    finally:  # no barrier after a failure: the peer may be inside another collective
         dist.destroy_process_group()

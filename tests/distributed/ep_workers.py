@@ -207,6 +207,9 @@ def main(rank: int, world: int, port: int, out_dir: str, what: str = "layer") ->
     device = torch.device("cuda", rank) if what == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    from rl4bit.trainer.sharding import bind_world_defaults_early
+
+    bind_world_defaults_early()
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:

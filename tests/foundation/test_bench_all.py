@@ -55,3 +55,37 @@ def test_bench_all_rejects_unknown_sections():
 def test_bench_cli_names_a_bad_batches_list(capsys):
     assert main(["bench", "rollout", "--batches", "1,x", "--device", "cpu", "--quick"]) == 2
     assert "--batches '1,x'" in capsys.readouterr().err
+
+
+def test_bench_all_summarizes_the_gemm_section(tmp_path):
+    """`bench_gemm.run` returns its rows as a list: each becomes a summary row beside its baseline and target
+    (the summary used to call `.get` on that list and take the whole table and the JSON down with it)."""
+    res = bench_all.run(device="cpu", quick=True, out=str(tmp_path), sections=("gemm",))
+    assert res["sections"]["gemm"]["ok"]
+    rows = [r for r in res["summary"] if r[0].startswith("gemm ")]
+    assert len(rows) == len(res["sections"]["gemm"]["result"]) > 0
+    decode = [r for r in rows if r[0].startswith("gemm decode nvfp4")]
+    assert decode and all("HBM floor" in r[2] and r[4] == ">= 3.5x, >= 85% HBM" and r[3] > 0 for r in decode)
+    assert json.loads((tmp_path / "bench_all.json").read_text())["summary"]
+
+
+def test_bench_all_reports_a_summary_that_cannot_be_built(tmp_path, monkeypatch):
+    """A section whose summary raises is one 'no summary' row; the table and the JSON still come out."""
+    def broken(res):
+        raise AttributeError("no such field")
+
+    monkeypatch.setitem(bench_all.SUMMARY, "step", broken)
+    res = bench_all.run(device="cpu", quick=True, out=str(tmp_path), sections=("step",))
+    assert ("[step]", "no summary", "AttributeError: no such field", None, None) in [tuple(r) for r in res["summary"]]
+    assert (tmp_path / "bench_all.json").is_file()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("what", ["rollout", "sync", "train", "comm", "step"])
+def test_bench_cli_refuses_a_device_it_cannot_use(what, capsys):
+    """`--device cuda` on a CPU-only machine: one line naming the fix before anything is built (rollout, sync and
+    train used to end in a traceback from deep inside the bench, comm ran on the CPU instead)."""
+    assert main(["bench", what, "--device", "cuda", "--quick"]) == 2
+    assert "--device cuda: CUDA is not available here" in capsys.readouterr().err
+    assert main(["bench", what, "--device", "gpu", "--quick"]) == 2
+    assert "--device 'gpu': choose cpu, cuda, cuda:N or auto" in capsys.readouterr().err

@@ -26,3 +26,15 @@ def test_quick_soak_is_flat_after_warm_up(tmp_path, capsys):
     assert v["flat"] and v["rss_growth_mib"] <= v["rss_bound_mib"]
     assert json.loads((tmp_path / "bench_soak.json").read_text())["verdict"] == v
     assert "FLAT" in capsys.readouterr().out
+
+
+def test_too_few_steps_are_refused_before_the_job_runs(monkeypatch):
+    """`--steps 2` used to run the whole soak and then raise; now it stops before building anything."""
+    from rl4bit import driver
+
+    def never(*a, **k):
+        raise AssertionError("the job ran")
+
+    monkeypatch.setattr(driver, "run", never)
+    with pytest.raises(SystemExit, match="--steps 2 leaves fewer than 2 steps after the 2-step warm-up; give --steps 3"):
+        bench_soak.run(device="cpu", quick=True, steps=2)
