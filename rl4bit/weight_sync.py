@@ -519,9 +519,14 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
         if blob is None:
             error = "sender failed before the header"
         else:
-            h = json.loads(blob)
-            version = h["version"]
-            error = _receiver_step(receiver, receiver.begin, version, h["count"], h["layout"])
+            try:
+                h = json.loads(blob)
+                version, count, layout = h["version"], h["count"], h["layout"]
+            except (ValueError, KeyError, TypeError) as e:  # drain the stream below with the others, then report
+                error = (f"receiver on rank {me} could not read the update header ({type(e).__name__}: {e}); "
+                         "it keeps serving its previous version")
+            else:
+                error = _receiver_step(receiver, receiver.begin, version, count, layout)
             i = 0
             while True:
                 blob = _bcast_bytes(None, src, group)

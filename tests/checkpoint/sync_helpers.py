@@ -96,6 +96,9 @@ def broadcast_worker(rank: int, world: int, init_file: str) -> None:
 
     import torch.distributed as dist
 
+    from unittest import mock
+
+    from rl4bit import weight_sync
     from rl4bit.trainer.sharding import bind_world_defaults_early
     from rl4bit.weight_sync import broadcast_update
 
@@ -119,6 +122,9 @@ def broadcast_worker(rank: int, world: int, init_file: str) -> None:
                 broadcast_update(0, sender=sender, version=2, buckets=misrouted(sender.buckets(2), 1))
             for _ in ("receive", "commit"):  # the receiver raises something other than WeightSyncError
                 with pytest.raises(WeightSyncError, match="receiver failed on rank 1"):
+                    broadcast_update(0, sender=sender, version=2)
+            with mock.patch.object(weight_sync.json, "dumps", lambda obj: "{not json"):  # a header garbled in transit
+                with pytest.raises(WeightSyncError, match="rank 1 could not read the update header"):
                     broadcast_update(0, sender=sender, version=2)
             sender.layout = raising(RuntimeError("layout broke"))
             with pytest.raises(WeightSyncError, match="sender failed before the header.*layout broke"):
@@ -144,6 +150,10 @@ def broadcast_worker(rank: int, world: int, init_file: str) -> None:
                 delattr(rx, step)
                 assert rx.serving_version() == 1 and rx._staging is None
                 assert_serves(rx.snapshot(), trainer)
+            # an unreadable header: this rank drains the stream with the others (no hang) and keeps v1
+            with pytest.raises(WeightSyncError, match="could not read the update header.*keeps serving"):
+                broadcast_update(0, receiver=rx)
+            assert rx.serving_version() == 1
             with pytest.raises(WeightSyncError, match="sender failed before the header"):
                 broadcast_update(0, receiver=rx)
             assert rx.serving_version() == 1
