@@ -45,6 +45,9 @@ def main(source: str, out: str, overrides: list[str] | None = None) -> int:
 
     src = Path(source)
     extra = {"source": str(src)}
+    if not src.exists():
+        raise FileNotFoundError(f"{source!r} does not exist: pass a YAML config (its model, quantized by its recipe) "
+                                "or a run dir that `rl4bit train` wrote (its latest checkpoint)")
     if src.is_dir():
         if not (src / "config.yaml").is_file():
             raise FileNotFoundError(f"{src} is a directory without config.yaml: pass a run dir or a YAML config")

@@ -43,6 +43,7 @@ from rl4bit import parity_stats as ps
 from rl4bit.atomic import atomic_write_text
 from rl4bit.config import ConfigError, dump_yaml, load_config
 from rl4bit.metrics import read_metrics
+from rl4bit.trainer.recipe import RECIPES
 
 REFERENCE = "mxfp8"
 """The recipe every other one is compared with."""
@@ -54,6 +55,10 @@ RUN_OVERRIDES = ["run.progress=false"]
 
 def main(config, recipes=("nvfp4", "mxfp8", "bf16"), seeds: int = 3, out=None, overrides=None, *, jobs: int = 1) -> int:
     recipes = [r.strip() for r in recipes if r.strip()]
+    unknown = [r for r in recipes if r not in RECIPES]
+    if unknown:
+        raise ConfigError(f"--recipes {','.join(recipes)}: unknown recipe(s) {', '.join(map(repr, unknown))}; "
+                          f"choose from {', '.join(RECIPES)}")
     if len(recipes) < 2 or len(set(recipes)) != len(recipes):
         raise ConfigError(f"--recipes {','.join(recipes)}: give at least two distinct recipes, e.g. nvfp4,mxfp8")
     if seeds < 1:

@@ -42,6 +42,7 @@ and call it from a function), async rewards.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import importlib.util
 import inspect
@@ -138,7 +139,10 @@ def load_reward(spec: str) -> Callable:
             raise RewardError(f"reward {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
-        raise RewardError(f"reward {spec!r}: {target} has no function {name!r}")
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        close = difflib.get_close_matches(name, names, n=1)
+        raise RewardError(f"reward {spec!r}: {target} has no function {name!r}"
+                          + (f"; did you mean {close[0]!r}?" if close else ""))
     return fn
 
 

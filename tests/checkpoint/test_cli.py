@@ -69,3 +69,13 @@ def test_export_into_a_directory_that_is_not_an_export_is_refused(tmp_path, caps
     assert str(home) in err and "not an rl4bit export" in err, err
     assert sorted(p.name for p in home.iterdir()) == ["notes.txt", "other_model"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["my_models"], "no temporary export left beside it"
+
+
+def test_export_of_a_missing_source_names_both_kinds(tmp_path, capsys):
+    """`rl4bit export runs/nope`: the message says a config or a run dir was expected (it used to say 'config file')."""
+    from rl4bit.cli import main as cli
+
+    assert cli(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 1
+    err = capsys.readouterr().err
+    assert "does not exist: pass a YAML config" in err and "or a run dir" in err, err
+    assert not (tmp_path / "x").exists()

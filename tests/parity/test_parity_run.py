@@ -59,6 +59,8 @@ def test_tiny_parity_run_writes_the_three_files(tmp_path, capsys):
 def test_bad_arguments_fail_before_any_run(tmp_path):
     with pytest.raises(ConfigError, match="at least two distinct recipes"):
         parity.main(QUICKSTART, recipes=["nvfp4"], seeds=1, out=str(tmp_path / "p"), overrides=TINY)
+    with pytest.raises(ConfigError, match="unknown recipe.*'nvfp5'; choose from bf16, mxfp8, nvfp4"):
+        parity.main(QUICKSTART, recipes=["nvfp5", "mxfp8"], seeds=1, out=str(tmp_path / "p"), overrides=TINY)
     with pytest.raises(ConfigError, match="--seeds 0"):
         parity.main(QUICKSTART, recipes=["nvfp4", "mxfp8"], seeds=0, out=str(tmp_path / "p"), overrides=TINY)
     assert not (tmp_path / "p").exists()

@@ -22,8 +22,10 @@ def test_load_by_import_path_and_file(tmp_path):
     f = tmp_path / "my_reward.py"
     f.write_text("def half(prompt, completion, **s):\n    return 0.5\n")
     assert load_reward(f"{f}:half")("p", "c") == 0.5
-    with pytest.raises(RewardError, match="no function 'nope'"):
+    with pytest.raises(RewardError, match="no function 'nope'$"):
         load_reward(f"{f}:nope")
+    with pytest.raises(RewardError, match="no function 'exact_matc'; did you mean 'exact_match'\\?"):
+        load_reward("rl4bit.rewards:exact_matc")
     with pytest.raises(RewardError, match="cannot import module 'no_such_mod'"):
         load_reward("no_such_mod:f")
     with pytest.raises(RewardError, match="does not exist"):
