@@ -105,10 +105,17 @@ def main() -> None:
         RECORD["on"], RECORD["logits"] = True, []
         orig_lp = actor.sequence_logprobs
 
+        head = self.model.get_output_embeddings()
+
+        def keep_head(module, args, out):  # the LM head's rows in, logits out (packed completion-token order)
+            RECORD["head"] = (args[0].detach(), out.detach())
+
         def first_call_only(*args, **kwargs):  # the policy's recompute, not the reference model's
+            hook = head.register_forward_hook(keep_head)
             try:
                 return orig_lp(*args, **kwargs)
             finally:
+                hook.remove()
                 RECORD["on"] = False
         actor.sequence_logprobs = first_call_only
         try:
@@ -119,7 +126,10 @@ def main() -> None:
         margins = torch.stack(RECORD["logits"])  # [layers, packed rows]
         small, layer = margins.min(0)
         comps = [batch.completion_ids[i] for i in mb]
+        head_in, head_out = RECORD.pop("head")
+        first_token = 0  # this sequence's first row in the LM head's packed input
         for i, rows in zip(mb, _rows([batch.prompt_ids[i] for i in mb], comps)):
+            first_token += len(rows)
             samp = torch.as_tensor(batch.sampler_logprobs[i], dtype=torch.float64)
             gap = (samp - old[i].detach().double().cpu()).abs()
             for g, r in zip(gap.tolist(), rows):
@@ -132,6 +142,14 @@ def main() -> None:
             nz = (gap > 0).nonzero().flatten().tolist()
             line = (f"  seq {i} token {j}/{len(comp)}: gap {gap[j]:.3e}; nonzero gaps in the sequence at "
                     f"{nz[:12]}{' ...' if len(nz) > 12 else ''}")
+            k = first_token - len(rows) + j
+            with torch.no_grad(), self._autocast():  # the same hidden row through the LM head in a 16-row call
+                few = head(torch.cat([head_in[k:k + 1], head_in[k:k + 1].new_zeros(15, head_in.shape[1])]))[0]
+            t = float(self.cfg.sampler.temperature)
+            lp = [torch.log_softmax(x.double() / t, -1)[comp[j]].item() for x in (head_out[k], few)]
+            line += (f"\n    LM head on this row in a 16-row call: {int((few != head_out[k]).sum())} of "
+                     f"{few.numel()} logits differ from the packed call's; float64 logprob 16-row - packed "
+                     f"{lp[1] - lp[0]:+.3e} (sampler - trainer {samp[j] - old[i][j].item():+.3e})")
             base = _alone(self, prompt, comp)
             line += f"\n    alone == packed: {bool(torch.equal(base, old[i].detach().double().cpu()))}"
             for lay in margins[:, rows[j]].argsort()[:3].tolist():
