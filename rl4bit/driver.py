@@ -62,6 +62,7 @@ resuming on another trainer.world_size.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import statistics
@@ -82,7 +83,7 @@ from rl4bit.kernels import invariant
 from rl4bit.models import autocast_dtype, build_policy_model
 from rl4bit.parity_stats import live_parity_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
-from rl4bit.rundir import create_run_dir
+from rl4bit.rundir import SUBDIRS, create_run_dir
 from rl4bit.sampler.types import MAX_SEED, Request, SamplingParams
 from rl4bit.tasks import PromptStream, check_prompt_lengths, load_task
 from rl4bit.tokenizer import build_tokenizer, check_chat_template, prompt_ids
@@ -116,7 +117,9 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
         cfg = load_config(run_dir / "config.yaml", overrides)
     else:
         cfg = load_config(config_path, overrides)
-        run_dir = create_run_dir(cfg, checked_out_dir(out) if out is not None else None)
+        target = checked_out_dir(out) if out is not None else None
+        created = target is None or not target.exists()
+        run_dir = create_run_dir(cfg, target)
     finished = False
     try:
         run(cfg, run_dir, resume=resume is not None)
@@ -126,16 +129,23 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
         return 1
     finally:
         if not finished and resume is None:
-            _forget_unstarted(run_dir)
+            _forget_unstarted(run_dir, created)
     return 0
 
 
-def _forget_unstarted(run_dir: Path) -> None:
+def _forget_unstarted(run_dir: Path, created: bool = False) -> None:
     """A new run that failed before it logged a metric or wrote a checkpoint (bad data, a reward that does not
     import, no GPU): its config.yaml goes, so the same command can run again into the same --out (which would
-    otherwise refuse it as "already holds a run" with nothing to resume). Nothing else is removed."""
-    if not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints" / "latest.json").exists():
-        (run_dir / "config.yaml").unlink(missing_ok=True)
+    otherwise refuse it as "already holds a run" with nothing to resume). Where this command `created` the run
+    dir, its subfolders and the dir itself go too while they are empty (a failed start left a skeleton under
+    runs/ each time); anything written into them (a log) stays, and nothing else is removed."""
+    if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints" / "latest.json").exists():
+        return
+    (run_dir / "config.yaml").unlink(missing_ok=True)
+    if created:
+        for path in (*(run_dir / sub for sub in SUBDIRS), run_dir):
+            with contextlib.suppress(OSError):  # not empty (or already gone): kept
+                path.rmdir()
 
 
 def checked_out_dir(out: str | Path) -> Path:

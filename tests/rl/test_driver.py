@@ -92,6 +92,21 @@ def test_a_broken_reward_fails_fast_with_its_name(tmp_path, small):
     assert driver.main(QUICKSTART, out=str(tmp_path / "run"), overrides=one_step) == 0
 
 
+def test_a_failed_start_leaves_no_empty_run_dir(tmp_path, small, monkeypatch):
+    """Without --out, a start that fails (here: a reward file that does not exist) used to leave an empty
+    runs/<name>-<ts>/ skeleton each time; a directory that existed before is never removed."""
+    monkeypatch.chdir(tmp_path)
+    bad = small + ["rewards.functions=[{fn: 'missing.py:f'}]"]
+    with pytest.raises(RewardError, match="missing.py"):
+        driver.main(QUICKSTART, overrides=bad)
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").iterdir())
+    mine = tmp_path / "mine"
+    (mine / "notes").mkdir(parents=True)
+    with pytest.raises(RewardError, match="missing.py"):
+        driver.main(QUICKSTART, out=str(mine), overrides=bad)
+    assert sorted(p.name for p in mine.iterdir()) == ["checkpoints", "logs", "notes", "plots", "tensorboard"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kl_coef", [0.0, 0.05])
 def test_resumed_run_matches_an_uninterrupted_one(tmp_path, small, deadline, kl_coef):
