@@ -140,11 +140,14 @@ def decode_cases(device: str, shapes, ms, experts_shapes, top_k: int, gbps: floa
                             device, reps)
             wbs = _copies(lambda i: w if i == 0 else _weights((e, n, k), device, 10 + i), 2 * n * k * touched, device)
             base_name, base = _bf16_baseline(x, counts, e)
+            if x.device.type != "cuda":
+                base_name = base_name.replace("cuBLAS bf16", "torch bf16 (CPU)")
             base_us = _time_us([lambda wb=wb: base(wb) for wb in wbs], device, reps)
             moved = per_expert * touched + _qbytes(qx) + r * n * 2
             floor_us = moved / gbps / 1e3
             label = f"{name} M={m}" + (f" ({r} rows, {touched} experts)" if e > 1 else "")
-            rows.append(dict(case="decode nvfp4", shape=f"{label} K={k} N={n}", us=us, us_with_quantize=us_q,
+            rows.append(dict(case="decode nvfp4", device=x.device.type, shape=f"{label} K={k} N={n}", us=us,
+                             us_with_quantize=us_q,
                              baseline=base_name, baseline_us=base_us, speedup=base_us / us, floor_us=floor_us,
                              of_hbm=floor_us / us, bytes=moved,
                              ok=base_us / us >= SPEEDUP_TARGET and floor_us / us >= HBM_TARGET))
@@ -252,7 +255,8 @@ def _print_table(rows: list[dict], device: str, gbps: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu (reference path)"
+    name = (torch.cuda.get_device_name() if device.startswith("cuda") else
+            "cpu (the PyTorch reference path: its speed-ups and floors say nothing about the GPU kernels)")
     table = Table(title=f"rl4bit quantized GEMMs on {name}; copy bandwidth {gbps:.0f} GB/s")
     for col in ("case", "shape", "µs", "baseline", "base µs", "speed-up", "TFLOP/s (base)", "HBM floor µs",
                 "of HBM", "target"):

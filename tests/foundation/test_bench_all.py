@@ -65,7 +65,9 @@ def test_bench_all_summarizes_the_gemm_section(tmp_path):
     rows = [r for r in res["summary"] if r[0].startswith("gemm ")]
     assert len(rows) == len(res["sections"]["gemm"]["result"]) > 0
     decode = [r for r in rows if r[0].startswith("gemm decode nvfp4")]
-    assert decode and all("HBM floor" in r[2] and r[4] == ">= 3.5x, >= 85% HBM" and r[3] > 0 for r in decode)
+    # the CPU runs the reference path: its rows carry no GPU target and name no cuBLAS baseline
+    assert decode and all("HBM floor" in r[2] and r[4] is None and r[3] > 0 for r in decode)
+    assert not any("cuBLAS" in r[2] for r in rows)
     assert json.loads((tmp_path / "bench_all.json").read_text())["summary"]
 
 
