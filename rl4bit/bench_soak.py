@@ -83,14 +83,14 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, config
         steps: int | None = None, overrides: list[str] | None = None, check: bool = True) -> dict:
     """Soak the job; returns {"rows": [...], "verdict": {...}}; raises AssertionError past the bound when `check`."""
     from rl4bit import driver
-    from rl4bit.config import load_config
+    from rl4bit.config import ConfigError, load_config
     from rl4bit.rundir import create_run_dir
 
     steps = steps or (8 if quick else 100)
     warmup = max(2, steps // 4)
     if steps - warmup + 1 < 2:  # steps are numbered from 1: warmup..steps must hold the 2 the verdict compares
-        raise SystemExit(f"bench soak: --steps {steps} leaves fewer than 2 steps after the {warmup}-step warm-up; "
-                         f"give --steps {warmup + 1} or more")
+        raise ConfigError(f"--steps {steps} leaves fewer than 2 steps after the {warmup}-step warm-up; "
+                          f"give --steps {warmup + 1} or more")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("bench soak on cuda needs a GPU (use --device cpu)")
     o = (QUICK if quick else []) + [f"rl.steps={steps}", "ray.mode=local", "run.progress=false", f"trainer.device={device}"]

@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="store_true", help="the decode cases alone (gemm: NVFP4 against cuBLAS BF16)")
     p.add_argument("--memory-sites", type=int, help="N: the allocation sites holding the most memory after the "
                                                     "first step (step; records live blocks' stacks: slower)")
-    p.add_argument("--device", default="auto", help="cpu, cuda or auto (default)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda where a GPU is "
+                                                     "visible, else cpu)")
     p.add_argument("--quick", action="store_true", help="small shapes, for smoke runs on a CPU")
     p.add_argument("--out", help="directory for plots and JSON results")
     _overrides(p)
@@ -104,15 +105,16 @@ def _device(name: str) -> str:
 
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda") or (index and (kind == "cpu" or not index.isdigit())):
+    kind, colon, index = name.partition(":")
+    if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not index.isdigit())):
         raise ValueError(f"--device {name!r}: choose cpu, cuda, cuda:N or auto")
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
                          f"{'no GPU visible' if torch.backends.cuda.is_built() else 'a CPU-only build'}); "
                          "use --device cpu (with --quick for the small shapes)")
-    if index and int(index) >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: this process sees {torch.cuda.device_count()} GPU(s)")
+    if colon and int(index) >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise ValueError(f"--device {name}: this process sees {n} GPU(s); choose cuda:0 to cuda:{n - 1}")
     return name
 
 

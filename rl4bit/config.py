@@ -334,13 +334,6 @@ class ParityConfig:
     threshold: float = 0.02
     """Gap (in reward/accuracy units) beyond which divergence is flagged."""
 
-    def validate(self, path: str) -> None:
-        # checked before the job starts: the gap is first logged after the warm start and the first RL step
-        if self.reference is not None and not (Path(self.reference).expanduser() / "metrics.jsonl").is_file():
-            raise ConfigError(f"{path}.reference: {self.reference!r} has no metrics.jsonl; point it at a run dir that "
-                              f"`rl4bit train` wrote (relative paths are taken from the working directory), or "
-                              f"set it to null")
-
 
 @dataclass
 class RunConfig:

@@ -81,7 +81,7 @@ from rl4bit.kernels.philox import derive_seed
 from rl4bit.metrics import MetricsLogger, PhasePeaks, plot, read_metrics
 from rl4bit.kernels import invariant
 from rl4bit.models import autocast_dtype, build_policy_model
-from rl4bit.parity_stats import live_parity_metrics
+from rl4bit.parity_stats import check_reference, live_parity_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
 from rl4bit.rundir import SUBDIRS, create_run_dir
 from rl4bit.sampler.types import MAX_SEED, Request, SamplingParams
@@ -137,8 +137,8 @@ def _forget_unstarted(run_dir: Path, created: bool = False) -> None:
     """A new run that failed before it logged a metric or wrote a checkpoint (bad data, a reward that does not
     import, no GPU): its config.yaml goes, so the same command can run again into the same --out (which would
     otherwise refuse it as "already holds a run" with nothing to resume). Where this command `created` the run
-    dir, its subfolders and the dir itself go too while they are empty (a failed start left a skeleton under
-    runs/ each time); anything written into them (a log) stays, and nothing else is removed."""
+    dir, its subfolders and the dir itself go too while they are empty (its parents, such as runs/, stay);
+    anything written into them (a log) stays, and nothing else is removed."""
     if (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints" / "latest.json").exists():
         return
     (run_dir / "config.yaml").unlink(missing_ok=True)
@@ -168,6 +168,8 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         torch.set_num_threads(cfg.run.cpu_threads)
     tokenizer = build_tokenizer(cfg.model)
     train_set, eval_set = load_task(cfg.data)
+    if cfg.parity.reference:
+        check_reference(cfg.parity.reference)
     chat = cfg.data.chat_template
     check_chat_template(tokenizer, chat)
     warning = check_prompt_lengths(train_set, eval_set, lambda texts: [len(prompt_ids(tokenizer, t, chat))

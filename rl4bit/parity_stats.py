@@ -35,6 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
+from rl4bit.config import ConfigError
+
 LIVE_WINDOW = 5
 """Steps in the trailing mean of the live reward gap (one step's reward is a noisy mean of one batch)."""
 
@@ -161,6 +163,15 @@ def target_level(start: float, reference_final: float, fraction: float = 0.8) ->
 
 
 # --------------------------------------------------------------------------- live tracking
+
+
+def check_reference(reference: str) -> None:
+    """Raise ConfigError unless `reference` (parity.reference) is a run dir holding metrics.jsonl: checked when the
+    job starts, where the data and the rewards are, since the gap is first logged after the warm start."""
+    if not (Path(reference).expanduser() / "metrics.jsonl").is_file():
+        raise ConfigError(f"parity.reference: {reference!r} has no metrics.jsonl; point it at a run dir that "
+                          "`rl4bit train` wrote (relative paths are taken from the working directory), or drop it "
+                          "with -o parity.reference=null")
 
 
 @functools.lru_cache(maxsize=8)

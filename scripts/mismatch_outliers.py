@@ -1,20 +1,23 @@
-"""Where the sampler-vs-trainer logprob mismatch's largest tokens come from: near-tied MoE routing or not.
+"""Where the sampler-vs-trainer logprob gaps of the mode-off parity job come from.
 
     source scripts/device_env.sh && python3 -P scripts/mismatch_outliers.py [--temperature 0.7] [--invariant false]
 
-Runs `gpu_check.sh rl`'s job (configs/gpu-h200.yaml, 2 RL steps, 32 new tokens, warm start off) and, in the
-trainer's epoch-0 logprob recompute of every micro-batch, records the router logits of every layer for every
-packed token. Per step it prints the tokens with the largest |sampler - trainer| logprob gap beside their
-smallest top-k margin over the layers (the k-th minus the (k+1)-th router logit, in the trainer's forward) and
-that margin's quantile among all tokens' smallest margins. A token whose gap comes from a routing decision that
-the two sides took differently (the sampler's hidden state differs by rounding where the invariant mode is off)
-sits at a margin near zero; a gap spread through the stream does not.
+Runs `gpu_check.sh rl`'s job (configs/gpu-h200.yaml, 2 RL steps, 32 new tokens, warm start off; local mode) and
+looks inside the trainer's epoch-0 logprob recompute of every micro-batch:
+- per step, the distribution of every token's smallest router top-k margin over the layers (the k-th minus the
+  (k+1)-th router logit) and the largest gaps beside their token's margin;
+- for the worst token of each sequence whose gap exceeds `--probe-above`: which tokens of the sequence have a gap;
+  the token's hidden row through the LM head in a 16-row call against the packed call (logits that differ, and
+  the float64 logprob difference beside the gap); the sequence recomputed alone (equal to the packed recompute?);
+  and, for the token's three nearest routing ties, the logprob with the k-th expert swapped for the (k+1)-th (how
+  far a routing flip would move it).
+A gap that the 16-row LM-head call reproduces comes from the LM head's row-count-dependent kernel; one that a
+swap reproduces, from a routing flip. On the CPU (`--config configs/quickstart.yaml`) the two sides agree
+bitwise, so every gap is 0: a smoke run of the script itself.
 
 Diagnostic only: it wraps the routers' FP32 forward (`surgery._fp32_router_forward`, before the models are
-built) and the trainer's `_microbatch_loss` in this process (local mode; no library code changes), and reads the
-trainer's side alone (the sampler's decode runs in CUDA graphs). On the CPU (`--config configs/quickstart.yaml`)
-the two sides agree bitwise, so every gap is 0: a smoke run of the script itself.
-"""
+built), the trainer's `_microbatch_loss` and its `sequence_logprobs` in this process (no library code changes),
+and reads the trainer's side alone (the sampler's decode runs in CUDA graphs)."""
 
 import argparse
 import sys
@@ -108,16 +111,17 @@ def main() -> None:
         head = self.model.get_output_embeddings()
 
         def keep_head(module, args, out):  # the LM head's rows in, logits out (packed completion-token order)
-            RECORD["head"] = (args[0].detach(), out.detach())
+            if RECORD["on"]:
+                RECORD["head"] = (args[0].detach(), out.detach())
 
-        def first_call_only(*args, **kwargs):  # the policy's recompute, not the reference model's
+        def policy_recompute(*args, **kwargs):  # records the first call only: the policy's, not the reference's
             hook = head.register_forward_hook(keep_head)
             try:
                 return orig_lp(*args, **kwargs)
             finally:
                 hook.remove()
                 RECORD["on"] = False
-        actor.sequence_logprobs = first_call_only
+        actor.sequence_logprobs = policy_recompute
         try:
             loss = orig_loss(self, batch, mb, epoch, old, ref, sums, **kw)
         finally:

@@ -91,12 +91,23 @@ def raising(err: Exception):
     return fail
 
 
+def garbling_first(bcast):
+    """`weight_sync._bcast_bytes` whose first blob (the update header) arrives garbled."""
+    sent = []
+
+    def send(data, src, group):
+        if not sent:
+            sent.append(True)
+            data = b"{not json"
+        return bcast(data, src, group)
+    return send
+
+
 def broadcast_worker(rank: int, world: int, init_file: str) -> None:
     from datetime import timedelta
+    from unittest import mock
 
     import torch.distributed as dist
-
-    from unittest import mock
 
     from rl4bit import weight_sync
     from rl4bit.trainer.sharding import bind_world_defaults_early
@@ -123,7 +134,7 @@ def broadcast_worker(rank: int, world: int, init_file: str) -> None:
             for _ in ("receive", "commit"):  # the receiver raises something other than WeightSyncError
                 with pytest.raises(WeightSyncError, match="receiver failed on rank 1"):
                     broadcast_update(0, sender=sender, version=2)
-            with mock.patch.object(weight_sync.json, "dumps", lambda obj: "{not json"):  # a header garbled in transit
+            with mock.patch.object(weight_sync, "_bcast_bytes", garbling_first(weight_sync._bcast_bytes)):
                 with pytest.raises(WeightSyncError, match="rank 1 could not read the update header"):
                     broadcast_update(0, sender=sender, version=2)
             sender.layout = raising(RuntimeError("layout broke"))

@@ -72,7 +72,7 @@ def test_export_into_a_directory_that_is_not_an_export_is_refused(tmp_path, caps
 
 
 def test_export_of_a_missing_source_names_both_kinds(tmp_path, capsys):
-    """`rl4bit export runs/nope`: the message says a config or a run dir was expected (it used to say 'config file')."""
+    """`rl4bit export runs/nope`: the message says a config or a run dir was expected."""
     from rl4bit.cli import main as cli
 
     assert cli(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "x")]) == 1

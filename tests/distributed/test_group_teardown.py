@@ -1,9 +1,9 @@
 """The trainer group's teardown frees the process group, so gloo never shuts down inside interpreter exit.
 
 `torch.distributed.nn.functional` binds `group.WORLD` as a default argument at its first import; imported after
-`init_process_group` (building a transformers model does it), it kept the group alive past
-`destroy_process_group`, and gloo's threads were torn down during finalization, where they can abort the
-process ("terminate called without an active exception", once in the broadcast test's runs).
+`init_process_group` (building a transformers model does it), it keeps the group alive past
+`destroy_process_group`, and gloo's threads would be torn down during finalization, where they can abort the
+process ("terminate called without an active exception").
 """
 
 import subprocess

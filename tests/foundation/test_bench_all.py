@@ -58,36 +58,47 @@ def test_bench_cli_names_a_bad_batches_list(capsys):
 
 
 def test_bench_all_summarizes_the_gemm_section(tmp_path):
-    """`bench_gemm.run` returns its rows as a list: each becomes a summary row beside its baseline and target
-    (the summary used to call `.get` on that list and take the whole table and the JSON down with it)."""
+    """`bench_gemm.run` returns its rows as a list: each becomes a summary row beside its baseline, and the CPU's
+    reference-path rows carry no GPU target and name no cuBLAS baseline."""
     res = bench_all.run(device="cpu", quick=True, out=str(tmp_path), sections=("gemm",))
     assert res["sections"]["gemm"]["ok"]
     rows = [r for r in res["summary"] if r[0].startswith("gemm ")]
     assert len(rows) == len(res["sections"]["gemm"]["result"]) > 0
     decode = [r for r in rows if r[0].startswith("gemm decode nvfp4")]
-    # the CPU runs the reference path: its rows carry no GPU target and name no cuBLAS baseline
     assert decode and all("HBM floor" in r[2] and r[4] is None and r[3] > 0 for r in decode)
     assert not any("cuBLAS" in r[2] for r in rows)
     assert json.loads((tmp_path / "bench_all.json").read_text())["summary"]
 
 
+def test_gemm_summary_rows_of_a_gpu_run_carry_the_targets():
+    gpu = dict(case="decode nvfp4", device="cuda", shape="dense M=1 K=4096 N=14336", us=21.0, us_with_quantize=23.0,
+               baseline="cuBLAS bf16 F.linear", baseline_us=42.2, speedup=42.2 / 21.0, floor_us=13.7, of_hbm=13.7 / 21.0)
+    train = dict(case="nvfp4 fwd", shape="gate_up: 256 rows", us=10.0, baseline="bf16 torch.bmm (fwd)", baseline_us=5.0,
+                 speedup=0.5)
+    assert bench_all._rows_gemm([gpu, train]) == [
+        ("gemm decode nvfp4 dense M=1 K=4096 N=14336", "21.0 µs", "cuBLAS bf16 F.linear 42.2 µs; HBM floor 13.7 µs (65%)",
+         42.2 / 21.0, ">= 3.5x, >= 85% HBM"),
+        ("gemm nvfp4 fwd gate_up: 256 rows", "10.0 µs", "bf16 torch.bmm (fwd) 5.0 µs", 0.5, None)]
+
+
 def test_bench_all_reports_a_summary_that_cannot_be_built(tmp_path, monkeypatch):
     """A section whose summary raises is one 'no summary' row; the table and the JSON still come out."""
-    def broken(res):
-        raise AttributeError("no such field")
-
-    monkeypatch.setitem(bench_all.SUMMARY, "step", broken)
+    monkeypatch.setattr(bench_all, "_call", lambda *a, **k: {"ok": True, "seconds": 0.0, "result": {"rows": []}})
+    monkeypatch.setitem(bench_all.SUMMARY, "step", lambda res: res["no such field"])
     res = bench_all.run(device="cpu", quick=True, out=str(tmp_path), sections=("step",))
-    assert ("[step]", "no summary", "AttributeError: no such field", None, None) in [tuple(r) for r in res["summary"]]
+    assert ("[step]", "no summary", "KeyError: 'no such field'", None, None) in [tuple(r) for r in res["summary"]]
     assert (tmp_path / "bench_all.json").is_file()
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 @pytest.mark.parametrize("what", ["rollout", "sync", "train", "comm", "step"])
-def test_bench_cli_refuses_a_device_it_cannot_use(what, capsys):
-    """`--device cuda` on a CPU-only machine: one line naming the fix before anything is built (rollout, sync and
-    train used to end in a traceback from deep inside the bench, comm ran on the CPU instead)."""
+def test_bench_cli_refuses_cuda_where_there_is_none(what, capsys):
+    """`--device cuda` on a CPU-only machine: one line naming the fix, before any bench builds a model."""
     assert main(["bench", what, "--device", "cuda", "--quick"]) == 2
     assert "--device cuda: CUDA is not available here" in capsys.readouterr().err
-    assert main(["bench", what, "--device", "gpu", "--quick"]) == 2
-    assert "--device 'gpu': choose cpu, cuda, cuda:N or auto" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("device", ["gpu", "cuda:", "cuda:x", "cpu:0"])
+def test_bench_cli_refuses_a_device_name_it_does_not_know(device, capsys):
+    assert main(["bench", "rollout", "--device", device, "--quick"]) == 2
+    assert f"--device {device!r}: choose cpu, cuda, cuda:N or auto" in capsys.readouterr().err

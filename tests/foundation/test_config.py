@@ -100,11 +100,3 @@ def test_dump_is_plain_yaml():
     data = yaml.safe_load(dump_yaml(JobConfig()))
     assert set(data) == {"model", "recipe", "sampler", "trainer", "rl", "rewards", "data", "ray", "parity", "run"}
 
-
-def test_parity_reference_is_checked_before_the_job_starts(tmp_path):
-    """A reference run dir without metrics.jsonl is a config error, not a failure after the warm start."""
-    with pytest.raises(ConfigError, match=r"parity.reference: '.*nope' has no metrics.jsonl; point it at a run dir"):
-        load_config(None, [f"parity.reference={tmp_path / 'nope'}"])
-    (tmp_path / "run").mkdir()
-    (tmp_path / "run" / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
-    assert load_config(None, [f"parity.reference={tmp_path / 'run'}"]).parity.reference == str(tmp_path / "run")

@@ -95,3 +95,17 @@ def test_a_partial_run_is_resumed_with_its_own_config(tmp_path, monkeypatch):
     monkeypatch.setattr(driver, "main", lambda *a, **k: seen.update(main=(a, k)) or 0)
     assert cli.main(["train", *args]) == 0
     assert seen["main"][1]["resume"] == str(tmp_path / "run") and seen["main"][0][0] is None
+
+
+def test_a_missing_reference_stops_the_job_at_start(tmp_path):
+    """parity.reference without metrics.jsonl: a ConfigError when the job starts (before the warm start), and the
+    run dir is not kept, so the corrected command runs into the same --out. `load_config` alone accepts it (a
+    config for another machine's paths must load where it is edited)."""
+    from rl4bit import driver
+    from rl4bit.config import load_config
+
+    bad = [f"parity.reference={tmp_path / 'nope'}"]
+    assert load_config(QUICKSTART, TINY + bad).parity.reference == str(tmp_path / "nope")
+    with pytest.raises(ConfigError, match=r"parity.reference: '.*nope' has no metrics.jsonl.*-o parity.reference=null"):
+        driver.main(QUICKSTART, out=str(tmp_path / "run"), overrides=TINY + bad)
+    assert not (tmp_path / "run").exists()

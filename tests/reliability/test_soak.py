@@ -28,13 +28,14 @@ def test_quick_soak_is_flat_after_warm_up(tmp_path, capsys):
     assert "FLAT" in capsys.readouterr().out
 
 
-def test_too_few_steps_are_refused_before_the_job_runs(monkeypatch):
-    """`--steps 2` used to run the whole soak and then raise; now it stops before building anything."""
+def test_too_few_steps_are_refused_before_the_job_runs(monkeypatch, capsys):
+    """`--steps 2` leaves one step after the warm-up: refused in one line before anything is built."""
     from rl4bit import driver
+    from rl4bit.cli import main
 
     def never(*a, **k):
         raise AssertionError("the job ran")
 
     monkeypatch.setattr(driver, "run", never)
-    with pytest.raises(SystemExit, match="--steps 2 leaves fewer than 2 steps after the 2-step warm-up; give --steps 3"):
-        bench_soak.run(device="cpu", quick=True, steps=2)
+    assert main(["bench", "soak", "--steps", "2", "--device", "cpu", "--quick"]) == 1
+    assert "error: --steps 2 leaves fewer than 2 steps after the 2-step warm-up; give --steps 3" in capsys.readouterr().err

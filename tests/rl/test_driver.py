@@ -93,8 +93,8 @@ def test_a_broken_reward_fails_fast_with_its_name(tmp_path, small):
 
 
 def test_a_failed_start_leaves_no_empty_run_dir(tmp_path, small, monkeypatch):
-    """Without --out, a start that fails (here: a reward file that does not exist) used to leave an empty
-    runs/<name>-<ts>/ skeleton each time; a directory that existed before is never removed."""
+    """Without --out, a start that fails (here: a reward file that does not exist) leaves no empty
+    runs/<name>-<ts>/ skeleton; a directory that existed before is never removed."""
     monkeypatch.chdir(tmp_path)
     bad = small + ["rewards.functions=[{fn: 'missing.py:f'}]"]
     with pytest.raises(RewardError, match="missing.py"):

@@ -26,6 +26,8 @@ def test_load_by_import_path_and_file(tmp_path):
         load_reward(f"{f}:nope")
     with pytest.raises(RewardError, match="no function 'exact_matc'; did you mean 'exact_match'\\?"):
         load_reward("rl4bit.rewards:exact_matc")
+    with pytest.raises(RewardError, match="no function 'Pat'$"):  # never an import of the module (Path)
+        load_reward("rl4bit.rewards:Pat")
     with pytest.raises(RewardError, match="cannot import module 'no_such_mod'"):
         load_reward("no_such_mod:f")
     with pytest.raises(RewardError, match="does not exist"):
