@@ -114,6 +114,11 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
         run_dir = Path(resume).expanduser().resolve()
         if not (run_dir / "config.yaml").is_file():
             raise FileNotFoundError(f"--resume {resume}: {run_dir / 'config.yaml'} is missing; pass the run dir a `rl4bit train` wrote")
+        if not (run_dir / "checkpoints" / "latest.json").is_file():  # before any actor starts
+            raise FileNotFoundError(
+                f"--resume {resume}: the run wrote no checkpoint (it stopped before run.checkpoint_every steps), so "
+                f"there is nothing to resume; run it again with `rl4bit train {run_dir / 'config.yaml'} --out "
+                f"NEW_DIR` (its metrics so far stay in {run_dir})")
         cfg = load_config(run_dir / "config.yaml", overrides)
     else:
         cfg = load_config(config_path, overrides)

@@ -92,6 +92,19 @@ def test_a_broken_reward_fails_fast_with_its_name(tmp_path, small):
     assert driver.main(QUICKSTART, out=str(tmp_path / "run"), overrides=one_step) == 0
 
 
+def test_resuming_a_run_without_a_checkpoint_says_what_to_do(tmp_path, small):
+    """A run that logged steps but never reached run.checkpoint_every: --resume stops before any actor starts,
+    and says to run the config again into a new directory."""
+    from rl4bit.config import load_config
+    from rl4bit.rundir import create_run_dir
+
+    run = create_run_dir(load_config(QUICKSTART, small), tmp_path / "run")
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(FileNotFoundError, match=r"wrote no checkpoint .*nothing to resume; run it again with "
+                                                r"`rl4bit train .*config.yaml --out NEW_DIR`"):
+        driver.main(None, resume=str(run))
+
+
 def test_a_failed_start_leaves_no_empty_run_dir(tmp_path, small, monkeypatch):
     """Without --out, a start that fails (here: a reward file that does not exist) leaves no empty
     runs/<name>-<ts>/ skeleton; a directory that existed before is never removed."""
