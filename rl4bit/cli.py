@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 
 BENCHES = {
@@ -106,7 +107,7 @@ def _device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     kind, colon, index = name.partition(":")
-    if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not index.isdigit())):
+    if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not re.fullmatch(r"[0-9]+", index))):
         raise ValueError(f"--device {name!r}: choose cpu, cuda, cuda:N or auto")
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
@@ -114,7 +115,8 @@ def _device(name: str) -> str:
                          "use --device cpu (with --quick for the small shapes)")
     if colon and int(index) >= torch.cuda.device_count():
         n = torch.cuda.device_count()
-        raise ValueError(f"--device {name}: this process sees {n} GPU(s); choose cuda:0 to cuda:{n - 1}")
+        raise ValueError(f"--device {name}: this process sees {n} GPU(s); choose "
+                         + ("cuda:0" if n == 1 else f"one of cuda:0 to cuda:{n - 1}"))
     return name
 
 

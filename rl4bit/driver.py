@@ -115,10 +115,12 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
         if not (run_dir / "config.yaml").is_file():
             raise FileNotFoundError(f"--resume {resume}: {run_dir / 'config.yaml'} is missing; pass the run dir a `rl4bit train` wrote")
         if not (run_dir / "checkpoints" / "latest.json").is_file():  # before any actor starts
+            again = " ".join([f"rl4bit train {run_dir / 'config.yaml'} --out NEW_DIR",
+                              *(f"-o {o}" for o in overrides or [])])
             raise FileNotFoundError(
-                f"--resume {resume}: the run wrote no checkpoint (it stopped before run.checkpoint_every steps), so "
-                f"there is nothing to resume; run it again with `rl4bit train {run_dir / 'config.yaml'} --out "
-                f"NEW_DIR` (its metrics so far stay in {run_dir})")
+                f"--resume {resume}: the run has no checkpoint to resume (it stopped before its first one: "
+                f"run.checkpoint_every, or the last step when 0); run it again with `{again}` (its metrics so far "
+                f"stay in {run_dir})")
         cfg = load_config(run_dir / "config.yaml", overrides)
     else:
         cfg = load_config(config_path, overrides)
@@ -391,7 +393,7 @@ def _out_of_memory(cfg: JobConfig, phase: str, step: int, detail: str, run_dir: 
 def _resume_hint(run_dir: Path) -> str:
     latest = Path(run_dir) / "checkpoints" / "latest.json"
     if not latest.is_file():
-        return f"There is no checkpoint yet in {run_dir}; start the run again"
+        return f"There is no checkpoint yet in {run_dir}; start the run again into a new --out"
     import json
 
     step = json.loads(latest.read_text()).get("step")

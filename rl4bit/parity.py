@@ -65,6 +65,8 @@ def main(config, recipes=("nvfp4", "mxfp8", "bf16"), seeds: int = 3, out=None, o
         raise ConfigError(f"--seeds {seeds}: must be >= 1")
     overrides = list(overrides or [])
     base = load_config(config, overrides)  # validates the overrides before any run starts
+    if base.parity.reference:  # each run would check it only once it starts
+        ps.check_reference(base.parity.reference)
     out = Path(out) if out is not None else Path("runs") / f"parity-{base.run.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     out.mkdir(parents=True, exist_ok=True)
     plan = [(r, base.run.seed + k) for k in range(seeds) for r in recipes]

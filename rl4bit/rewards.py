@@ -139,8 +139,8 @@ def load_reward(spec: str) -> Callable:
             raise RewardError(f"reward {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
-        names = [n for n, v in vars(module).items()  # the module's own functions, not what it imports
-                 if inspect.isfunction(v) and v.__module__ == module.__name__ and not n.startswith("_")]
+        names = [n for n, v in vars(module).items()  # the module's own callables, not what it imports
+                 if callable(v) and getattr(v, "__module__", None) == module.__name__ and not n.startswith("_")]
         close = difflib.get_close_matches(name, names, n=1)
         raise RewardError(f"reward {spec!r}: {target} has no function {name!r}"
                           + (f"; did you mean {close[0]!r}?" if close else ""))

@@ -26,9 +26,11 @@ def create_run_dir(cfg: JobConfig, out: str | Path | None = None) -> Path:
     """Create the run dir (refusing to overwrite another run's config) and store the resolved config."""
     run_dir = Path(out) if out is not None else default_run_dir(cfg.run.name)
     if (run_dir / "config.yaml").exists():
-        raise FileExistsError(
-            f"{run_dir} already holds a run (config.yaml exists); pass --resume {run_dir} to continue it or choose another --out"
-        )
+        if (run_dir / "checkpoints" / "latest.json").is_file():
+            raise FileExistsError(f"{run_dir} already holds a run (config.yaml exists); pass --resume {run_dir} to "
+                                  "continue it from its last checkpoint or choose another --out")
+        raise FileExistsError(f"{run_dir} already holds a run (config.yaml exists) that wrote no checkpoint, so there "
+                              "is nothing to resume; choose another --out (its metrics stay where they are)")
     for sub in SUBDIRS:
         (run_dir / sub).mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", dump_yaml(cfg))

@@ -6,7 +6,11 @@ For each (N, K): random BF16 inputs (10,240 rows) and weights, the output of cal
 element by element with the same rows of an 8,192-row and a 10,240-row call. Prints the fraction of elements and of
 rows that differ. N = 85 is the GPU parity job's LM head (its vocabulary); 2048 and 3072 its attention
 projections; 151,936 Qwen3's vocabulary. Where a shape differs, the sampler (a decode step's few rows) and the
-trainer (a packed micro-batch) round that GEMM differently unless `model.invariant_kernels` is on.
+trainer (a packed micro-batch) round that GEMM differently unless `model.invariant_kernels` is on. (The 8,192-row
+cell against the 8,192-row call compares a call with itself: 0 by construction, a check of the comparison.)
+
+Leaves out: other dtypes (FP16, FP32 with TF32), transposed layouts, biases, and cuBLAS's own choice of algorithm
+per call (it is what is being observed, not controlled); every figure is for this GPU, torch and cuBLAS build.
 """
 
 import torch

@@ -61,6 +61,9 @@ def test_bad_arguments_fail_before_any_run(tmp_path):
         parity.main(QUICKSTART, recipes=["nvfp4"], seeds=1, out=str(tmp_path / "p"), overrides=TINY)
     with pytest.raises(ConfigError, match="unknown recipe.*'nvfp5'; choose from bf16, mxfp8, nvfp4"):
         parity.main(QUICKSTART, recipes=["nvfp5", "mxfp8"], seeds=1, out=str(tmp_path / "p"), overrides=TINY)
+    with pytest.raises(ConfigError, match="parity.reference: .*has no metrics.jsonl"):
+        parity.main(QUICKSTART, recipes=["nvfp4", "mxfp8"], seeds=1, out=str(tmp_path / "p"),
+                    overrides=TINY + [f"parity.reference={tmp_path / 'nope'}"])
     with pytest.raises(ConfigError, match="--seeds 0"):
         parity.main(QUICKSTART, recipes=["nvfp4", "mxfp8"], seeds=0, out=str(tmp_path / "p"), overrides=TINY)
     assert not (tmp_path / "p").exists()

@@ -92,7 +92,7 @@ def test_a_broken_reward_fails_fast_with_its_name(tmp_path, small):
     assert driver.main(QUICKSTART, out=str(tmp_path / "run"), overrides=one_step) == 0
 
 
-def test_resuming_a_run_without_a_checkpoint_says_what_to_do(tmp_path, small):
+def test_resuming_a_run_without_a_checkpoint_says_what_to_do(tmp_path, small, monkeypatch):
     """A run that logged steps but never reached run.checkpoint_every: --resume stops before any actor starts,
     and says to run the config again into a new directory."""
     from rl4bit.config import load_config
@@ -100,9 +100,16 @@ def test_resuming_a_run_without_a_checkpoint_says_what_to_do(tmp_path, small):
 
     run = create_run_dir(load_config(QUICKSTART, small), tmp_path / "run")
     (run / "metrics.jsonl").write_text('{"step": 1}\n')
-    with pytest.raises(FileNotFoundError, match=r"wrote no checkpoint .*nothing to resume; run it again with "
-                                                r"`rl4bit train .*config.yaml --out NEW_DIR`"):
-        driver.main(None, resume=str(run))
+
+    def never(*a, **k):
+        raise AssertionError("the job started")
+
+    monkeypatch.setattr(driver, "run", never)
+    with pytest.raises(FileNotFoundError, match=r"has no checkpoint to resume .*run it again with `rl4bit train "
+                                                r".*config.yaml --out NEW_DIR -o rl.steps=3`"):
+        driver.main(None, resume=str(run), overrides=["rl.steps=3"])
+    with pytest.raises(FileExistsError, match="wrote no checkpoint, so there is nothing to resume; choose another"):
+        driver.main(QUICKSTART, out=str(run), overrides=small)
 
 
 def test_a_failed_start_leaves_no_empty_run_dir(tmp_path, small, monkeypatch):
