@@ -140,8 +140,6 @@ def decode_cases(device: str, shapes, ms, experts_shapes, top_k: int, gbps: floa
                             device, reps)
             wbs = _copies(lambda i: w if i == 0 else _weights((e, n, k), device, 10 + i), 2 * n * k * touched, device)
             base_name, base = _bf16_baseline(x, counts, e)
-            if x.device.type != "cuda":
-                base_name = base_name.replace("cuBLAS bf16", "torch bf16 (CPU)")
             base_us = _time_us([lambda wb=wb: base(wb) for wb in wbs], device, reps)
             moved = per_expert * touched + _qbytes(qx) + r * n * 2
             floor_us = moved / gbps / 1e3
@@ -155,9 +153,11 @@ def decode_cases(device: str, shapes, ms, experts_shapes, top_k: int, gbps: floa
 
 
 def _bf16_baseline(x, counts, experts):
-    """(name, fn(w_bf16 [E, N, K]) -> y): cuBLAS BF16 for one matrix, torch._grouped_mm for experts."""
+    """(name, fn(w_bf16 [E, N, K]) -> y): cuBLAS BF16 for one matrix (torch's CPU GEMM on the CPU),
+    torch._grouped_mm for experts."""
     if experts == 1:
-        return "cuBLAS bf16 F.linear", lambda w: torch.nn.functional.linear(x, w[0])
+        name = "cuBLAS bf16 F.linear" if x.is_cuda else "torch bf16 F.linear (CPU)"
+        return name, lambda w: torch.nn.functional.linear(x, w[0])
     offs = torch.tensor(counts, device=x.device).cumsum(0).to(torch.int32)
 
     def grouped(w):

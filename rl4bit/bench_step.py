@@ -165,7 +165,8 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> 
     mean = {p: statistics.fmean(r[f"time/{p}_s"] for r in timed) for p in PHASES}
     mean["step"] = statistics.fmean(r["time/step_s"] for r in timed)
     tokens = statistics.fmean(r.get("rollout/tokens_per_s", 0.0) for r in timed)
-    return {"recipe": recipe, "steps_timed": len(timed), "steps_excluded": excluded, "seconds": mean, "rollout_tok_s": tokens, "peak_gib": peak,
+    return {"recipe": recipe, "steps_timed": len(timed), "steps_excluded": excluded, "seconds": mean,
+            "rollout_tok_s": tokens, "peak_gib": peak,
             "held_at_start_gib": held / 2**30 if cuda else None,
             "memory_gib": phase_peaks if cuda else None,
             "per_step_s": {p: [round(r[f"time/{p}_s"], 3) for r in records] for p in ("sample", "train", "sync")},
@@ -195,7 +196,8 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, confi
                      "incomplete": f"the {recipe} job ran out of GPU memory"}, indent=1))
             raise
     q, b = rows
-    print(f"\nRL step, {config.name}, {device}: nvfp4 vs bf16 (mean of {q['steps_timed']} step{'' if q['steps_timed'] == 1 else 's'}, "
+    plural = "" if q["steps_timed"] == 1 else "s"
+    print(f"\nRL step, {config.name}, {device}: nvfp4 vs bf16 (mean of {q['steps_timed']} step{plural}, "
           f"{q['steps_excluded']} excluded)")
     print(f"{'figure':<22}{'nvfp4':>12}{'bf16':>12}{'bf16/nvfp4':>12}")
     for p in (*PHASES, "step"):
