@@ -80,7 +80,10 @@ def test_run_dir_holds_the_config_and_refuses_to_clobber(tmp_path):
     assert load_config(d / "config.yaml") == cfg
     for sub in ("logs", "plots", "checkpoints", "tensorboard"):
         assert (d / sub).is_dir()
-    with pytest.raises(FileExistsError, match="--resume"):
+    with pytest.raises(FileExistsError, match="wrote no checkpoint, so there is nothing to resume; choose another"):
+        create_run_dir(cfg, tmp_path / "run")
+    (d / "checkpoints" / "latest.json").write_text('{"step": 2, "dir": "step_000002"}')
+    with pytest.raises(FileExistsError, match=f"pass --resume {d} to continue it from its last checkpoint"):
         create_run_dir(cfg, tmp_path / "run")
 
 
