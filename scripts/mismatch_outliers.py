@@ -15,9 +15,14 @@ A gap that the 16-row LM-head call reproduces comes from the LM head's row-count
 swap reproduces, from a routing flip. On the CPU (`--config configs/quickstart.yaml`) the two sides agree
 bitwise, so every gap is 0: a smoke run of the script itself.
 
+`--lm-head fixed-order` sends the LM head's forward, on both sides, through the fixed-order kernel that
+`model.invariant_kernels` uses (`invariant_triton.bmm`; its backward stays on cuBLAS, no logprob depends on it) and
+leaves every other product as the mode-off job runs it: if the LM head is the whole mode-off gap, every gap is 0.
+
 Diagnostic only: it wraps the routers' FP32 forward (`surgery._fp32_router_forward`, before the models are
 built), the trainer's `_microbatch_loss` and its `sequence_logprobs` in this process (no library code changes),
-and reads the trainer's side alone (the sampler's decode runs in CUDA graphs)."""
+and reads the trainer's side alone (the sampler's decode runs in CUDA graphs); `--lm-head fixed-order` also wraps
+`nn.Linear.forward` and transformers' `get_output_embeddings` in this process."""
 
 import argparse
 import sys
@@ -25,6 +30,7 @@ import sys
 import torch
 
 from rl4bit import driver
+from rl4bit.kernels import invariant_triton
 from rl4bit.trainer import actor, surgery
 
 RECORD: dict = {"on": False, "logits": [], "force": None, "layer": 0}
@@ -46,6 +52,44 @@ def _recording_router(orig):
             RECORD["layer"] += 1
         return out
     return router_forward
+
+
+class _FixedOrderLinear(torch.autograd.Function):
+    """x [M, K] @ w [N, K]^T forward through the fixed-order kernel; the backward's products on cuBLAS."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return invariant_triton.bmm(x.unsqueeze(0), w.t().unsqueeze(0))[0]
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g @ w, g.t() @ x
+
+
+def _lm_head_fixed_order() -> None:
+    """Mark every module `get_output_embeddings` returns (the sampler and the trainer fetch their LM head through
+    it) and run a marked `nn.Linear`'s CUDA forward through `_FixedOrderLinear`, in the dtype autocast would use."""
+    from transformers import Qwen3MoeForCausalLM
+    owner = next(c for c in Qwen3MoeForCausalLM.__mro__ if "get_output_embeddings" in c.__dict__)
+    orig_get, orig_forward = owner.get_output_embeddings, torch.nn.Linear.forward
+
+    def get_output_embeddings(self):
+        head = orig_get(self)
+        if head is not None:
+            head._probe_fixed_order = True
+        return head
+
+    def forward(self, x):
+        if not getattr(self, "_probe_fixed_order", False) or not x.is_cuda or self.bias is not None:
+            return orig_forward(self, x)
+        dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else x.dtype
+        with torch.autocast("cuda", enabled=False):
+            y = _FixedOrderLinear.apply(x.reshape(-1, x.shape[-1]).to(dtype), self.weight.to(dtype))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    owner.get_output_embeddings, torch.nn.Linear.forward = get_output_embeddings, forward
 
 
 def _swapped(module, out, row: int, k: int):
@@ -94,7 +138,11 @@ def main() -> None:
     p.add_argument("--out", default="/tmp/rl-outliers")
     p.add_argument("--config", default="configs/gpu-h200.yaml")
     p.add_argument("-o", "--override", action="append", default=[])
+    p.add_argument("--lm-head", choices=("cublas", "fixed-order"), default="cublas",
+                   help="fixed-order: the LM head's forward through the invariant mode's kernel on both sides")
     a = p.parse_args()
+    if a.lm_head == "fixed-order":
+        _lm_head_fixed_order()
 
     surgery._fp32_router_forward = _recording_router(surgery._fp32_router_forward)  # before any model is built
     tokens: list[tuple[float, float, int]] = []  # (gap, smallest margin, its layer) of every token this step
@@ -179,7 +227,7 @@ def main() -> None:
                  f"rl.steps={a.steps}", f"sampler.max_new_tokens={a.new_tokens}", "sampler.ignore_eos=true",
                  "run.warmup_sft_steps=0", "data.eval_size=8", "ray.mode=local", *a.override]
     rc = driver.main(a.config, a.out, overrides=overrides)
-    print(f"T={a.temperature} invariant={a.invariant}: job rc {rc}")
+    print(f"T={a.temperature} invariant={a.invariant} lm head={a.lm_head}: job rc {rc}")
     for s, (toks, lines) in enumerate(steps, 1):
         gaps = torch.tensor([t[0] for t in toks])
         small = torch.tensor([t[1] for t in toks])
