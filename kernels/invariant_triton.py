@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -80,19 +81,32 @@ def _k_sum(a_base, s_ak, b_base, s_bk, m_ok, n_ok, K, IEEE: tl.constexpr, UPCAST
     return acc
 
 
-@triton.jit(do_not_specialize=["M", "s_ab", "s_cb"])  # they follow the row count: no recompile per step
+@triton.jit(do_not_specialize=["s_ab", "s_cb"])  # they follow the row count; M is specialized (a multiple of 16,
+# 1, or neither: at most three compiles), which a weight gradient's operand, contiguous along M, needs for vector
+# loads (2.6x on an H100)
 def _bmm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                 s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_bias_m, s_bias_n, alpha, beta,
                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """c[b] = a[b] @ b[b] (alpha * that + beta * bias when SCALED), FP32 accumulator, rounded once on store."""
+                BATCHED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """c[b] = a[b] @ b[b] (alpha * that + beta * bias when SCALED), FP32 accumulator, rounded once on store.
+
+    BATCHED (more than one b): the batch strides move the pointers. Without it (every `mm` / `addmm`, hence
+    every `F.linear`) they are not read: they are not specialized (they follow the row count), so adding one
+    leaves the pointers' alignment unknown to the compiler, which then loads an operand element by element
+    (`ld.global.b16` in the sm_90 PTX instead of `cp.async` into shared memory). That cost 3.7-5x against cuBLAS
+    on the GPU job's products on an H100, where a kernel with known alignment and the same bits ran 1.0-1.9x
+    (twenty-sixth session, `scripts/sweep_invariant_gemm.py`)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
+    if BATCHED:
+        a_ptr += pid_b * s_ab
+        b_ptr += pid_b * s_bb
+        c_ptr += pid_b * s_cb
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    a_base = a_ptr + pid_b * s_ab + rm.to(tl.int64)[:, None] * s_am
-    b_base = b_ptr + pid_b * s_bb + rn.to(tl.int64)[None, :] * s_bn
+    a_base = a_ptr + rm.to(tl.int64)[:, None] * s_am
+    b_base = b_ptr + rn.to(tl.int64)[None, :] * s_bn
     acc = _k_sum(a_base, s_ak, b_base, s_bk, rm < M, rn < N, K, IEEE, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
     if SCALED:
         acc = acc * alpha
@@ -102,24 +116,38 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
         if SCALED:
             bias = bias * beta
         acc = acc + bias
-    c = c_ptr + pid_b * s_cb + rm.to(tl.int64)[:, None] * s_cm + rn.to(tl.int64)[None, :] * s_cn
+    c = c_ptr + rm.to(tl.int64)[:, None] * s_cm + rn.to(tl.int64)[None, :] * s_cn
     tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
-def tiles(k: int, n: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K) from K, N and the dtype only (never M): 16-bit operands on tensor cores,
-    FP32 in smaller tiles (the IEEE product runs on the FMA units)."""
+class Tiles(NamedTuple):
+    """One launch configuration of this file's products. block_k fixes the reduction order (with the
+    instruction shape the compiler derives from all five); the others only how the work is spread."""
+    block_m: int
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int
+
+
+def tiles(k: int, n: int, dtype: torch.dtype) -> Tiles:
+    """The configuration for a product of reduction length k into n columns, from k, n and the dtype only (never
+    the row count): 16-bit operands on tensor cores, FP32 in smaller tiles (the IEEE product runs on the FMA
+    units). The 16-bit tile was the fastest single configuration over the GPU job's forward, input-gradient and
+    weight-gradient products at 16 and 8,192 rows for a kernel of known alignment (H100, twenty-sixth session);
+    every candidate gave the same bits on every shape (`scripts/sweep_invariant_gemm.py`)."""
     if dtype == torch.float32:
-        return 32, 32, 32
-    return 64, (128 if n >= 128 else 64), 64
+        return Tiles(32, 32, 32, 4, 3)
+    return Tiles(128, 128, 64, 8, 3)
 
 
 def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, alpha: float = 1.0,
-        beta: float = 1.0) -> torch.Tensor:
+        beta: float = 1.0, *, config: Tiles | None = None) -> torch.Tensor:
     """a [B, M, K] @ b [B, K, N] -> [B, M, N] in a's dtype (a, b: same floating dtype; any strides).
 
     With `bias` (broadcastable to [M, N], the batch dimension absent): alpha * (a @ b) + beta * bias,
     in FP32 before the one rounding (`addmm`'s contract; beta = 0 ignores the bias, NaN included).
+    `config` replaces `tiles(K, N, dtype)` (the tile sweep's candidates); the mode never passes one.
     """
     if a.dim() != 3 or b.dim() != 3 or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[1]:
         raise ValueError(f"invariant bmm: shapes {tuple(a.shape)} @ {tuple(b.shape)} do not multiply")
@@ -130,7 +158,7 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, alph
     out = torch.empty((nb, m, n), dtype=torch.float32 if _interpret() else a.dtype, device=a.device)
     if out.numel() == 0:
         return out.to(a.dtype)
-    bm, bn, bk = tiles(k, n, a.dtype)
+    bm, bn, bk, warps, stages = config or tiles(k, n, a.dtype)
     if bias is not None and beta == 0:
         bias = None
     bias2 = bias.expand(m, n) if bias is not None else out
@@ -141,7 +169,8 @@ def bmm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, alph
             _bmm_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn), nz)](
                 a[b0:], b[b0:], out[b0:], bias2, m, n, k, *a.stride(), *b.stride(), *out.stride(), *bias2.stride()[-2:],
                 float(alpha), float(beta), HAS_BIAS=bias is not None, SCALED=scaled, IEEE=a.dtype == torch.float32,
-                UPCAST=_interpret(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=3,
+                UPCAST=_interpret(), BATCHED=nz > 1, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                num_stages=stages,
                 enable_fp_fusion=False)
     return out.to(a.dtype) if out.dtype != a.dtype else out
 
@@ -239,7 +268,7 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts) -> torch.Tensor:
     groups, n, _ = w.shape
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(2) == 1 else w.contiguous()
-    bm, bn, bk = tiles(k, n, x.dtype)
+    bm, bn, bk, warps, stages = tiles(k, n, x.dtype)
     cmap = tile_map(as_counts(counts, groups, x.device), rows, bm, x.device)
     n_tiles = cmap.shape[1]
     y = torch.empty((rows, n), dtype=torch.float32 if _interpret() else x.dtype, device=x.device)
@@ -248,5 +277,5 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts) -> torch.Tensor:
             _grouped_kernel[(n_tiles, triton.cdiv(n, bn))](
                 x, w, y, cmap, n_tiles, n, k, x.stride(0), w.stride(0), w.stride(1), y.stride(0),
                 IEEE=x.dtype == torch.float32, UPCAST=_interpret(), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                num_warps=4, num_stages=3, enable_fp_fusion=False)
+                num_warps=warps, num_stages=stages, enable_fp_fusion=False)
     return y.to(x.dtype) if y.dtype != x.dtype else y

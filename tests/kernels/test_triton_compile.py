@@ -25,6 +25,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'rl4b
 
 
 def _kernels():
+    import torch
     import triton.language as tl
 
     from rl4bit.kernels import mxfp8_triton as mx
@@ -77,12 +78,19 @@ def _kernels():
     mm_sig = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", bias_ptr="*bf16", M="i32", N="i32", K="i32",
                   **{s: "i32" for s in ("s_ab", "s_am", "s_ak", "s_bb", "s_bk", "s_bn", "s_cb", "s_cm", "s_cn",
                                         "s_bias_m", "s_bias_n")}, alpha="fp32", beta="fp32")
-    yield ("invariant bmm bf16", inv._bmm_kernel, mm_sig, dict(HAS_BIAS=True, SCALED=False, IEEE=False, UPCAST=False,
-                                                               BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), 4)
+    bf16_tiles = inv.tiles(2048, 2048, torch.bfloat16)
+    blocks = dict(BLOCK_M=bf16_tiles.block_m, BLOCK_N=bf16_tiles.block_n, BLOCK_K=bf16_tiles.block_k)
+    yield ("invariant bmm bf16, batched", inv._bmm_kernel, mm_sig,
+           dict(HAS_BIAS=True, SCALED=False, IEEE=False, UPCAST=False, BATCHED=True, **blocks), bf16_tiles.warps)
+    # F.linear's layout as a launch specializes it: x [M, K] and w.t() [K, N] have unit K strides, which Triton
+    # makes the constant 1; one matrix, so the unspecialized batch strides are not read (PTX_CHECKS)
+    yield ("invariant bmm bf16, F.linear", inv._bmm_kernel, mm_sig,
+           dict(HAS_BIAS=False, SCALED=False, IEEE=False, UPCAST=False, BATCHED=False, s_ak=1, s_bk=1, s_cn=1,
+                **blocks), bf16_tiles.warps)
     grouped_sig = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", map_ptr="*i32", n_tiles="i32", N="i32", K="i32",
                        s_xm="i32", s_we="i32", s_wn="i32", s_ym="i32")
     yield ("invariant grouped bf16", inv._grouped_kernel, grouped_sig,
-           dict(IEEE=False, UPCAST=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), 4)
+           dict(IEEE=False, UPCAST=False, **blocks), bf16_tiles.warps)
     yield ("invariant row mean", inv._row_mean_kernel, dict(x_ptr="*fp32", out_ptr="*fp32", C="i32", s_r="i32"),
            dict(BLOCK=1024), 4)
     from rl4bit.kernels import combine_triton as cb
@@ -179,8 +187,20 @@ def split_handoff_problems(ptx: str) -> list[str]:
     return problems
 
 
-PTX_CHECKS = {"_attention_kernel": split_handoff_problems}
-"""Kernel name -> a check of its PTX beyond the exact-FP32 patterns."""
+def vector_load_problems(ptx: str) -> list[str]:
+    """A GEMM's operands loaded as 16-byte `cp.async` copies into shared memory, none element by element (a
+    2-byte `ld.global`: what an operand pointer of unknown alignment compiles to). Problems found (empty: none)."""
+    problems = []
+    if re.search(r"ld\.global(\.\w+)*\.b16", ptx):
+        problems.append("2-byte global loads (an operand's alignment unknown to the compiler)")
+    if not re.search(r"cp\.async\.cg\.shared\.global[^;]*, (16|0x10),", ptx):
+        problems.append("no 16-byte cp.async copies")
+    return problems
+
+
+PTX_CHECKS = {"_attention_kernel": split_handoff_problems, "invariant bmm bf16, F.linear": vector_load_problems,
+              "invariant grouped bf16": vector_load_problems}
+"""Kernel or entry name -> a check of its PTX beyond the exact-FP32 patterns."""
 
 
 def sass_stats(cubin: bytes, elems_per_thread: float) -> str:
@@ -223,7 +243,7 @@ def compile_all(count: bool = False) -> list[str]:
         ptx = k.asm["ptx"]
         bad = [p for p in (r"\bfma\.", r"div\.(full|approx)", r"\.ftz") if re.search(p, ptx)
                and p not in (allowed[0] if allowed else ())]
-        bad += PTX_CHECKS.get(fn.__name__, lambda _: [])(ptx)
+        bad += PTX_CHECKS.get(name, PTX_CHECKS.get(fn.__name__, lambda _: []))(ptx)
         print(f"{name}: {len(ptx.splitlines())} PTX lines" + (f", found {bad}" if bad else ""))
         if count:
             rows = consts.get("BLOCK_R", consts.get("BLOCK_M", 1))
