@@ -93,9 +93,11 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     BATCHED (more than one b): the batch strides move the pointers. Without it (every `mm` / `addmm`, hence
     every `F.linear`) they are not read: they are not specialized (they follow the row count), so adding one
     leaves the pointers' alignment unknown to the compiler, which then loads an operand element by element
-    (`ld.global.b16` in the sm_90 PTX instead of `cp.async` into shared memory). That cost 3.7-5x against cuBLAS
-    on the GPU job's products on an H100, where a kernel with known alignment and the same bits ran 1.0-1.9x
-    (twenty-sixth session, `scripts/sweep_invariant_gemm.py`)."""
+    (`ld.global.b16` in the sm_90 PTX instead of `cp.async` into shared memory). With it this kernel ran 3.7-5x
+    cuBLAS's time on the GPU job's products at every tile (H100, twenty-sixth session), where a kernel of the
+    tutorial's form with known alignment and the same bits ran 1.0-1.9x (`scripts/probe_invariant_alignment.py`).
+    This kernel without it compiles to the same 16-byte copies (`tests/kernels/test_triton_compile.py`) and has
+    not yet been timed on a GPU."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)
@@ -133,9 +135,10 @@ class Tiles(NamedTuple):
 def tiles(k: int, n: int, dtype: torch.dtype) -> Tiles:
     """The configuration for a product of reduction length k into n columns, from k, n and the dtype only (never
     the row count): 16-bit operands on tensor cores, FP32 in smaller tiles (the IEEE product runs on the FMA
-    units). The 16-bit tile was the fastest single configuration over the GPU job's forward, input-gradient and
-    weight-gradient products at 16 and 8,192 rows for a kernel of known alignment (H100, twenty-sixth session);
-    every candidate gave the same bits on every shape (`scripts/sweep_invariant_gemm.py`)."""
+    units). The 16-bit tile was the fastest of four over the GPU job's forward, input-gradient and weight-gradient
+    products at 16 and 8,192 rows for the tutorial-form kernel of known alignment (H100, twenty-sixth session,
+    `scripts/probe_invariant_alignment.py --configs`), and every one of twelve candidates gave this
+    kernel's bits on every shape (`scripts/sweep_invariant_gemm.py`); its sweep on this kernel is not yet run."""
     if dtype == torch.float32:
         return Tiles(32, 32, 32, 4, 3)
     return Tiles(128, 128, 64, 8, 3)

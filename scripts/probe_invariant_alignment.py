@@ -1,10 +1,10 @@
 """Why the invariant mode's dense product ran 4x cuBLAS: `invariant_triton._bmm_kernel` beside a kernel of the
 form of Triton's matmul tutorial (int32 offsets, pointer increments), same tiles, on a GPU.
 
-    source scripts/device_env.sh && python3 -P scripts/probe_invariant_alignment.py
+    source scripts/device_env.sh && python3 -P scripts/probe_invariant_alignment.py [--configs]
 
-Per shape (the GPU job's router, o projection forward and weight gradient, Qwen3's LM head at 16 rows), µs a
-call of cuBLAS, of `_bmm_kernel` launched on one matrix, and of the tutorial-form kernel with M specialized and
+Per shape (the GPU job's router, o projection forward and weight gradient, Qwen3's LM head at 16 and 8,192
+rows) and tile (`invariant_triton.tiles`' choice; with `--configs`, four), µs a call of cuBLAS, of `_bmm_kernel` launched on one matrix, and of the tutorial-form kernel with M specialized and
 not, each with FP fusion on and off, and the elements where each output differs from `invariant_triton.bmm`'s.
 Twenty-sixth session, H100, before the BATCHED flag: the tutorial form ran 2.4-4x faster than `_bmm_kernel` with
 the same bits, fusion changed nothing, and an unspecialized M cost the weight gradient (its operand contiguous
@@ -73,16 +73,22 @@ def ours(a, b, cfg, fusion):
 
 print(torch.__version__, torch.cuda.get_device_name())
 gen = torch.Generator(device="cuda").manual_seed(0)
-cfg = it.tiles(2048, 2048, torch.bfloat16)
+configs = [it.tiles(2048, 2048, torch.bfloat16)]
+if "--configs" in sys.argv:  # the four tiles the 16-bit choice of `invariant_triton.tiles` was made from
+    configs = [it.Tiles(64, 128, 64, 4, 3), it.Tiles(128, 128, 64, 8, 3), it.Tiles(128, 256, 64, 8, 3),
+               it.Tiles(128, 128, 64, 4, 4)]
 for label, m, n, k, layout in [("router", 16, 16, 2048, "fwd"), ("o fwd", 8192, 2048, 2048, "fwd"),
-                               ("o wgrad", 2048, 2048, 8192, "wgrad"), ("lm head", 16, 151936, 2048, "fwd")]:
+                               ("o wgrad", 2048, 2048, 8192, "wgrad"), ("lm head", 16, 151936, 2048, "fwd"),
+                               ("lm head", 8192, 151936, 2048, "fwd")]:
     a, b = operands(m, n, k, layout, gen)
-    ref = it.bmm(a[None], b[None], config=cfg)[0]
-    cells = [f"cuBLAS {time_us(lambda: a @ b):.1f}"]
-    for name, fn in (("ours", ours), ("tutorial", lambda a, b, c, f: run(tut, a, b, c, f)),
-                     ("tutorial, M unspecialized", lambda a, b, c, f: run(tut_nospec, a, b, c, f))):
-        for fusion in (True, False):
-            out = fn(a, b, cfg, fusion)
-            t = time_us(lambda: fn(a, b, cfg, fusion))
-            cells.append(f"{name} fusion={fusion} {t:.1f} (differ {int((out != ref).sum())})")
-    print(f"{label} M={m} N={n} K={k}:\n    " + "\n    ".join(cells))
+    print(f"{label} M={m} N={n} K={k}: cuBLAS {time_us(lambda: a @ b):.1f} µs")
+    for cfg in configs:
+        ref = it.bmm(a[None], b[None], config=cfg)[0]
+        cells = []
+        for name, fn in (("ours", ours), ("tutorial", lambda a, b, c, f: run(tut, a, b, c, f)),
+                         ("tutorial, M unspecialized", lambda a, b, c, f: run(tut_nospec, a, b, c, f))):
+            for fusion in (True, False):
+                out = fn(a, b, cfg, fusion)
+                t = time_us(lambda: fn(a, b, cfg, fusion))
+                cells.append(f"{name} fusion={fusion} {t:.1f} (differ {int((out != ref).sum())})")
+        print(f"  {tuple(cfg)}:\n    " + "\n    ".join(cells))
