@@ -93,11 +93,11 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     BATCHED (more than one b): the batch strides move the pointers. Without it (every `mm` / `addmm`, hence
     every `F.linear`) they are not read: they are not specialized (they follow the row count), so adding one
     leaves the pointers' alignment unknown to the compiler, which then loads an operand element by element
-    (`ld.global.b16` in the sm_90 PTX instead of `cp.async` into shared memory). With it this kernel ran 3.7-5x
-    cuBLAS's time on the GPU job's products at every tile (H100, twenty-sixth session), where a kernel of the
-    tutorial's form with known alignment and the same bits ran 1.0-1.9x (`scripts/probe_invariant_alignment.py`).
-    This kernel without it compiles to the same 16-byte copies (`tests/kernels/test_triton_compile.py`) and has
-    not yet been timed on a GPU."""
+    (`ld.global.b16` in the sm_90 PTX instead of `cp.async` into shared memory). With it this kernel took
+    3.8-5.8x cuBLAS's time on the GPU job's products at 8,192 rows (2.8x at best over twelve tiles; H100,
+    twenty-sixth session), where a kernel of the tutorial's form with known alignment and the same bits ran
+    1.0-1.9x (`scripts/probe_invariant_alignment.py`). This kernel without it compiles to the same 16-byte
+    copies (`tests/kernels/test_triton_compile.py`) and has not yet been timed on a GPU."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_b = tl.program_id(2).to(tl.int64)

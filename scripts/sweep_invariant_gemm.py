@@ -4,11 +4,11 @@
 
 The mode sends every BF16 product of the trainer and the sampler through one Triton kernel whose configuration
 comes from (K, N, dtype) alone (`invariant_triton.tiles`), so a row's bits never depend on the row count. Until
-the twenty-sixth session it ran 3.3-5x slower than cuBLAS on the GPU job's products at every configuration
-(an operand loaded element by element: `_bmm_kernel`'s BATCHED; `probe_invariant_alignment.py`). This times candidate configurations on the
-products a job in the mode runs, in the layouts the mode passes them (`F.linear`: x @ wᵀ with w row-major, so b is
-column-major; the input gradient g @ w; the weight gradient gᵀ @ x, a transposed), beside cuBLAS on the same
-operands, and checks bits:
+the twenty-sixth session it took 2.8-5.8x cuBLAS's time on the GPU job's products at 8,192 rows, whatever the
+configuration (an operand loaded element by element: `_bmm_kernel`'s BATCHED; `probe_invariant_alignment.py`).
+This times candidate configurations on the products a job in the mode runs, in the layouts the mode passes them
+(`F.linear`: x @ wᵀ with w row-major, so b is column-major; the input gradient g @ w; the weight gradient gᵀ @ x,
+a transposed), beside cuBLAS on the same operands, and checks bits:
 - every candidate's output against the current `tiles()` configuration's, element by element (equal or not: a
   configuration whose bits differ is still batch-invariant, but it changes what a job in the mode computes);
 - each candidate's first 16 rows of a decode-sized call against the same rows of a training-sized call (the row
