@@ -4,8 +4,9 @@ form of Triton's matmul tutorial (int32 offsets, pointer increments), same tiles
     source scripts/device_env.sh && python3 -P scripts/probe_invariant_alignment.py [--configs]
 
 Per shape (the GPU job's router, o projection forward and weight gradient, Qwen3's LM head at 16 and 8,192
-rows) and tile (`invariant_triton.tiles`' choice; with `--configs`, four), µs a call of cuBLAS, of `_bmm_kernel` launched on one matrix, and of the tutorial-form kernel with M specialized and
-not, each with FP fusion on and off, and the elements where each output differs from `invariant_triton.bmm`'s.
+rows) and tile (`invariant_triton.tiles`' choice; with `--configs`, four): µs a call of cuBLAS, of `_bmm_kernel`
+launched on one matrix, and of the tutorial-form kernel with M specialized and not, each with FP fusion on and
+off, and the elements where each output differs from `invariant_triton.bmm`'s.
 Twenty-sixth session, H100, before the BATCHED flag: the tutorial form ran 2.4-4x faster than `_bmm_kernel` with
 the same bits, fusion changed nothing, and an unspecialized M cost the weight gradient (its operand contiguous
 along M) 2.6x. The cause, read in the sm_90 PTX (`tests/kernels/test_triton_compile.py`): the batch stride, not
