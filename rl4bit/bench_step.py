@@ -23,7 +23,9 @@ The jobs run one after the other: before each, the process frees what it can (`g
 and the job's result records what was still allocated (`held_at_start_gib`: counted in its peak). A job that
 runs out of GPU memory ends the bench with an error naming the job, its phase and step, the device's memory
 and the overrides that shrink both jobs alike; the finished job's figures are printed first and
-`bench_step.json` (`--out`) says the run is incomplete. `configs/gpu-h200.yaml` is sized for a 141 GB H200
+`bench_step.json` (`--out`) says the run is incomplete. With `--out DIR` each job's run dir (its config,
+metrics.jsonl, logs) is kept under `DIR/runs/<recipe>-<time>`; without, it is a temporary directory, removed
+when the job ends (the driver's "run dir:" line is followed by a note saying so). `configs/gpu-h200.yaml` is sized for a 141 GB H200
 (its bf16 job peaked at 77.3 GiB there and ran out of memory on an 80 GB H100; half-size micro-batches, the
 suggested override, are not yet run there).
 
@@ -37,11 +39,13 @@ warm start (its cost is the same under both recipes).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import math
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -117,9 +121,10 @@ def _oom_message(recipe: str, cfg, config: Path, held: int, err) -> str:
             f"the workload itself.")
 
 
-def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> dict:
+def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0, keep: Path | None = None) -> dict:
     """One job in this process; its per-step metrics and the allocator's peak (and its largest allocation
-    sites after the first step when `sites` > 0)."""
+    sites after the first step when `sites` > 0). Its run dir goes under `keep` (`bench step --out`), else into a
+    temporary directory that is removed when the job ends."""
     from rl4bit.config import load_config
     from rl4bit.driver import run
     from rl4bit.rundir import create_run_dir
@@ -146,9 +151,15 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0) -> 
     if recording:  # the stacks of live blocks only, no event history
         torch.cuda.memory._record_memory_history(enabled="state", context="state", stacks="python")
     try:
-        with tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-") as d:
-            records = [r for r in run(cfg, create_run_dir(cfg, Path(d) / "run"), on_step=after_step)
-                       if r.get("step", 0) >= 1]
+        with contextlib.ExitStack() as stack:
+            if keep is not None:
+                run_dir = keep / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
+            else:
+                run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-"))) / "run"
+            records = [r for r in run(cfg, create_run_dir(cfg, run_dir), on_step=after_step) if r.get("step", 0) >= 1]
+            if keep is None:
+                print(f"({recipe}: that run dir is temporary and is removed now; bench step --out DIR keeps the jobs' "
+                      "run dirs under DIR/runs)")
     except JobOutOfMemory as err:
         raise OutOfMemory(_oom_message(recipe, cfg, config, held, err)) from None
     finally:
@@ -184,7 +195,7 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, confi
     rows = []
     for recipe in ("nvfp4", "bf16"):
         try:
-            rows.append(run_job(config, recipe, overrides, memory_sites))
+            rows.append(run_job(config, recipe, overrides, memory_sites, keep=Path(out) / "runs" if out else None))
         except OutOfMemory:
             for row in rows:  # the finished job's figures are kept: printed, and in bench_step.json
                 print(f"\n{row['recipe']} (finished): " + ", ".join(f"{p} {row['seconds'][p]:.3f} s"

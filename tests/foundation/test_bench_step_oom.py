@@ -46,3 +46,19 @@ def test_cli_prints_one_line_and_an_earlier_result_is_not_left_as_this_runs(monk
     assert err.startswith("rl4bit bench step: error: the nvfp4 job of gpu-h200.yaml") and err.count("\n") == 1, err
     saved = json.loads((tmp_path / "bench_step.json").read_text())
     assert saved["rows"] == [] and saved["incomplete"] == "the nvfp4 job ran out of GPU memory"
+
+
+def test_without_out_the_run_dirs_are_temporary_and_say_so(monkeypatch, capsys):
+    """The driver prints each job's run dir; without --out that is a temporary directory, removed when the job
+    ends, and bench step says so and how to keep it (with --out: tests/foundation/test_bench_all.py)."""
+    seen = []
+
+    def run(cfg, run_dir, on_step=None):
+        seen.append(run_dir)
+        yield from _fake_run("none")(cfg, run_dir, on_step)
+    monkeypatch.setattr("rl4bit.driver.run", run)
+    bench_step.main(["--quick", "--device", "cpu"])
+    out = capsys.readouterr().out
+    for recipe, run_dir in zip(("nvfp4", "bf16"), seen):
+        assert not run_dir.exists(), run_dir
+        assert f"({recipe}: that run dir is temporary and is removed now; bench step --out DIR keeps" in out
