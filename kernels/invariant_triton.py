@@ -81,27 +81,26 @@ def _k_sum(a_base, s_ak, b_base, s_bk, m_ok, n_ok, K, IEEE: tl.constexpr, UPCAST
     return acc
 
 
-@triton.jit(do_not_specialize=["s_ab", "s_cb"])  # they follow the row count; M is specialized (a multiple of 16,
-# 1, or neither: at most three compiles), which a weight gradient's operand, contiguous along M, needs for vector
-# loads (2.6x on an H100)
+# Every integer argument is specialized (Triton compiles a variant per value == 1, value % 16 == 0, other): the
+# strides and M, N, K follow the shapes, so a model's calls compile a few variants once. A stride known to be 1 or
+# a multiple of 16 is what lets the compiler prove an operand's alignment and copy it 16 bytes at a time.
+@triton.jit
 def _bmm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
                 s_ab, s_am, s_ak, s_bb, s_bk, s_bn, s_cb, s_cm, s_cn, s_bias_m, s_bias_n, alpha, beta,
                 HAS_BIAS: tl.constexpr, SCALED: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
                 BATCHED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """c[b] = a[b] @ b[b] (alpha * that + beta * bias when SCALED), FP32 accumulator, rounded once on store.
 
-    BATCHED (more than one b): the batch strides move the pointers. Without it (every `mm` / `addmm`, hence
-    every `F.linear`) they are not read: they are not specialized (they follow the row count), so adding one
-    leaves the pointers' alignment unknown to the compiler, which then loads an operand element by element
-    (`ld.global.b16` in the sm_90 PTX instead of `cp.async` into shared memory). With it this kernel took
-    3.8-5.8x cuBLAS's time on the GPU job's products at 8,192 rows (2.8x at best over twelve tiles; H100,
-    twenty-sixth session), where a kernel of the tutorial's form with known alignment and the same bits ran
-    1.0-1.9x (`scripts/probe_invariant_alignment.py`). This kernel without it compiles to the same 16-byte
-    copies (`tests/kernels/test_triton_compile.py`) and has not yet been timed on a GPU."""
+    BATCHED: the launch covers more than one b, and the batch strides move the pointers. A one-matrix launch
+    (every `mm` / `addmm`, hence every `F.linear`) never reads them, so its batch stride (M x K for a contiguous
+    a: not a multiple of 16 for an odd row count and K) cannot hide the operands' alignment. Where alignment is
+    unknown the compiler loads an operand element by element (`ld.global.b16` in the sm_90 PTX instead of
+    16-byte `cp.async` copies into shared memory): `tests/kernels/test_triton_compile.py` checks the mode's
+    layouts; the cost it had is in PERF_NOTES_RL.md (twenty-sixth session)."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_b = tl.program_id(2).to(tl.int64)
     if BATCHED:
+        pid_b = tl.program_id(2).to(tl.int64)
         a_ptr += pid_b * s_ab
         b_ptr += pid_b * s_bb
         c_ptr += pid_b * s_cb
@@ -123,8 +122,9 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
 
 
 class Tiles(NamedTuple):
-    """One launch configuration of this file's products. block_k fixes the reduction order (with the
-    instruction shape the compiler derives from all five); the others only how the work is spread."""
+    """One launch configuration of this file's products. A row's bits follow from block_k's K steps and the
+    tensor-core instruction the compiler derives from all five; on the H100 twelve 16-bit candidates gave the same
+    bits on every shape tried (`scripts/sweep_invariant_gemm.py`), but only `tiles()`'s choice is tested."""
     block_m: int
     block_n: int
     block_k: int
@@ -135,10 +135,9 @@ class Tiles(NamedTuple):
 def tiles(k: int, n: int, dtype: torch.dtype) -> Tiles:
     """The configuration for a product of reduction length k into n columns, from k, n and the dtype only (never
     the row count): 16-bit operands on tensor cores, FP32 in smaller tiles (the IEEE product runs on the FMA
-    units). The 16-bit tile was the fastest of four over the GPU job's forward, input-gradient and weight-gradient
-    products at 16 and 8,192 rows for the tutorial-form kernel of known alignment (H100, twenty-sixth session,
-    `scripts/probe_invariant_alignment.py --configs`), and every one of twelve candidates gave this
-    kernel's bits on every shape (`scripts/sweep_invariant_gemm.py`); its sweep on this kernel is not yet run."""
+    units). The 16-bit tile was the fastest of four on a kernel of known alignment over the GPU job's projections
+    at 16 and 8,192 rows (not the grouped product's few-row tiles); `scripts/probe_invariant_alignment.py
+    --configs` and PERF_NOTES_RL.md (twenty-sixth session) have the figures and what is not yet run."""
     if dtype == torch.float32:
         return Tiles(32, 32, 32, 4, 3)
     return Tiles(128, 128, 64, 8, 3)

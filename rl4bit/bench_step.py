@@ -25,9 +25,10 @@ runs out of GPU memory ends the bench with an error naming the job, its phase an
 and the overrides that shrink both jobs alike; the finished job's figures are printed first and
 `bench_step.json` (`--out`) says the run is incomplete. With `--out DIR` each job's run dir (its config,
 metrics.jsonl, logs) is kept under `DIR/runs/<recipe>-<time>`; without, it is a temporary directory, removed
-when the job ends (the driver's "run dir:" line is followed by a note saying so). `configs/gpu-h200.yaml` is sized for a 141 GB H200
-(its bf16 job peaked at 77.3 GiB there and ran out of memory on an 80 GB H100; half-size micro-batches, the
-suggested override, are not yet run there).
+when the job ends (the driver's "run dir:" line is followed by a note saying so).
+
+`configs/gpu-h200.yaml` is sized for a 141 GB H200 (its bf16 job peaked at 77.3 GiB there and ran out of memory
+on an 80 GB H100 at full micro-batches; `scripts/gpu_check.sh step` runs it there at half-size ones).
 
 Leaves out: Ray actors (the device image has no Ray), several samplers, and the
 warm start (its cost is the same under both recipes).
@@ -155,7 +156,8 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0, kee
             if keep is not None:
                 run_dir = keep / f"{recipe}-{time.strftime('%Y%m%d-%H%M%S')}"
             else:
-                run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-"))) / "run"
+                temporary = stack.enter_context(tempfile.TemporaryDirectory(prefix=f"bench-step-{recipe}-"))
+                run_dir = Path(temporary) / "run"
             records = [r for r in run(cfg, create_run_dir(cfg, run_dir), on_step=after_step) if r.get("step", 0) >= 1]
             if keep is None:
                 print(f"({recipe}: that run dir is temporary and is removed now; bench step --out DIR keeps the jobs' "

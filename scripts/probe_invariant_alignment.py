@@ -1,20 +1,25 @@
-"""Why the invariant mode's dense product ran 4x cuBLAS: `invariant_triton._bmm_kernel` beside a kernel of the
-form of Triton's matmul tutorial (int32 offsets, pointer increments), same tiles, on a GPU.
+"""Why the invariant mode's dense product took 4-6x cuBLAS's time: `invariant_triton._bmm_kernel` beside a kernel
+of the form of Triton's matmul tutorial (int32 offsets, pointer increments), same tiles, on a GPU.
 
     source scripts/device_env.sh && python3 -P scripts/probe_invariant_alignment.py [--configs]
 
-Per shape (the GPU job's router, o projection forward and weight gradient, Qwen3's LM head at 16 and 8,192
-rows) and tile (`invariant_triton.tiles`' choice; with `--configs`, four): µs a call of cuBLAS, of `_bmm_kernel`
-launched on one matrix, and of the tutorial-form kernel with M specialized and not, each with FP fusion on and
-off, and the elements where each output differs from `invariant_triton.bmm`'s.
-Twenty-sixth session, H100, before the BATCHED flag: the tutorial form ran 2.4-4x faster than `_bmm_kernel` with
-the same bits, fusion changed nothing, and an unspecialized M cost the weight gradient (its operand contiguous
-along M) 2.6x. The cause, read in the sm_90 PTX (`tests/kernels/test_triton_compile.py`): the batch stride, not
-specialized, made every operand pointer's alignment unknown, so one operand was loaded element by element.
+Per shape (the GPU job's router, o projection forward, input gradient and weight gradient, Qwen3's LM head at
+16 and 8,192 rows) and tile (`invariant_triton.tiles`' choice; with `--configs`, four): µs a call of cuBLAS, of
+`_bmm_kernel` launched on one matrix, and of the tutorial-form kernel with M specialized and not, each with FP
+fusion on and off, and the elements where each output differs from `invariant_triton.bmm`'s.
+
+Twenty-sixth session, H100, with the previous `_bmm_kernel` (commit e21b409, which added the unspecialized batch
+stride to every pointer), measured with earlier forms of this script (the committed one, with `--configs`, the
+input gradient and the 8,192-row LM head, has not run yet): the tutorial form ran 1.8-4.6x faster with the same bits,
+fusion changed nothing, and an unspecialized M cost the weight gradient (its operand contiguous along M) 2.6x.
+The cause, read in the sm_90 PTX (`tests/kernels/test_triton_compile.py`): with the batch stride added, no operand
+pointer's alignment was known, so one operand was loaded element by element. The previous kernel beside this one:
+`scripts/sweep_invariant_gemm.py --against` a copy of it.
 
 Leaves out: other dtypes, biases, batched calls (`BATCHED` keeps reading the batch strides there).
 """
 import sys
+from pathlib import Path
 
 import torch
 import triton
@@ -22,7 +27,7 @@ import triton.language as tl
 
 from rl4bit.kernels import invariant_triton as it
 
-sys.path.insert(0, "scripts")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from sweep_invariant_gemm import operands, time_us  # noqa: E402
 
 
@@ -79,7 +84,8 @@ if "--configs" in sys.argv:  # the four tiles the 16-bit choice of `invariant_tr
     configs = [it.Tiles(64, 128, 64, 4, 3), it.Tiles(128, 128, 64, 8, 3), it.Tiles(128, 256, 64, 8, 3),
                it.Tiles(128, 128, 64, 4, 4)]
 for label, m, n, k, layout in [("router", 16, 16, 2048, "fwd"), ("o fwd", 8192, 2048, 2048, "fwd"),
-                               ("o wgrad", 2048, 2048, 8192, "wgrad"), ("lm head", 16, 151936, 2048, "fwd"),
+                               ("o dgrad", 8192, 2048, 2048, "dgrad"), ("o wgrad", 2048, 2048, 8192, "wgrad"),
+                               ("lm head", 16, 151936, 2048, "fwd"),
                                ("lm head", 8192, 151936, 2048, "fwd")]:
     a, b = operands(m, n, k, layout, gen)
     print(f"{label} M={m} N={n} K={k}: cuBLAS {time_us(lambda: a @ b):.1f} µs")

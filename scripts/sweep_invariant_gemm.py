@@ -1,6 +1,7 @@
 """Tile sweep of the invariant mode's dense product (`invariant_triton.bmm`, `model.invariant_kernels`) on a GPU.
 
-    source scripts/device_env.sh && python3 -P scripts/sweep_invariant_gemm.py [--quick] [--against OLD.py]
+    source scripts/device_env.sh && python3 -P scripts/sweep_invariant_gemm.py [--quick] [--only-current]
+        [--against OLD.py]     # e.g. git show e21b409:kernels/invariant_triton.py > /tmp/old.py: before and after
 
 The mode sends every BF16 product of the trainer and the sampler through one Triton kernel whose configuration
 comes from (K, N, dtype) alone (`invariant_triton.tiles`), so a row's bits never depend on the row count. Until
@@ -11,8 +12,8 @@ This times candidate configurations on the products a job in the mode runs, in t
 a transposed), beside cuBLAS on the same operands, and checks bits:
 - every candidate's output against the current `tiles()` configuration's, element by element (equal or not: a
   configuration whose bits differ is still batch-invariant, but it changes what a job in the mode computes);
-- each candidate's first 16 rows of a decode-sized call against the same rows of a training-sized call (the row
-  invariance the mode exists for: must hold for every candidate).
+- each candidate's calls of 1, 7 and 16 rows against the same rows of the shape's call (the row invariance the mode
+  exists for: must hold for every candidate; 1, a multiple of 16 and neither are separately compiled variants).
 
 Shapes: configs/gpu-h200.yaml's model (hidden 2048; q/k/v fused 3072; 16 router logits; 85-token LM head),
 Qwen3's 151,936-token LM head, at 16 and 64 rows (decode) and 8,192 (a micro-batch), and the backward's products
@@ -102,7 +103,7 @@ def main() -> None:
         spec.loader.exec_module(old)
     print(torch.__version__, torch.cuda.get_device_name())
     gen = torch.Generator(device="cuda").manual_seed(0)
-    totals = {c: 0.0 for c in CANDIDATES}
+    totals: dict = {}
     for label, m, n, k, layout in shapes(args.quick):
         a, b = operands(m, n, k, layout, gen)
         current = it.tiles(k, n, torch.bfloat16)
@@ -115,15 +116,18 @@ def main() -> None:
             us = time_us(lambda: old.bmm(a[None], b[None], **kw))
             cells.append(f"other kernel{' at the current configuration' if kw else ''}: {us:8.1f} ({us / cub:4.2f}x);"
                          f" elements differing from this kernel's: {int((prev != ref).sum())}")
-        for c in ([current] if args.only_current else CANDIDATES):
+        candidates = [current] if args.only_current else CANDIDATES
+        for c in candidates:
+            totals.setdefault(c, 0.0)
             try:
                 out = it.bmm(a[None], b[None], config=c)[0]
             except Exception as e:  # a configuration the compiler or the GPU refuses (shared memory)
-                cells.append(f"{c.block_m}x{c.block_n}x{c.block_k}/{c.warps}w{c.stages}s: {type(e).__name__}")
+                cells.append(f"{c.block_m}x{c.block_n}x{c.block_k}/{c.warps}w{c.stages}s: {type(e).__name__}: "
+                             f"{str(e)[:100]}")
                 totals[c] = float("inf")
                 continue
             diff = int((out != ref).sum())
-            rows_ok = torch.equal(it.bmm(a[None, :16], b[None], config=c)[0], out[:16])
+            rows_ok = all(torch.equal(it.bmm(a[None, :r], b[None], config=c)[0], out[:r]) for r in (1, 7, 16))
             us = time_us(lambda: it.bmm(a[None], b[None], config=c))
             totals[c] += us
             cells.append(f"{c.block_m}x{c.block_n}x{c.block_k}/{c.warps}w{c.stages}s: {us:8.1f} ({us / cub:4.2f}x)"
@@ -131,7 +135,7 @@ def main() -> None:
                          f"{' <- current' if c == current else ''}")
         print(f"{label} M={m} N={n} K={k}: cuBLAS {cub:.1f} µs")
         print("    " + "\n    ".join(cells))
-    print("summed µs over the shapes, per configuration (one configuration for every shape):")
+    print("summed µs over the shapes, per configuration timed (one configuration for every shape):")
     for c, t in sorted(totals.items(), key=lambda kv: kv[1]):
         print(f"    {c}: {t:.1f}")
 

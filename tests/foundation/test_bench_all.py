@@ -23,12 +23,12 @@ def test_bench_all_runs_sections_and_reports_missing_ones(tmp_path, capsys, monk
     assert figures["[nonexistent]"][1] == "not run"
     saved = json.loads((tmp_path / "bench_all.json").read_text())
     assert saved["sections"]["step"]["result"]["rows"][0]["recipe"] == "nvfp4"
+    out = capsys.readouterr().out
+    assert "rl4bit bench all" in out and "bf16/nvfp4" in out and "is temporary" not in out
     for recipe in ("nvfp4", "bf16"):  # --out keeps each job's run dir, where its printed "run dir:" line points
         kept = list((tmp_path / "step" / "runs").glob(f"{recipe}-*/metrics.jsonl"))
         assert len(kept) == 1 and kept[0].read_text().strip(), recipe
-    out = capsys.readouterr().out
-    assert "rl4bit bench all" in out and "bf16/nvfp4" in out
-    assert f"run dir: {kept[0].parent}" in out and "is temporary" not in out
+        assert f"run dir: {kept[0].parent}" in out, recipe
 
 
 def test_bench_cli_rejects_arguments_a_bench_does_not_take(capsys):

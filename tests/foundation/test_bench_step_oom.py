@@ -59,6 +59,7 @@ def test_without_out_the_run_dirs_are_temporary_and_say_so(monkeypatch, capsys):
     monkeypatch.setattr("rl4bit.driver.run", run)
     bench_step.main(["--quick", "--device", "cpu"])
     out = capsys.readouterr().out
+    assert len(seen) == 2
     for recipe, run_dir in zip(("nvfp4", "bf16"), seen):
         assert not run_dir.exists(), run_dir
         assert f"({recipe}: that run dir is temporary and is removed now; bench step --out DIR keeps" in out

@@ -80,13 +80,17 @@ def _kernels():
                                         "s_bias_m", "s_bias_n")}, alpha="fp32", beta="fp32")
     bf16_tiles = inv.tiles(2048, 2048, torch.bfloat16)
     blocks = dict(BLOCK_M=bf16_tiles.block_m, BLOCK_N=bf16_tiles.block_n, BLOCK_K=bf16_tiles.block_k)
-    yield ("invariant bmm bf16, batched", inv._bmm_kernel, mm_sig,
-           dict(HAS_BIAS=True, SCALED=False, IEEE=False, UPCAST=False, BATCHED=True, **blocks), bf16_tiles.warps)
-    # F.linear's layout as a launch specializes it: x [M, K] and w.t() [K, N] have unit K strides, which Triton
-    # makes the constant 1; one matrix, so the unspecialized batch strides are not read (PTX_CHECKS)
-    yield ("invariant bmm bf16, F.linear", inv._bmm_kernel, mm_sig,
-           dict(HAS_BIAS=False, SCALED=False, IEEE=False, UPCAST=False, BATCHED=False, s_ak=1, s_bk=1, s_cn=1,
+    # the mode's layouts as a launch specializes them (an integer argument equal to 1 becomes that constant; one
+    # divisible by 16 is marked so, as `attrs` below does): F.linear's x [M, K] @ w.t() [K, N] (unit K strides),
+    # alone and batched, and the weight gradient's g.t() [N_out, T] @ x [T, K] (a unit M stride, b unit N)
+    fwd = dict(HAS_BIAS=False, SCALED=False, IEEE=False, UPCAST=False, s_ak=1, s_bk=1, s_cn=1, **blocks)
+    yield "invariant bmm bf16, F.linear", inv._bmm_kernel, mm_sig, dict(fwd, BATCHED=False), bf16_tiles.warps
+    yield "invariant bmm bf16, F.linear batched", inv._bmm_kernel, mm_sig, dict(fwd, BATCHED=True), bf16_tiles.warps
+    yield ("invariant bmm bf16, weight gradient", inv._bmm_kernel, mm_sig,
+           dict(HAS_BIAS=False, SCALED=False, IEEE=False, UPCAST=False, BATCHED=False, s_am=1, s_bn=1, s_cn=1,
                 **blocks), bf16_tiles.warps)
+    yield ("invariant bmm bf16, any strides, bias", inv._bmm_kernel, mm_sig,
+           dict(HAS_BIAS=True, SCALED=True, IEEE=False, UPCAST=False, BATCHED=True, **blocks), bf16_tiles.warps)
     grouped_sig = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", map_ptr="*i32", n_tiles="i32", N="i32", K="i32",
                        s_xm="i32", s_we="i32", s_wn="i32", s_ym="i32")
     yield ("invariant grouped bf16", inv._grouped_kernel, grouped_sig,
@@ -191,15 +195,16 @@ def vector_load_problems(ptx: str) -> list[str]:
     """A GEMM's operands loaded as 16-byte `cp.async` copies into shared memory, none element by element (a
     2-byte `ld.global`: what an operand pointer of unknown alignment compiles to). Problems found (empty: none)."""
     problems = []
-    if re.search(r"ld\.global(\.\w+)*\.b16", ptx):
+    if re.search(r"ld\.global[^;\s]*\.b16", ptx):
         problems.append("2-byte global loads (an operand's alignment unknown to the compiler)")
     if not re.search(r"cp\.async\.cg\.shared\.global[^;]*, (16|0x10),", ptx):
         problems.append("no 16-byte cp.async copies")
     return problems
 
 
-PTX_CHECKS = {"_attention_kernel": split_handoff_problems, "invariant bmm bf16, F.linear": vector_load_problems,
-              "invariant grouped bf16": vector_load_problems}
+PTX_CHECKS = {"_attention_kernel": split_handoff_problems, "invariant grouped bf16": vector_load_problems,
+              **{f"invariant bmm bf16, {layout}": vector_load_problems
+                 for layout in ("F.linear", "F.linear batched", "weight gradient")}}
 """Kernel or entry name -> a check of its PTX beyond the exact-FP32 patterns."""
 
 
@@ -235,7 +240,8 @@ def compile_all(count: bool = False) -> list[str]:
         full = dict(sig, **{k: "constexpr" for k in consts})
         # real launches specialize pointers, K/M and strides (multiples of 16) as 16-divisible
         attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(fn.arg_names)
-                 if (a.endswith("_ptr") or a in ("K", "M", "KW", "KS", "KR", "NC", "RP", "RS") or a.startswith("s_"))
+                 if (a.endswith("_ptr") or a in ("K", "M", "N", "KW", "KS", "KR", "NC", "RP", "RS")
+                     or a.startswith("s_"))
                  and a not in consts
                  and a not in (fn.do_not_specialize or ())}
         src = ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
@@ -269,6 +275,17 @@ def test_split_handoff_check_finds_each_missing_piece():
     assert split_handoff_problems(good.replace(".cg", "")) == ["the merge's state loads are not .cg (L2)"]
     assert split_handoff_problems(good.replace("@%p1 atom", "atom")) == [
         "the counter's atomic is not predicated to one thread"]
+
+
+def test_vector_load_check_finds_element_loads_and_missing_copies():
+    """`vector_load_problems` on hand-written PTX: 16-byte copies pass; a 2-byte global load (also with cache
+    qualifiers) or no 16-byte copy is named."""
+    good = "cp.async.cg.shared.global [ %r1 + 0 ], [ %rd1 + 0 ], 0x10, %r2;\nwgmma.mma_async.sync.aligned;\n"
+    assert vector_load_problems(good) == []
+    assert vector_load_problems(good.replace("0x10", "0x4")) == ["no 16-byte cp.async copies"]
+    for load in ("ld.global.b16 %rs1, [%rd2];", "ld.global.L1::evict_last.b16 %rs1, [%rd2];"):
+        assert vector_load_problems(good + load) == [
+            "2-byte global loads (an operand's alignment unknown to the compiler)"], load
 
 
 @pytest.mark.slow
