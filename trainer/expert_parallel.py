@@ -262,14 +262,16 @@ class ExpertParallelExperts(QuantExperts):
         # world 1 gives QuantExperts' own keys; the RHT seed below is NOT keyed by rank (both ends must agree)
         return (self.seed, self.step, 2 * self.layer_id + gemm, self.calls * self.world + self.rank)
 
-    def _header(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def _header(self, tokens: torch.Tensor) -> torch.Tensor:
         """int64 [len(HEADER)] on the device: what every rank must agree on before tokens move, and whether this
-        rank's tokens hold NaN/Inf (a device reduction; the all-gathered headers are read on the host once)."""
-        fields = [hidden_states.shape[-1], self.num_experts, _FMT_CODES[self.spec.fmt],
+        rank's tokens hold NaN/Inf (a device reduction; the all-gathered headers are read on the host once).
+        `tokens` are the hidden states in the compute dtype, as they are dispatched: a value finite in FP32 but
+        past BF16's range becomes Inf there, and the dispatch's quantize would raise on this rank alone."""
+        fields = [tokens.shape[-1], self.num_experts, _FMT_CODES[self.spec.fmt],
                   ep_codec.COMBINES.index(self.combine), ep_codec.GRAD_FORMATS.index(self.backward_format),
                   self.layer_id, self.step, self.calls, self.seed & (2**62 - 1), 0]
-        head = torch.tensor(fields, dtype=torch.int64, device=hidden_states.device)
-        head[-1] = (~torch.isfinite(hidden_states.detach())).any().to(torch.int64)
+        head = torch.tensor(fields, dtype=torch.int64, device=tokens.device)
+        head[-1] = (~torch.isfinite(tokens)).any().to(torch.int64)
         return head
 
     def _check_headers(self, heads: torch.Tensor) -> None:
@@ -285,7 +287,8 @@ class ExpertParallelExperts(QuantExperts):
         bad = [r for r, row in enumerate(rows) if row[-1]]
         if bad:
             raise NonFiniteInputError(f"NaN/Inf in the hidden states entering expert layer {self.layer_id} on "
-                                      f"rank(s) {bad}; every rank stops this micro-batch")
+                                      f"rank(s) {bad} (in the compute dtype, as dispatched); every rank stops this "
+                                      f"micro-batch")
 
     def _stop_together(self, failure: Exception | None, o: torch.Tensor | None) -> None:
         """Before the combine's all-to-all: NonFiniteInputError on EVERY rank when any rank's experts or combine
@@ -307,11 +310,11 @@ class ExpertParallelExperts(QuantExperts):
                                   f"(their experts' GEMMs overflowed or hold a NaN/Inf weight); every rank stops "
                                   f"this micro-batch")
 
-    def _route(self, top_k_index: torch.Tensor, hidden_states: torch.Tensor) -> _Route:
+    def _route(self, top_k_index: torch.Tensor, tokens: torch.Tensor) -> _Route:
         n_tok, k = top_k_index.shape
         e, n_local = self.global_num_experts, self.num_experts
         with torch.no_grad():
-            head = self._header(hidden_states)
+            head = self._header(tokens)
             heads = head.new_empty(self.world * head.numel())
             dist.all_gather_into_tensor(heads, head, group=self.group)  # fixed width: safe whatever ranks differ in
             self._check_headers(heads.view(self.world, -1).cpu())
@@ -336,14 +339,15 @@ class ExpertParallelExperts(QuantExperts):
         """QuantExperts.forward's contract over the expert-parallel group (the residual added with torch here)."""
         if self.served is not None:
             raise ValueError("ExpertParallelExperts has no serving mode; serve from a gathered, unsharded model")
-        route = self._route(top_k_index, hidden_states)
         dt = compute_dtype(hidden_states)
+        tokens = hidden_states.detach().to(dt)  # what is dispatched, checked for NaN/Inf by every rank's header
+        route = self._route(top_k_index, tokens)
         x = hidden_states[route.tok].to(dt)  # the same gather as QuantExperts, so the gradient sums the same way
         nvfp4 = self.spec.fmt == "nvfp4"
         q_rows = None
         if nvfp4 and x.shape[0]:
             with torch.no_grad():  # one quantization per token (row-local, so equal to quantizing x's rows)
-                q_rows = ep_codec.gather_rows(quantize_activation(hidden_states.detach().to(dt), self.spec), route.tok)
+                q_rows = ep_codec.gather_rows(quantize_activation(tokens, self.spec), route.tok)
         box: dict = {}
         x_local = _Dispatch.apply(x, q_rows, self, route, box)
         counts = route.local_counts

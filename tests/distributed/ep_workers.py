@@ -126,7 +126,8 @@ def scenario(name: str, rank: int, world: int, device=torch.device("cpu")) -> di
 
 
 def disagreement_scenarios(rank: int, world: int) -> dict:
-    """What each rank raises (type and message) when rank 0's tokens hold an Inf, when the last rank runs
+    """What each rank raises (type and message) when rank 0's tokens hold an Inf, when the last rank's tokens
+    hold a value finite in FP32 but past BF16's range (Inf once cast for the dispatch), when the last rank runs
     another combine, and when the last rank's experts hold a NaN weight: every rank must raise at the same point
     (no rank left waiting in an all-to-all)."""
     from rl4bit.trainer.expert_parallel import ExpertParallelExperts
@@ -134,7 +135,7 @@ def disagreement_scenarios(rank: int, world: int) -> dict:
     from rl4bit.trainer.qgemm import GemmSpec
 
     out = {}
-    for name in ("inf_on_rank_0", "combine_differs", "nan_weight_on_last_rank"):
+    for name in ("inf_on_rank_0", "bf16_overflow_on_last_rank", "combine_differs", "nan_weight_on_last_rank"):
         gen = torch.Generator().manual_seed(1234)
         src = QuantExperts(_Src(gen), GemmSpec(fmt="nvfp4"), seed=7, layer_id=3)
         combine = "mxfp8" if name == "combine_differs" and rank == world - 1 else "bf16"
@@ -144,6 +145,8 @@ def disagreement_scenarios(rank: int, world: int) -> dict:
         hidden = hidden[rows].clone()
         if name == "inf_on_rank_0" and rank == 0:
             hidden[3, 5] = float("inf")
+        if name == "bf16_overflow_on_last_rank" and rank == world - 1:
+            hidden[3, 5] = 3.4e38  # finite in FP32; rounds to Inf in BF16 (its largest finite value is 3.39e38)
         if name == "nan_weight_on_last_rank" and rank == world - 1:
             with torch.no_grad():
                 ep.down_proj[0, 1, 2] = float("nan")

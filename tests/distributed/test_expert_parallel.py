@@ -109,9 +109,11 @@ MODEL_GRAD_SQNR_FLOOR_DB = 30.0
 
 @pytest.mark.slow  # its own 2-process launch that imports transformers: ~20-45 s on 2 busy cores
 def test_ranks_stop_together_on_nan_or_disagreement(tmp_path):
-    """An Inf in rank 0's tokens, or one rank running another combine: every rank raises at the layer's route,
-    naming the cause; a NaN weight in rank 1's experts: every rank raises before the combine's all-to-all, rank 1
-    its own quantize error. None hangs (the launch's timeout would fail the test)."""
+    """An Inf in rank 0's tokens, a value in rank 1's tokens that only BF16 makes Inf, or one rank running another
+    combine: every rank raises at the layer's route, naming the cause; a NaN weight in rank 1's experts: every
+    rank raises before the combine's all-to-all, rank 1 its own quantize error. None hangs (the launch's timeout
+    would fail the test; before the header checked the dispatched BF16 tokens, rank 1 raised alone in the
+    dispatch's quantize and rank 0 failed in the all-to-all)."""
     results = ep_workers.launch(2, tmp_path, what="disagree", timeout_s=120.0)
     kind, msg = results[0]["nan_weight_on_last_rank"]
     assert kind == "NonFiniteInputError" and "outputs of expert layer 3 on rank(s) [1]" in msg, msg
@@ -120,6 +122,8 @@ def test_ranks_stop_together_on_nan_or_disagreement(tmp_path):
     for r in results:
         kind, msg = r["inf_on_rank_0"]
         assert kind == "NonFiniteInputError" and "rank(s) [0]" in msg, msg
+        kind, msg = r["bf16_overflow_on_last_rank"]
+        assert kind == "NonFiniteInputError" and "rank(s) [1] (in the compute dtype" in msg, msg
         kind, msg = r["combine_differs"]
         assert kind == "ValueError" and "disagree on combine (rank 0: 2, rank 1: 1)" in msg, msg
 
