@@ -11,24 +11,25 @@ imports Triton, so it works on machines without it. Spec:
 from contextlib import nullcontext
 
 from rl4bit.kernels.api import dequantize, quantize, quantize_reference, requantize
-from rl4bit.kernels.checks import NonFiniteInputError
+from rl4bit.kernels.checks import NonFiniteInputError, host_deferred
 from rl4bit.kernels.hadamard import inverse_rht, rht
 from rl4bit.kernels.philox import derive_seed, random_bits, random_bits4
 from rl4bit.kernels.qtensor import QTensor
 
 
 
-def deferred_checks():
+def deferred_checks(host: bool = False):
     """Context manager: quantize kernels inside it skip their per-call host read of the non-finite flag
     (so a decode step can be captured in a CUDA graph, and a training micro-batch makes one host sync for
     them, not one per quantize); one check at exit raises NonFiniteInputError (a ValueError) if any input
-    held NaN/Inf. A no-op without Triton. After `graph.replay()` call
-    `rl4bit.kernels.triton_dispatch.check_deferred()`."""
+    held NaN/Inf. `host=True` also defers the host-side checks (`checks.host_deferred`: every quantize on the
+    CPU), so that the block fails only at its exit on every device. Without Triton only that part exists.
+    After `graph.replay()` call `rl4bit.kernels.triton_dispatch.check_deferred()`."""
     try:
         from rl4bit.kernels import triton_dispatch
     except ImportError:
-        return nullcontext()
-    return triton_dispatch.deferred_checks()
+        return host_deferred() if host else nullcontext()
+    return triton_dispatch.deferred_checks(host=host)
 
 
 __all__ = [

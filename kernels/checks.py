@@ -10,6 +10,8 @@ Leaves out: padding. rl4bit never pads silently; callers pad K themselves
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -52,12 +54,55 @@ class NonFiniteInputError(ValueError):
     programming or shape error (stop), on every device and whether the check ran per call or deferred."""
 
 
+_HOST = {"depth": 0, "nonfinite": False}
+"""`host_deferred()` blocks open, and whether a host-side NaN/Inf check inside them found one."""
+
+
+@contextmanager
+def host_deferred():
+    """Within the block, NaN/Inf found by `check_input` (the reference quantizers, hence every quantize on the
+    CPU) or reported through `defer_host` is recorded instead of raised; the outermost block's normal exit raises
+    one NonFiniteInputError if any was. Layout and dtype problems still raise at once.
+
+    For blocks that ranks of a group must leave at the same point: the trainer's micro-batch, whose ranks meet
+    in collectives after it (a rank raising mid-backward would leave the others inside one). The
+    computation goes on through the NaN (the quantizers do not fail on it; their outputs are garbage, and the
+    block's exit discards them). An exception leaving the outermost block clears the record unread."""
+    _HOST["depth"] += 1
+    try:
+        yield
+    except BaseException:
+        _HOST["depth"] -= 1
+        if _HOST["depth"] == 0:
+            _HOST["nonfinite"] = False
+        raise
+    _HOST["depth"] -= 1
+    if _HOST["depth"] == 0 and _HOST["nonfinite"]:
+        _HOST["nonfinite"] = False
+        raise NonFiniteInputError("a quantize or check on the host inside a deferred block got NaN/Inf input (nvfp4 "
+                                  "and s2f6 cannot encode NaN, no format encodes Inf); rerun the step outside the "
+                                  "block to find the tensor")
+
+
+def host_deferring() -> bool:
+    """True inside `host_deferred()`."""
+    return _HOST["depth"] > 0
+
+
+def defer_host(found: bool) -> None:
+    """Record a NaN/Inf found by a check inside `host_deferred()`."""
+    _HOST["nonfinite"] = _HOST["nonfinite"] or bool(found)
+
+
 def check_input(x, fmt: str, block: int, *, allow_nan: bool) -> None:
     """Raise ValueError if x cannot be quantized to `fmt` with blocks of `block` along the last dim
-    (NonFiniteInputError for NaN/Inf values)."""
+    (NonFiniteInputError for NaN/Inf values; inside `host_deferred()` those are recorded instead)."""
     problem = layout_problem(x, fmt, block)
     if problem is not None:
         raise ValueError(problem)
+    if host_deferring():
+        defer_host(not bool(torch.isfinite(x).all()) if not allow_nan else bool(torch.isinf(x).any()))
+        return
     inf = torch.isinf(x)
     if bool(inf.any()):
         raise NonFiniteInputError(

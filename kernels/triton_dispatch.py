@@ -25,7 +25,7 @@ from contextlib import contextmanager
 
 import torch
 
-from rl4bit.kernels import mxfp8_triton, nvfp4_triton, s2f6_triton
+from rl4bit.kernels import checks, mxfp8_triton, nvfp4_triton, s2f6_triton
 from rl4bit.kernels.checks import NonFiniteInputError, _first_index, check_input, layout_problem
 from rl4bit.kernels.qtensor import BLOCK, QTensor
 from rl4bit.kernels.stochastic import check_seed
@@ -40,7 +40,7 @@ _DEFERRED = [0]  # nesting depth of deferred_checks()
 
 
 @contextmanager
-def deferred_checks():
+def deferred_checks(host: bool = False):
     """Within the block, quantize calls skip their host read of the non-finite flag; one read at exit.
 
     Makes the quantize kernels capturable in a CUDA graph (no host sync). On a
@@ -48,7 +48,13 @@ def deferred_checks():
     outermost block raises, the flags are reset unread: the block failed anyway,
     and a flag left set would blame the next quantize, on finite data (an expert-
     parallel stop raises on every rank, whichever rank's quantize met the NaN).
+    ``host=True`` defers the host-side checks too (``checks.host_deferred``: the
+    reference quantizers, every quantize on the CPU).
     """
+    if host:
+        with checks.host_deferred(), deferred_checks():
+            yield
+        return
     _DEFERRED[0] += 1
     try:
         yield

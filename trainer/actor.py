@@ -265,9 +265,11 @@ class Trainer:
                 failed = False
                 try:
                     # One read of the quantize kernels' NaN/Inf flag a micro-batch (at the block's exit), not one a
-                    # quantize: each read is a host sync that stops the host from running ahead of the GPU. A rank
-                    # without sequences runs a dummy under the same checks: its collectives are the others'.
-                    with deferred_checks():
+                    # quantize: each read is a host sync that stops the host from running ahead of the GPU. The
+                    # host-side checks (every quantize on the CPU) wait for the exit too, so a rank never fails
+                    # mid-backward while the others are inside a collective. A rank without sequences runs a dummy
+                    # under the same checks: its collectives are the others'.
+                    with deferred_checks(host=True):
                         if not mb:
                             self._dummy_microbatch(epoch)
                         else:

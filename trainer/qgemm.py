@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl4bit.kernels import QTensor, dequantize, fused, invariant, quantize, requantize
+from rl4bit.kernels import QTensor, checks, dequantize, fused, invariant, quantize, requantize
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.trainer.transfer import to_device
 
@@ -275,13 +275,17 @@ def _pad_qtensor_rows(q: QTensor, lay: _Layout) -> QTensor:
 
 def _check_finite(t: torch.Tensor, what: str) -> None:
     """FloatingPointError if t holds NaN/Inf; inside `deferred_checks()` on CUDA, recorded in the device's
-    non-finite flag instead (no host sync; the block's exit raises NonFiniteInputError)."""
+    non-finite flag instead (no host sync), and inside `deferred_checks(host=True)` on the CPU, in the host's
+    record (the block's exit raises NonFiniteInputError)."""
     if t.is_cuda:
         from rl4bit.kernels import triton_dispatch
 
         if triton_dispatch.deferring():
             triton_dispatch.defer_nonfinite(t)
             return
+    elif checks.host_deferring():
+        checks.defer_host(not bool(torch.isfinite(t).all()))
+        return
     if not bool(torch.isfinite(t).all()):
         raise FloatingPointError(f"non-finite values in {what}; MXFP8 cannot encode them (lower the learning rate or check the loss)")
 

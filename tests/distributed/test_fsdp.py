@@ -235,6 +235,29 @@ def test_a_non_finite_micro_batch_on_one_rank_skips_the_step_on_every_rank(monke
     assert good["train/skipped_steps"] == 0 and math.isfinite(good["loss"]), good
 
 
+@pytest.mark.slow  # a group of two spawned ranks
+def test_a_nan_met_by_one_cpu_rank_mid_backward_skips_the_step_on_every_rank():
+    """On the CPU every quantize is the reference, whose NaN/Inf check ran at once: a NaN advantage in rank 1's
+    first micro-batch raised in its backward while rank 0 was inside FSDP's collectives, and the group died on a
+    collective mismatch. Inside the micro-batch the host-side checks now wait for the block's exit
+    (`deferred_checks(host=True)`): both ranks skip the step at that micro-batch, and the next step trains."""
+    cfg = tiny_cfg(["recipe.stochastic_requant=false", "rl.ppo_epochs=1"])  # micro-batches [0, 1, 3, 4], ...
+    first, second = batches(cfg, 2)
+    first.advantages[1] = math.nan  # sequence 1: rank 1's half of the first micro-batch (mb[1::2])
+    group = TrainerGroup(cfg, 2, timeout_s=90.0)
+    try:
+        get(group.setup_rl())
+        before = get(group.full_state_dict())
+        bad = get(group.train_step(first))
+        after_bad = get(group.full_state_dict())
+        good = get(group.train_step(second))
+    finally:
+        group.shutdown()
+    assert bad["train/skipped_steps"] == 1 and not math.isfinite(bad["loss"]), bad
+    assert all(torch.equal(before[k], after_bad[k]) for k in before), "the skipped step changed the weights"
+    assert good["train/skipped_steps"] == 0 and math.isfinite(good["loss"]), good
+
+
 def test_a_rank_out_of_gpu_memory_reaches_the_driver_as_torchs_error():
     """A rank's CUDA out-of-memory error is rebuilt as torch's type on the driver (with the rank's traceback as
     a note), so the driver's OutOfMemory message (phase, step, what to shrink) covers trainer groups too."""

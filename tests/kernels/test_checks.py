@@ -51,3 +51,28 @@ def test_qtensor_problems_name_each_broken_part(fmt):
         shape = (4, 8, 65) if case == "shape" else (4, 8, 64)
         problems = qtensor_problems("w", bad, want_fmt, shape)
         assert problems and needle in problems[0], (case, problems)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "s2f6"])
+def test_host_deferred_records_nan_and_inf_and_raises_once_at_the_exit(fmt):
+    """Inside `host_deferred()` a quantize on the CPU with NaN/Inf input returns (garbage) instead of raising, and
+    the block's exit raises one NonFiniteInputError; a layout problem still raises at once; a block left by an
+    exception clears the record, so the next block does not inherit it."""
+    from rl4bit.kernels.checks import NonFiniteInputError, host_deferred
+
+    bad = torch.ones(2, 64)
+    bad[1, 3] = float("inf")
+    with pytest.raises(NonFiniteInputError, match="inside a deferred block got NaN/Inf"):
+        with host_deferred():
+            with host_deferred():  # nested: only the outermost exit raises
+                quantize(bad, fmt)
+            quantize(torch.ones(2, 64), fmt)
+    with pytest.raises(ValueError, match="not a multiple"), host_deferred():
+        quantize(torch.ones(2, 63), fmt)
+    with pytest.raises(KeyError), host_deferred():
+        quantize(bad, fmt)
+        raise KeyError("the block failed anyway")
+    with host_deferred():  # the record was cleared: a finite block leaves quietly
+        quantize(torch.ones(2, 64), fmt)
+    with pytest.raises(NonFiniteInputError, match="Inf value"):  # outside any block: at once, with the details
+        quantize(bad, fmt)

@@ -18,8 +18,8 @@ if _rank is not None and sys.orig_argv[-3:-1] == ["rl4bit.trainer_group", _rank]
     _real, _calls, _nth = _actor.deferred_checks, [], int(os.environ.get("RL4BIT_TEST_NONFINITE_CALL", "1"))
 
     @contextmanager
-    def _fails_once():
-        with _real():
+    def _fails_once(host: bool = False):
+        with _real(host=host):
             yield
         _calls.append(True)
         if len(_calls) == _nth:
