@@ -22,8 +22,9 @@ def deferred_checks(host: bool = False):
     """Context manager: quantize kernels inside it skip their per-call host read of the non-finite flag
     (so a decode step can be captured in a CUDA graph, and a training micro-batch makes one host sync for
     them, not one per quantize); one check at exit raises NonFiniteInputError (a ValueError) if any input
-    held NaN/Inf. `host=True` also defers the host-side checks (`checks.host_deferred`: every quantize on the
-    CPU), so that the block fails only at its exit on every device. Without Triton only that part exists.
+    held NaN/Inf. `host=True` also defers the host-side checks (`checks.host_deferred`: the reference
+    quantizers, which run every quantize on the CPU, and qgemm's gradient checks), so that NaN/Inf fails the
+    block at its exit on every device (layout errors still raise at once). Without Triton only that part exists.
     After `graph.replay()` call `rl4bit.kernels.triton_dispatch.check_deferred()`."""
     try:
         from rl4bit.kernels import triton_dispatch

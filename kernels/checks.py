@@ -3,6 +3,10 @@
 Every quantizer calls ``check_input`` before touching the data, so bad input
 (wrong dtype, a last dimension that is not a multiple of the block, NaN/Inf
 where the format cannot hold it) fails loudly instead of producing garbage.
+Inside ``host_deferred()`` (a trainer micro-batch) NaN/Inf is recorded instead
+and the quantizer returns garbage (nvfp4: Inf saturates, NaN stays NaN; s2f6:
+NaN becomes 0; mxfp8: Inf saturates), which the caller must discard when the
+block's exit raises.
 
 Leaves out: padding. rl4bit never pads silently; callers pad K themselves
 (zeros quantize to zero codes in every format) and slice the result.
@@ -65,9 +69,11 @@ def host_deferred():
     one NonFiniteInputError if any was. Layout and dtype problems still raise at once.
 
     For blocks that ranks of a group must leave at the same point: the trainer's micro-batch, whose ranks meet
-    in collectives after it (a rank raising mid-backward would leave the others inside one). The
-    computation goes on through the NaN (the quantizers do not fail on it; their outputs are garbage, and the
-    block's exit discards them). An exception leaving the outermost block clears the record unread."""
+    in collectives after it (a rank raising mid-backward would leave the others inside one). The computation
+    goes on through the NaN: the quantizers do not fail on it, their outputs are garbage (the module docstring
+    says which), and the caller discards what the block produced when its exit raises (the trainer: the
+    micro-batch's loss, gradients, "old" logprobs and metrics). An exception leaving the outermost block clears
+    the record unread."""
     _HOST["depth"] += 1
     try:
         yield
@@ -90,8 +96,10 @@ def host_deferring() -> bool:
 
 
 def defer_host(found: bool) -> None:
-    """Record a NaN/Inf found by a check inside `host_deferred()`."""
-    _HOST["nonfinite"] = _HOST["nonfinite"] or bool(found)
+    """Record a NaN/Inf found by a check inside `host_deferred()`; outside one, a no-op (nothing would read it
+    but the next block, which would then raise on finite data)."""
+    if _HOST["depth"] > 0:
+        _HOST["nonfinite"] = _HOST["nonfinite"] or bool(found)
 
 
 def check_input(x, fmt: str, block: int, *, allow_nan: bool) -> None:

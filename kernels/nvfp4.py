@@ -28,7 +28,8 @@ unchanged, and the E2M1 rounding is the SR rule of stochastic.py with the
 element's flat index as Philox offset.
 
 Leaves out: 4/6 scale selection (four_over_six.py), swizzled scale layouts, and
-NaN/Inf input (E2M1 cannot hold them: ValueError via checks.py).
+NaN/Inf input (E2M1 cannot hold them: ValueError via checks.py; inside
+`checks.host_deferred()` recorded instead, and the output is then garbage).
 """
 
 from __future__ import annotations

@@ -12,7 +12,8 @@ combine after a 32-dim random Hadamard transform (hadamard.py). Spec
     x_hat = (f32(data) * f32(1/64)) * 2**(e - 127)
 
 Leaves out: stochastic rounding (the combine rounds to nearest) and NaN/Inf,
-which int8 cannot hold (ValueError).
+which int8 cannot hold (ValueError; inside `checks.host_deferred()` recorded
+instead, and the output is then garbage).
 """
 
 from __future__ import annotations

@@ -263,6 +263,7 @@ class Trainer:
             loss_total = 0.0
             for mb in (mbs if self.world == 1 else [mb[self.rank:: self.world] for mb in mbs]):
                 failed = False
+                before = dict(sums)  # a failed micro-batch's entropy and mismatch figures are not kept
                 try:
                     # One read of the quantize kernels' NaN/Inf flag a micro-batch (at the block's exit), not one a
                     # quantize: each read is a host sync that stops the host from running ahead of the GPU. The
@@ -279,10 +280,10 @@ class Trainer:
                 except (FloatingPointError, NonFiniteInputError):  # NaN/Inf met by a quantized GEMM
                     failed = True
                 if self._any_rank(failed):  # a non-finite step, on every rank: their next collectives must meet
-                    if epoch == 0:  # old logprobs the failed forward left NaN/Inf: no later epoch trains on them
-                        for i in mb:  # (finite ones stay: a NaN met in the backward alone leaves them valid)
-                            if i in old and not bool(torch.isfinite(old[i]).all()):
-                                del old[i]
+                    if epoch == 0:  # no later epoch trains on old logprobs from a micro-batch that met NaN/Inf:
+                        for i in mb:  # a quantize that met one returns garbage, not always NaN (an Inf saturates)
+                            old.pop(i, None)
+                    sums.update(before)
                     loss_total = math.nan
                     break
                 if not mb:

@@ -29,7 +29,10 @@ names kept). One forward of `ExpertParallelExperts` (same signature as
 4. combine (owner -> source): `bf16`, `mxfp8` or `rht_s2f6` (ep_codec).
    Before it moves, the ranks exchange one flag (an int64 all-gather): NaN/Inf
    in a rank's expert outputs, or an error of its GEMMs or its encoding (a NaN
-   weight, an overflow), stops every rank there. The source decodes,
+   weight, an overflow), stops every rank there. (Inside the Trainer's
+   micro-batch, `deferred_checks(host=True)`, quantizes on the CPU record NaN/Inf
+   instead of raising: a NaN output still stops every rank here; garbage that
+   stays finite fails the micro-batch at its exit, on every rank.) The source decodes,
    multiplies by the routing weights, sums per token and, for rht_s2f6,
    applies the inverse RHT once after the sum.
 

@@ -275,7 +275,7 @@ def _pad_qtensor_rows(q: QTensor, lay: _Layout) -> QTensor:
 
 def _check_finite(t: torch.Tensor, what: str) -> None:
     """FloatingPointError if t holds NaN/Inf; inside `deferred_checks()` on CUDA, recorded in the device's
-    non-finite flag instead (no host sync), and inside `deferred_checks(host=True)` on the CPU, in the host's
+    non-finite flag instead (no host sync), and inside `deferred_checks(host=True)` otherwise, in the host's
     record (the block's exit raises NonFiniteInputError)."""
     if t.is_cuda:
         from rl4bit.kernels import triton_dispatch
@@ -283,7 +283,7 @@ def _check_finite(t: torch.Tensor, what: str) -> None:
         if triton_dispatch.deferring():
             triton_dispatch.defer_nonfinite(t)
             return
-    elif checks.host_deferring():
+    if checks.host_deferring():  # the CPU, or CUDA without Triton's deferral (a host read here)
         checks.defer_host(not bool(torch.isfinite(t).all()))
         return
     if not bool(torch.isfinite(t).all()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -54,25 +55,53 @@ def test_qtensor_problems_name_each_broken_part(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "s2f6"])
-def test_host_deferred_records_nan_and_inf_and_raises_once_at_the_exit(fmt):
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_host_deferred_records_nan_and_inf_and_raises_once_at_the_exit(fmt, value):
     """Inside `host_deferred()` a quantize on the CPU with NaN/Inf input returns (garbage) instead of raising, and
-    the block's exit raises one NonFiniteInputError; a layout problem still raises at once; a block left by an
-    exception clears the record, so the next block does not inherit it."""
-    from rl4bit.kernels.checks import NonFiniteInputError, host_deferred
+    only the outermost block's exit raises one NonFiniteInputError (mxfp8 encodes NaN: nothing is recorded); a
+    layout problem still raises at once; a block left by an exception clears the record, so the next block does
+    not inherit it; outside any block the check raises at once, with the details."""
+    from rl4bit.kernels.checks import NonFiniteInputError, defer_host, host_deferred
 
     bad = torch.ones(2, 64)
-    bad[1, 3] = float("inf")
-    with pytest.raises(NonFiniteInputError, match="inside a deferred block got NaN/Inf"):
+    bad[1, 3] = value
+    recorded = not (fmt == "mxfp8" and value != value)
+    inner_left = False
+    with pytest.raises(NonFiniteInputError, match="inside a deferred block got NaN/Inf") if recorded else \
+            contextlib.nullcontext():
         with host_deferred():
             with host_deferred():  # nested: only the outermost exit raises
                 quantize(bad, fmt)
+            inner_left = True
             quantize(torch.ones(2, 64), fmt)
+    assert inner_left
     with pytest.raises(ValueError, match="not a multiple"), host_deferred():
         quantize(torch.ones(2, 63), fmt)
     with pytest.raises(KeyError), host_deferred():
         quantize(bad, fmt)
         raise KeyError("the block failed anyway")
+    defer_host(True)  # outside a block: not recorded for the next one
     with host_deferred():  # the record was cleared: a finite block leaves quietly
         quantize(torch.ones(2, 64), fmt)
-    with pytest.raises(NonFiniteInputError, match="Inf value"):  # outside any block: at once, with the details
-        quantize(bad, fmt)
+    if recorded:
+        with pytest.raises(NonFiniteInputError, match="Inf value|NaN value"):
+            quantize(bad, fmt)
+
+
+def test_deferred_checks_with_host_clears_the_host_record_when_the_device_check_raises(monkeypatch):
+    """`deferred_checks(host=True)`: the device flags' check runs at the inner exit; when it raises, the host
+    record from the same block is cleared, not left to fail the next block."""
+    pytest.importorskip("triton")
+    from rl4bit.kernels import deferred_checks, triton_dispatch
+    from rl4bit.kernels.checks import NonFiniteInputError
+
+    def device_flag_set():
+        raise NonFiniteInputError("a device flag was set (test)")
+    monkeypatch.setattr(triton_dispatch, "check_deferred", device_flag_set)
+    bad = torch.ones(2, 64)
+    bad[0, 0] = float("inf")
+    with pytest.raises(NonFiniteInputError, match="a device flag was set"), deferred_checks(host=True):
+        quantize(bad, "nvfp4")
+    monkeypatch.setattr(triton_dispatch, "check_deferred", lambda: None)
+    with deferred_checks(host=True):
+        quantize(torch.ones(2, 64), "nvfp4")
