@@ -10,8 +10,9 @@ projections; 151,936 Qwen3's vocabulary. Where a shape differs, the sampler (a d
 trainer (a packed micro-batch) round that GEMM differently unless `model.invariant_kernels` is on. (The 8,192-row
 cell against the 8,192-row call compares a call with itself: 0 by construction, a check of the comparison.)
 
-`--time` adds, per shape and row count, the forward's µs a call for cuBLAS and for the fixed-order kernel (CUDA
-events around 20 calls, median of 5 repeats, after a warm-up call that compiles), their ratio, and whether the
+`--time` adds, per shape and row count, the forward's µs a call for cuBLAS and for the fixed-order kernel
+(`sweep_invariant_gemm.time_us`: CUDA events around about 2 ms of calls, median of 5, after a warm-up call; the
+twenty-sixth session's run timed 20 calls a repeat), their ratio, and whether the
 fixed-order kernel's rows equal the same rows of its 8,192-row call (they must: that is its construction).
 
 Leaves out: other dtypes (FP16, FP32 with TF32), transposed layouts, biases, backward products, and cuBLAS's own
@@ -20,11 +21,16 @@ and cuBLAS build.
 """
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from rl4bit.kernels import invariant_triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from sweep_invariant_gemm import time_us  # noqa: E402
 
 SHAPES = [("lm head, 85-token vocabulary", 85, 2048), ("q/k/v", 3072, 2048), ("o", 2048, 2048),
           ("lm head, Qwen3 vocabulary", 151936, 2048), ("lm head, Qwen3 vocabulary", 151936, 4096)]
@@ -35,21 +41,6 @@ TIMED_ROWS = (16, 64, 1024, 8192)
 def fixed_order(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ w [N, K]^T through the fixed-order kernel (what `model.invariant_kernels` routes `F.linear` to)."""
     return invariant_triton.bmm(x.unsqueeze(0), w.t().unsqueeze(0))[0]
-
-
-def us_per_call(fn, reps: int = 20, repeats: int = 5) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -74,7 +65,7 @@ def main() -> None:
             for m in TIMED_ROWS:
                 xm = x[:m]
                 same = torch.equal(fixed_order(xm, w), full[:m])
-                cub, fix = us_per_call(lambda: F.linear(xm, w)), us_per_call(lambda: fixed_order(xm, w))
+                cub, fix = time_us(lambda: F.linear(xm, w)), time_us(lambda: fixed_order(xm, w))
                 cells.append(f"{m}: {cub:.1f} / {fix:.1f} ({fix / cub:.2f}x{'' if same else ', ROWS DIFFER'})")
             print(f"{name} N={n} K={k} µs a call cuBLAS / fixed-order: " + "  ".join(cells))
 
