@@ -280,9 +280,12 @@ class Trainer:
                 except (FloatingPointError, NonFiniteInputError):  # NaN/Inf met by a quantized GEMM
                     failed = True
                 if self._any_rank(failed):  # a non-finite step, on every rank: their next collectives must meet
-                    if epoch == 0:  # no later epoch trains on old logprobs from a micro-batch that met NaN/Inf:
-                        for i in mb:  # a quantize that met one returns garbage, not always NaN (an Inf saturates)
-                            old.pop(i, None)
+                    if epoch == 0:  # old logprobs the failed forward left NaN/Inf: no later epoch trains on them
+                        for i in mb:  # (finite ones stay: a NaN met in the backward alone leaves them valid; a
+                            # forward that met an Inf and saturated leaves finite garbage, but the weights are
+                            # unchanged, so the later epochs meet the same Inf and are skipped too)
+                            if i in old and not bool(torch.isfinite(old[i]).all()):
+                                del old[i]
                     sums.update(before)
                     loss_total = math.nan
                     break
