@@ -22,12 +22,16 @@ manifest, pointer and errors), `--resume` needs the same N, and the group is
 shut down (barrier, process group destroyed) before the cluster. Its
 train_step metrics are logged as they come, including the expert-parallel
 wire bytes `comm/*`.
-Before any actor starts, every reward is imported and called once in this
-process (fail fast, naming the reward). The first `eval/accuracy` (step 0) is
+Before any actor starts, every reward is imported and called once in a
+reward worker (fail fast, naming the reward). The first `eval/accuracy` (step 0) is
 the warm-started model's, before any RL step. `--resume RUN_DIR` reloads the
 run's stored config (overrides still apply, e.g. `-o rl.steps=40`) and its
 latest checkpoint, and continues; on CPU the metrics after the checkpoint
-equal an uninterrupted run's (time and throughput aside).
+equal an uninterrupted run's (time and throughput aside). A resume whose
+overrides change the config rewrites the run's config.yaml once the checkpoint
+has been checked against it (the previous one kept in logs/), so a later plain
+`--resume` goes on with the same settings; a resume with no step left to run
+is refused before anything starts.
 
 Weight sync ships what the trainer's forward computes with: the quantized
 modules' own QTensors (NVFP4 codes + scales, or MXFP8) and the other tensors
@@ -74,9 +78,10 @@ from typing import Callable
 import torch
 
 from rl4bit.actors import ActorDiedError, Cluster, get, is_local, wait_alive
+from rl4bit.atomic import atomic_write_text
 from rl4bit.checkpoint import load_checkpoint, save_checkpoint
 from rl4bit.checkpoint_format import CheckpointError
-from rl4bit.config import ConfigError, JobConfig, load_config
+from rl4bit.config import ConfigError, JobConfig, dump_yaml, load_config
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.metrics import MetricsLogger, PhasePeaks, plot, read_metrics
 from rl4bit.kernels import invariant
@@ -122,6 +127,7 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
                 f"run.checkpoint_every, or the last step when 0); run it again with `{again}` (its metrics so far "
                 f"stay in {run_dir})")
         cfg = load_config(run_dir / "config.yaml", overrides)
+        _check_steps_left(run_dir, cfg)
     else:
         cfg = load_config(config_path, overrides)
         target = checked_out_dir(out) if out is not None else None
@@ -229,6 +235,8 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
             get(trainer.load_state(tensors, meta["trainer"]))
             stream.load_state(meta["data"])
             start = meta["step"]
+        if resume:
+            _record_config(run_dir, cfg, start)
         else:
             if cfg.run.warmup_sft_steps:
                 phase = "warm start"
@@ -398,6 +406,37 @@ def _resume_hint(run_dir: Path) -> str:
 
     step = json.loads(latest.read_text()).get("step")
     return f"Continue from the last checkpoint (step {step}): rl4bit train --resume {run_dir}"
+
+
+def _check_steps_left(run_dir: Path, cfg: JobConfig) -> None:
+    """ConfigError when the run's last checkpoint is already at or past `rl.steps`: such a resume would start every
+    actor, run nothing and exit as if it had trained. An unreadable pointer is left to the checkpoint loader, whose
+    errors say what is damaged."""
+    import json
+
+    try:
+        step = json.loads((run_dir / "checkpoints" / "latest.json").read_text()).get("step")
+    except (OSError, ValueError):
+        return
+    if isinstance(step, int) and step >= cfg.rl.steps:
+        raise ConfigError(f"--resume {run_dir}: its last checkpoint is at step {step} and rl.steps is {cfg.rl.steps}, "
+                          f"so there is no step left to run; to train further pass -o rl.steps=N with N > {step}")
+
+
+def _record_config(run_dir: Path, cfg: JobConfig, step: int) -> None:
+    """Make config.yaml say what a resumed run now runs: where the resume's overrides changed it, the previous file
+    moves to logs/config-before-step-STEP.yaml and config.yaml holds the resolved config (both writes atomic).
+    Called after the checkpoint was checked against `cfg` (`_check_job`), so a refused resume changes nothing."""
+    path = run_dir / "config.yaml"
+    text = dump_yaml(cfg)
+    before = path.read_text()
+    if text == before:
+        return
+    kept = run_dir / "logs" / f"config-before-step-{step + 1}.yaml"
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(kept, before)
+    atomic_write_text(path, text)
+    print(f"resume: {path} now holds this run's settings (the overrides); the previous one is {kept}", file=sys.stderr)
 
 
 def _check_job(meta: dict, cfg: JobConfig) -> None:

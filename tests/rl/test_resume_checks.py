@@ -11,7 +11,8 @@ import torch
 
 from rl4bit import driver
 from rl4bit.checkpoint_format import CheckpointError
-from rl4bit.config import load_config
+from rl4bit.config import ConfigError, load_config
+from rl4bit.metrics import read_metrics
 from rl4bit.trainer.actor import TrainBatch, Trainer
 
 from .conftest import QUICKSTART
@@ -94,3 +95,30 @@ def test_resume_under_another_recipe_is_refused(tmp_path, small, capsys):
     err = capsys.readouterr().err
     assert "recipe.name: checkpoint 'nvfp4', this job 'bf16'" in err and "start a new run" in err, err
     assert driver.main(None, resume=str(run), overrides=["rl.steps=2"]) == 0  # nothing was lost
+
+
+def test_a_resume_s_overrides_are_kept_for_the_next_resume(tmp_path, small, capsys):
+    """`--resume -o rl.steps=N` used to change nothing on disk: a later plain `--resume` (the command every error
+    prints) went back to the old rl.steps and exited 0 having run nothing. config.yaml now follows the overrides
+    once the checkpoint accepted them (the old file kept under logs/), and a resume with no step left is refused
+    before any actor starts."""
+    run = tmp_path / "run"
+    base = small + ["ray.mode=local", "run.tensorboard=false", "rl.steps=1", "run.checkpoint_every=1",
+                    "run.warmup_sft_steps=0"]
+    assert driver.main(QUICKSTART, out=str(run), overrides=base) == 0
+    original = (run / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"last checkpoint is at step 1 and rl.steps is 1.*-o rl.steps=N with N > 1"):
+        driver.main(None, resume=str(run))
+    assert driver.main(None, resume=str(run), overrides=["rl.steps=2", "recipe.name=bf16"]) == 1  # refused
+    assert (run / "config.yaml").read_text() == original and not list((run / "logs").glob("config-*"))
+    capsys.readouterr()
+    assert driver.main(None, resume=str(run), overrides=["rl.steps=2"]) == 0
+    assert "now holds this run's settings" in capsys.readouterr().err
+    assert load_config(run / "config.yaml").rl.steps == 2
+    assert (run / "logs" / "config-before-step-2.yaml").read_text() == original
+    with pytest.raises(ConfigError, match="last checkpoint is at step 2 and rl.steps is 2"):
+        driver.main(None, resume=str(run))
+    assert driver.main(None, resume=str(run), overrides=["rl.steps=3"]) == 0
+    assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
+    assert sorted(p.name for p in (run / "logs").glob("config-*")) == ["config-before-step-2.yaml",
+                                                                       "config-before-step-3.yaml"]
