@@ -273,6 +273,10 @@ class RewardsConfig:
             raise ConfigError(f"{path}.cpu_s: {self.cpu_s} must be >= 0 or null (null = 2 x timeout_s)")
 
 
+MAX_DIGITS = 3
+"""Largest `data.digits`: 10**6 operand pairs take about 0.4 GB and 2 s to build; 4 digits would be 10**8."""
+
+
 @dataclass
 class DataConfig:
     """Where prompts come from."""
@@ -284,13 +288,13 @@ class DataConfig:
     eval_file: Optional[str] = None
     """Held-out prompts in the same format (task: file)."""
     digits: int = 2
-    """Arithmetic task: operand digits."""
+    """Arithmetic task: operand digits, 1 to `MAX_DIGITS` (the task enumerates all 10**(2*digits) operand pairs)."""
     eval_size: int = 64
     """Prompts in the evaluation split."""
     eval_every: int = 5
     """Evaluate every this many steps (and before the first step)."""
     seed: int = 0
-    """Seed of the task generator and the prompt order."""
+    """Seed of the task generator and the prompt order, 0 to 2**63 - 1."""
     chat_template: bool = False
     """Send each prompt as one user turn of the tokenizer's chat template (`apply_chat_template` with the
     generation prompt added) instead of as raw text: for instruct checkpoints (`model.path`), whose tokenizer
@@ -299,7 +303,16 @@ class DataConfig:
     def validate(self, path: str) -> None:
         if self.task == "file" and not self.train_file:
             raise ConfigError(f"{path}.train_file: required when {path}.task is 'file'")
+        for name in ("train_file", "eval_file"):
+            if self.task == "arithmetic" and getattr(self, name):  # would train on the built-in sums, silently
+                raise ConfigError(f"{path}.{name}: {getattr(self, name)!r} is set but {path}.task is 'arithmetic', "
+                                  f"which ignores prompt files; set {path}.task: file to use it, or remove it")
         _positive(self, path, "digits", "eval_size", "eval_every")
+        if self.digits > MAX_DIGITS:
+            raise ConfigError(f"{path}.digits: {self.digits} is above {MAX_DIGITS}: the arithmetic task holds all "
+                              f"10**(2*digits) operand pairs in memory (10**{2 * self.digits} here); use 1 to "
+                              f"{MAX_DIGITS}, or harder prompts from a file ({path}.task: file)")
+        _check_seed(self.seed, f"{path}.seed")
 
 
 @dataclass
@@ -342,7 +355,7 @@ class RunConfig:
     name: str = "rl4bit"
     """Run name; the default run dir is runs/<name>-<timestamp>."""
     seed: int = 0
-    """Global seed (model init, sampling, stochastic rounding)."""
+    """Global seed (model init, sampling, stochastic rounding), 0 to 2**63 - 1."""
     checkpoint_every: int = 10
     """Save the full training state every this many steps (0 = only at the end)."""
     keep_checkpoints: int = 2
@@ -366,6 +379,7 @@ class RunConfig:
             if getattr(self, name) < low:
                 raise ConfigError(f"{path}.{name}: {getattr(self, name)} must be >= {low}")
         _positive(self, path, "warmup_lr")
+        _check_seed(self.seed, f"{path}.seed")
 
 
 @dataclass
@@ -533,6 +547,7 @@ def validate(cfg: JobConfig) -> None:
             f"model.invariant_kernels: needs sampler.backend: embedded (the {cfg.sampler.backend} backend keeps its own "
             "kernels, so trainer and sampler could not agree bitwise); set it to false or use the embedded sampler"
         )
+    _check_seed(cfg.recipe.seed, "recipe.seed")  # the recipe refuses < 0 itself; the upper bound is shared
     if cfg.model.num_experts % cfg.trainer.expert_parallel:
         raise ConfigError(
             f"trainer.expert_parallel: {cfg.trainer.expert_parallel} does not divide model.num_experts={cfg.model.num_experts}"
@@ -550,6 +565,16 @@ def _positive(obj: Any, path: str, *names: str) -> None:
         v = getattr(obj, name)
         if v <= 0:
             raise ConfigError(f"{path}.{name}: {v} must be > 0")
+
+
+def _check_seed(seed: int, path: str) -> None:
+    # Seeds become Philox keys (`kernels.philox.derive_seed`), which refuse negatives (at the first RL step, after
+    # the warm start) and fold keys to 63 bits (so larger seeds would repeat smaller ones' random bits).
+    from rl4bit.sampler.types import MAX_SEED
+
+    if not 0 <= seed <= MAX_SEED:
+        raise ConfigError(f"{path}: {seed} must be in [0, 2**63 - 1]; seeds key the Philox random streams, which take "
+                          "non-negative 63-bit keys")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

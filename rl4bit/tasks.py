@@ -8,25 +8,31 @@ those are the reward signatures' own arguments).
 - `arithmetic_task(digits, eval_size, seed)`: every `a+b=` with operands
   below 10**digits; a seeded permutation puts `eval_size` of them in the eval
   split and the rest in the train split, so the splits are disjoint by
-  construction. The answer is the decimal sum.
-- `load_prompt_file(path)`: JSONL (one JSON object a line) or Parquet
-  (needs pyarrow); a malformed line raises `PromptFileError` naming file and
-  line.
+  construction. The answer is the decimal sum. All pairs are built in memory,
+  so digits stops at `config.MAX_DIGITS`.
+- `load_prompt_file(path)`: JSONL (one UTF-8 JSON object a line) or Parquet
+  (needs pyarrow); a malformed line, bytes that are not UTF-8, a file the
+  reader fails on or one without prompts raise `PromptFileError` naming the
+  file (and the line where there is one).
 - `PromptStream`: the train order. Epoch e visits the train split in a
   permutation seeded by (seed, e); its position (epoch, index) is plain data,
   stored in checkpoints so a resumed run draws the same prompts.
 
-Leaves out: chat templates (prompts are raw text), other operations than +.
+Samples hold the prompt as written; `data.chat_template` wraps it in the
+tokenizer's chat template later, when it is tokenized (`rl4bit.tokenizer`).
+
+Leaves out: other operations than +.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from rl4bit.config import ConfigError, DataConfig
+from rl4bit.config import MAX_DIGITS, ConfigError, DataConfig
 
 
 RESERVED_FIELDS = ("completion", "completions", "prompts")
@@ -39,6 +45,8 @@ class PromptFileError(ConfigError):
 
 def arithmetic_task(digits: int, eval_size: int, seed: int) -> tuple[list[dict], list[dict]]:
     """(train, eval) samples of `a+b=` with a, b < 10**digits; disjoint splits."""
+    if not 1 <= digits <= MAX_DIGITS:  # the same bound as DataConfig, for callers that skip load_config
+        raise ConfigError(f"data.digits: {digits} must be 1 to {MAX_DIGITS} (all 10**(2*digits) pairs are built in memory)")
     n = 10**digits
     pairs = [(a, b) for a in range(n) for b in range(n)]
     if eval_size >= len(pairs):
@@ -58,23 +66,45 @@ def load_prompt_file(path: str | Path) -> list[dict]:
             import pyarrow.parquet as pq
         except ModuleNotFoundError:
             raise PromptFileError(f"{path}: reading Parquet needs pyarrow; `pip install pyarrow` or convert the file to JSONL") from None
-        rows = pq.read_table(path).to_pylist()
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError, ...) share no base class but Exception
+            raise PromptFileError(f"{path}: cannot be read as Parquet ({type(e).__name__}: {e}); check the file or "
+                                  f"convert it to JSONL") from e
         for i, row in enumerate(rows):
             _check_row(row, f"{path}: row {i}")
-        return rows
+        return _nonempty(rows, path)
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise PromptFileError(f"{path}: cannot be read ({e.strerror or e})") from e
     samples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise PromptFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object") from None
-            _check_row(row, f"{path}:{lineno}")
-            samples.append(row)
-    if not samples:
-        raise PromptFileError(f"{path}: no prompts (the file is empty)")
+    # newline=None splits lines as text-mode open() does (\n, \r\n and \r), so line numbers match an editor's
+    for lineno, line in enumerate(io.StringIO(_decode(data, path), newline=None), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise PromptFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object") from None
+        _check_row(row, f"{path}:{lineno}")
+        samples.append(row)
+    return _nonempty(samples, path)
+
+
+def _decode(data: bytes, path: Path) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        before = data[: e.start].decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")  # valid up to e.start
+        lineno, col = before.count("\n") + 1, len(before) - before.rfind("\n")
+        raise PromptFileError(f"{path}:{lineno}: not UTF-8 (byte 0x{data[e.start]:02x} at column {col}); save the "
+                              f"file as UTF-8") from None
+
+
+def _nonempty(samples: list[dict], path: Path) -> list[dict]:
+    if not samples:  # an empty train split would leave the prompt stream nothing to draw
+        raise PromptFileError(f"{path}: no prompts (the file has no rows); give at least one row with a 'prompt'")
     return samples
 
 

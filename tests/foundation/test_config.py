@@ -70,6 +70,13 @@ def test_derived_batch_sizes():
         ("rewards:\n  functions: []\n", ["rewards.functions", "at least one"]),
         ("rl:\n  tis_cap: 0.5\n", ["rl.tis_cap", "0.5"]),
         ("data:\n  task: file\n", ["data.train_file", "required"]),
+        ("data:\n  train_file: p.jsonl\n", ["data.train_file", "'p.jsonl'", "'arithmetic'", "data.task: file"]),
+        ("data:\n  eval_file: e.jsonl\n", ["data.eval_file", "'e.jsonl'", "data.task: file"]),
+        ("data:\n  digits: 4\n", ["data.digits", "4", "1 to 3", "data.task: file"]),
+        ("data:\n  seed: -1\n", ["data.seed", "-1", "[0, 2**63 - 1]"]),
+        ("run:\n  seed: -1\n", ["run.seed", "-1", "[0, 2**63 - 1]"]),
+        ("run:\n  seed: 9223372036854775808\n", ["run.seed", "9223372036854775808", "[0, 2**63 - 1]"]),
+        ("recipe:\n  seed: 9223372036854775808\n", ["recipe.seed", "[0, 2**63 - 1]"]),
         ("run:\n  tensorboard: 1\n", ["run.tensorboard", "true or false"]),
         ("sampler:\n  max_new_tokens: 300\n", ["sampler.max_new_tokens", "max_seq_len"]),
         ("model:\n  invariant_kernels: true\nsampler:\n  backend: vllm\n", ["model.invariant_kernels", "embedded"]),
@@ -100,3 +107,27 @@ def test_dump_is_plain_yaml():
     data = yaml.safe_load(dump_yaml(JobConfig()))
     assert set(data) == {"model", "recipe", "sampler", "trainer", "rl", "rewards", "data", "ray", "parity", "run"}
 
+
+
+def test_prompt_files_need_task_file():
+    """A train_file with the default task trained on 2-digit sums without a word; task: file still loads it."""
+    with pytest.raises(ConfigError, match=r"data\.train_file: 'p\.jsonl' is set but data\.task is 'arithmetic'"):
+        load_config(None, ["data.train_file=p.jsonl"])
+    cfg = load_config(None, ["data.task=file", "data.train_file=p.jsonl", "data.eval_file=e.jsonl"])
+    assert (cfg.data.train_file, cfg.data.eval_file) == ("p.jsonl", "e.jsonl")
+
+
+def test_seed_bounds():
+    """Negative seeds crashed at step 1 (derive_seed); the ends of the Philox key range still load."""
+    for key in ("run.seed", "data.seed", "recipe.seed"):
+        assert load_config(None, [f"{key}=0", f"{key}={2**63 - 1}"]) is not None
+    with pytest.raises(ConfigError, match=r"run\.seed: -3 must be in \[0, 2\*\*63 - 1\]"):
+        load_config(None, ["run.seed=-3"])
+
+
+def test_digits_bound_matches_the_task():
+    from rl4bit.config import MAX_DIGITS
+
+    assert load_config(None, [f"data.digits={MAX_DIGITS}"]).data.digits == MAX_DIGITS
+    with pytest.raises(ConfigError, match=r"data\.digits: 5 is above 3"):
+        load_config(None, ["data.digits=5"])
