@@ -21,7 +21,9 @@ Writing: under a temporary name, every file fsynced, then renamed into place
 (`rl4bit.atomic.replace_dir`), and `checkpoints/latest.json` is replaced
 atomically last, so a crash at any point leaves the previous checkpoint intact
 and pointed to. A failed save removes its temporary directory; a save that
-begins clears any `.step_*.tmp` a killed one left.
+begins clears any `.step_*.tmp` a killed one left. A write the system refuses
+(disk full, quota, permissions: OSError) is a CheckpointError naming the step,
+the cause, the size it tried to write and the checkpoint still pointed to.
 
 Rotation (after the pointer moved): the newest `keep` checkpoints up to the
 one just written are kept, ordered by step number (not name: step_1000000 is
@@ -31,7 +33,8 @@ abandoned timeline (the run resumed from an older checkpoint, e.g. after a
 crash between renaming step_N into place and moving the pointer), and left
 there they would be picked up again as "the newest".
 
-Loading verifies against the manifest: a truncated or corrupted file raises
+Loading verifies against the manifest: a truncated or corrupted file (or a
+manifest that does not list it, or whose `world` is not a rank count) raises
 CheckpointError naming it and the intact previous checkpoint; deleting the bad
 directory makes `load_checkpoint` (and `--resume`) fall back to the newest
 remaining one. Files come only from safetensors and JSON parsers: no pickle.
@@ -69,7 +72,7 @@ def _dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def _step(p: Path) -> int | None:
+def step_of(p: Path) -> int | None:
     """The step of a checkpoint directory `step_NNNNNN` (any number of digits), None for anything else."""
     m = re.fullmatch(r"step_(\d+)", p.name)
     return int(m.group(1)) if m and p.is_dir() else None
@@ -77,7 +80,7 @@ def _step(p: Path) -> int | None:
 
 def step_dirs(root: Path) -> list[Path]:
     """The checkpoint directories under `root` (RUN_DIR/checkpoints), oldest step first."""
-    return sorted((p for p in root.glob("step_*") if _step(p) is not None), key=_step)
+    return sorted((p for p in root.glob("step_*") if step_of(p) is not None), key=step_of)
 
 
 def _pointed(root: Path) -> str | None:
@@ -101,10 +104,26 @@ def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, torch.Ten
     try:
         files = {"state.safetensors": _write(tmp / "state.safetensors",
                                              st_save({k: v.contiguous() for k, v in tensors.items()}))}
-    except BaseException:  # a full copy of the training state: do not leave it behind
+    except BaseException as e:  # a full copy of the training state: do not leave it behind
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            size = sum(t.numel() * t.element_size() for t in tensors.values())
+            raise _unwritten(tmp.parent, step, e, size) from e
         raise
     return commit_checkpoint(tmp, step, meta, files, keep=keep)
+
+
+def _unwritten(root: Path, step: int, err: OSError, size: int | None = None) -> CheckpointError:
+    """The error of a checkpoint write the system refused (`err`: ENOSPC, EDQUOT, EACCES...): its temporary
+    directory is already gone and the pointer did not move, so the checkpoint latest.json names is what a
+    resume loads."""
+    pointed = _pointed(root)
+    kept = (f"{root / pointed} is still the latest checkpoint" if pointed else "no earlier checkpoint is on disk")
+    need = "" if not size else (f" ({size / 2**30:.2f} GiB of tensors)" if size >= 2**30 else
+                                f" ({size / 2**20:.1f} MiB of tensors)")
+    return CheckpointError(f"writing checkpoint step {step}{need} into {root} failed: {err.strerror or err}; "
+                           f"{kept} (what --resume loads). Free space there (or lower run.keep_checkpoints), then "
+                           f"continue: rl4bit train --resume {root.parent}")
 
 
 def begin_checkpoint(run_dir: str | Path, step: int) -> Path:
@@ -136,10 +155,15 @@ def commit_checkpoint(tmp: Path, step: int, meta: dict, files: dict[str, dict], 
         (tmp / MANIFEST).write_text(json.dumps({"format": FORMAT, "files": files, **(index or {})}, indent=1))
         fsync_tree(tmp)
         replace_dir(tmp, final)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):
+            raise _unwritten(root, step, e) from e
         raise
-    atomic_write_text(root / "latest.json", json.dumps({"step": step, "dir": name}))
+    try:
+        atomic_write_text(root / "latest.json", json.dumps({"step": step, "dir": name}))
+    except OSError as e:  # step_N is whole on disk but not pointed to: the next save or resume ignores it
+        raise _unwritten(root, step, e) from e
     prune(root, step, keep)
     return final
 
@@ -149,16 +173,16 @@ def prune(root: Path, step: int, keep: int) -> None:
     up to `step`, by step number; the directory latest.json names and `step_NNNNNN` of `step` are never deleted."""
     spared = {f"step_{step:06d}", _pointed(root)}
     dirs = step_dirs(root)
-    upto = [p for p in dirs if _step(p) <= step]
-    doomed = [p for p in dirs if _step(p) > step] + upto[:-max(keep, 1)]
+    upto = [p for p in dirs if step_of(p) <= step]
+    doomed = [p for p in dirs if step_of(p) > step] + upto[:-max(keep, 1)]
     for old in doomed:
         if old.name not in spared:
             shutil.rmtree(old)
 
 
 def _previous(root: Path, ckpt: Path) -> str:
-    mine = _step(ckpt)
-    older = [p for p in step_dirs(root) if mine is not None and _step(p) < mine]
+    mine = step_of(ckpt)
+    older = [p for p in step_dirs(root) if mine is not None and step_of(p) < mine]
     if not older:
         return "no earlier checkpoint is on disk; start the run again"
     return (f"the previous checkpoint {older[-1]} is intact: delete {ckpt} and resume "
@@ -180,7 +204,26 @@ def read_manifest(ckpt: str | Path) -> dict:
         raise _bad(ckpt, f"{ckpt / MANIFEST} is missing (an incomplete checkpoint or one from an older rl4bit)") from None
     except (ValueError, KeyError, TypeError):
         raise _bad(ckpt, f"{ckpt / MANIFEST} is corrupt (not the JSON rl4bit writes)") from None
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise _bad(ckpt, f"{ckpt / MANIFEST} is damaged: {problem}")
     return manifest
+
+
+def _manifest_problem(manifest: dict) -> str | None:
+    """What keeps a parsed manifest's `world` and `tensors` from being what `commit_checkpoint` writes, or None.
+
+    Checked before `world` is used (in a world-size refusal's advice, as the number of shards to read)."""
+    world = manifest.get("world", 1)
+    if type(world) is not int or world < 1:
+        return f"world {world!r} is not a number of trainer ranks"
+    if world == 1:
+        return None
+    tensors = manifest.get("tensors")
+    if not isinstance(tensors, dict) or not all(isinstance(e, dict) and type(e.get("sharded")) is bool
+                                                for e in tensors.values()):
+        return "a sharded checkpoint's tensor index (tensors: {name: {sharded, ...}}) is missing or malformed"
+    return None
 
 
 def read_verified(ckpt: str | Path, name: str, manifest: dict | None = None) -> bytes:
@@ -189,15 +232,21 @@ def read_verified(ckpt: str | Path, name: str, manifest: dict | None = None) -> 
     CheckpointError naming the file and the intact previous checkpoint when it is missing, truncated or corrupted."""
     ckpt = Path(ckpt)
     files = (manifest if manifest is not None else read_manifest(ckpt))["files"]
+    want = files.get(name)
+    if want is None:  # the data file may be whole; the manifest cannot vouch for it
+        raise _bad(ckpt, f"{ckpt / MANIFEST} does not list {name} (the manifest is damaged, so {name} cannot be "
+                         "verified)")
+    if not (isinstance(want, dict) and type(want.get("bytes")) is int and isinstance(want.get("sha256"), str)):
+        raise _bad(ckpt, f"{ckpt / MANIFEST}: the entry of {name} is {want!r}, not {{\"sha256\": ..., \"bytes\": ...}} "
+                         "(the manifest is damaged)")
     path = ckpt / name
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         raise _bad(ckpt, f"{path} is missing") from None
-    want = files.get(name, {})
-    if len(data) != want.get("bytes"):
-        raise _bad(ckpt, f"{path}: {len(data)} bytes, the manifest says {want.get('bytes')} (truncated or overwritten)")
-    if hashlib.sha256(data).hexdigest() != want.get("sha256"):
+    if len(data) != want["bytes"]:
+        raise _bad(ckpt, f"{path}: {len(data)} bytes, the manifest says {want['bytes']} (truncated or overwritten)")
+    if hashlib.sha256(data).hexdigest() != want["sha256"]:
         raise _bad(ckpt, f"{path}: SHA-256 does not match the manifest (the file is corrupted)")
     return data
 
@@ -226,7 +275,7 @@ def open_checkpoint(run_dir: str | Path, world: int | None = 1) -> tuple[Path, d
     The tensor files are not read here: `load_checkpoint`, or each rank (`read_verified` of its shard), checks them."""
     ckpt = latest_dir(run_dir)
     manifest = read_manifest(ckpt)
-    written = int(manifest.get("world", 1))
+    written = manifest.get("world", 1)  # an int >= 1: read_manifest checked it
     if world is not None and written != world:
         raise CheckpointError(f"{ckpt} was written by {written} trainer rank(s), this job has {world}; "
                               f"resume with -o trainer.world_size={written} (resharding is not supported)")
@@ -246,7 +295,7 @@ def load_checkpoint(run_dir: str | Path, world: int | None = None) -> tuple[dict
     one-process resume passes 1). FileNotFoundError when the run has none;
     CheckpointError naming a corrupt or truncated file (and the intact previous checkpoint)."""
     ckpt, manifest, meta = open_checkpoint(run_dir, world)
-    written = int(manifest.get("world", 1))
+    written = manifest.get("world", 1)
     if written == 1:
         return st_load(read_verified(ckpt, "state.safetensors", manifest)), meta
     shards = [st_load(read_verified(ckpt, shard_file(r), manifest)) for r in range(written)]

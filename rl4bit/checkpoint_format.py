@@ -20,7 +20,9 @@ for bit: no re-quantization, no calibration.
 Safety: the whole directory is written to a temporary sibling (files fsynced),
 then renamed over `out`; the previous `out` is moved aside first and deleted
 only after the rename, so an interrupted export leaves it intact (at worst
-under `<out>.old-*` if the process dies between the two renames). An `out`
+under `<out>.old-*` if the process dies between the two renames). The
+temporary copy (`.<out>.tmp-*`) of an export that was killed is removed by the
+next export to `out` (`rl4bit.atomic.temp_dir`: never a live writer's). An `out`
 that is a file, or a non-empty directory that is not an rl4bit export, is
 refused (FileExistsError) rather than deleted. A weight holding NaN/Inf is
 refused when writing and when reading (CheckpointError naming it). Damage the
@@ -37,9 +39,7 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import struct
-import tempfile
 import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +49,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from rl4bit import ct_layout
-from rl4bit.atomic import fsync_tree, replace_dir, restore_dir
+from rl4bit.atomic import fsync_tree, replace_dir, restore_dir, temp_dir
 from rl4bit.kernels import QTensor
 from rl4bit.kernels.checks import all_finite
 
@@ -355,8 +355,7 @@ def write_checkpoint(out: str | Path, model, plan: dict[str, str], *, tokenizer=
     _check_out(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     entries = model_layout(model, plan)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with temp_dir(out) as tmp:  # removed on an exception; a killed export's is removed by the next one
         weight_map, shard_meta, crcs, blobs = {}, {}, {}, []
         pending: dict[str, torch.Tensor] = {}
         outers: dict[str, list] = {}
@@ -417,9 +416,6 @@ def write_checkpoint(out: str | Path, model, plan: dict[str, str], *, tokenizer=
             tokenizer.save_pretrained(str(tmp))
         fsync_tree(tmp)
         replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

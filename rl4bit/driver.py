@@ -79,7 +79,7 @@ import torch
 
 from rl4bit.actors import ActorDiedError, Cluster, get, is_local, wait_alive
 from rl4bit.atomic import atomic_write_text
-from rl4bit.checkpoint import load_checkpoint, save_checkpoint
+from rl4bit.checkpoint import latest_dir, load_checkpoint, save_checkpoint, step_of
 from rl4bit.checkpoint_format import CheckpointError
 from rl4bit.config import ConfigError, JobConfig, dump_yaml, load_config
 from rl4bit.kernels.philox import derive_seed
@@ -409,16 +409,14 @@ def _resume_hint(run_dir: Path) -> str:
 
 
 def _check_steps_left(run_dir: Path, cfg: JobConfig) -> None:
-    """ConfigError when the run's last checkpoint is already at or past `rl.steps`: such a resume would start every
-    actor, run nothing and exit as if it had trained. An unreadable pointer is left to the checkpoint loader, whose
-    errors say what is damaged."""
-    import json
-
+    """ConfigError when the checkpoint a resume would load (`checkpoint.latest_dir`: the pointed one, or the newest
+    left after a damaged one was deleted) is already at or past `rl.steps`: such a resume would start every actor,
+    run nothing and exit as if it had trained. A run with no checkpoint left is left to the loader's errors."""
     try:
-        step = json.loads((run_dir / "checkpoints" / "latest.json").read_text()).get("step")
-    except (OSError, ValueError):
+        step = step_of(latest_dir(run_dir))
+    except FileNotFoundError:
         return
-    if isinstance(step, int) and step >= cfg.rl.steps:
+    if step is not None and step >= cfg.rl.steps:
         raise ConfigError(f"--resume {run_dir}: its last checkpoint is at step {step} and rl.steps is {cfg.rl.steps}, "
                           f"so there is no step left to run; to train further pass -o rl.steps=N with N > {step}")
 

@@ -3,9 +3,10 @@
 export: a YAML config -> the model it builds (`rl4bit.models.build_model`,
 seeded), converted by its recipe (`trainer.surgery.convert_model`); a run dir ->
 the same, with the weights of its latest checkpoint (`rl4bit.checkpoint`,
-tensors `model.<state-dict name>`) and its policy version. Either way the
-quantized tensors written are the converted model's own forward QTensors
-(`rl4bit.checkpoint_format.write_checkpoint`), with the job's tokenizer
+tensors `model.<state-dict name>`) and its policy version; a model or recipe
+setting (from config.yaml or `-o`) other than the checkpoint's job is refused.
+Either way the quantized tensors written are the converted model's own forward
+QTensors (`rl4bit.checkpoint_format.write_checkpoint`), with the job's tokenizer
 (`rl4bit.tokenizer.build_tokenizer`: a `model.path` checkpoint's own, else the
 character one) and the model's generation config (its eos ids).
 
@@ -38,6 +39,21 @@ def _build(cfg):
     return model.eval(), plan, tokenizer
 
 
+def _check_job(run_dir: Path, meta: dict, cfg) -> None:
+    """CheckpointError naming each model or recipe setting in which `cfg` differs from the job that wrote the
+    checkpoint (`trainer.resume_checks.job_differences`). The FP32 masters have the same shapes under every
+    recipe, so a `-o recipe...` override would load and export quantized tensors the trainer's forward never used."""
+    from rl4bit.checkpoint_format import CheckpointError
+    from rl4bit.trainer.resume_checks import job_differences
+
+    diffs = job_differences(meta.get("job"), cfg, label="export")
+    if diffs:
+        raise CheckpointError(f"{run_dir}: the latest checkpoint was trained with other settings than this export's "
+                              f"({'; '.join(diffs)}), and its weights only fit that model and recipe. Export it "
+                              "without -o overrides of these settings (and with config.yaml as the run wrote it); "
+                              "for another recipe, train a run with it")
+
+
 def main(source: str, out: str, overrides: list[str] | None = None) -> int:
     """Export a config's model or a run dir's latest checkpoint; prints where it went."""
     from rl4bit.checkpoint_format import write_checkpoint
@@ -54,8 +70,9 @@ def main(source: str, out: str, overrides: list[str] | None = None) -> int:
         from rl4bit.checkpoint import load_checkpoint
 
         cfg = load_config(src / "config.yaml", overrides)
-        model, plan, tokenizer = _build(cfg)
         tensors, meta = load_checkpoint(src)
+        _check_job(src, meta, cfg)
+        model, plan, tokenizer = _build(cfg)
         sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
         missing = sorted(set(model.state_dict()) - set(sd))
         if missing:

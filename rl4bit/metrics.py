@@ -8,7 +8,9 @@ has silently stopped: every completion clipped at the length cap, or every
 GRPO group with zero reward spread (all advantages 0). `plot()` writes
 `plots/{reward,accuracy,mismatch,throughput}.png` from metrics.jsonl.
 `truncate(step)` drops records after a checkpoint's step on resume, so the
-file reads as one uninterrupted run.
+file reads as one uninterrupted run. A last line cut short (a crash or a full
+disk mid-append) is dropped with a warning by `truncate` and `read_metrics`;
+damage before it is a CheckpointError naming the line.
 
 Leaves out: remote trackers (W&B, MLflow); point them at metrics.jsonl.
 """
@@ -17,6 +19,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from pathlib import Path
 
 import torch
@@ -127,6 +131,8 @@ class MetricsLogger:
         record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the step's checkpoint is, so a resume finds its record
         if self.tb is not None:
             for k, v in record.items():
                 if k != "step" and isinstance(v, (int, float)):
@@ -156,8 +162,10 @@ class MetricsLogger:
         """Keep only the records of steps <= `step` (resume from a checkpoint at `step`)."""
         if not self.path.exists():
             return
-        keep = [line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-        atomic_write_text(self.path, "".join(line + "\n" for line in keep))
+        records, torn = parse_metrics(self.path)
+        if torn:
+            self.warn(torn)
+        atomic_write_text(self.path, "".join(json.dumps(r) + "\n" for r in records if r["step"] <= step))
 
     def close(self) -> None:
         if self.progress is not None:
@@ -166,9 +174,46 @@ class MetricsLogger:
             self.tb.close()
 
 
+def parse_metrics(path: str | Path) -> tuple[list[dict], str | None]:
+    """(records, note) of a metrics.jsonl: its records in order, and a note when its last line was cut short
+    (a crash or a full disk mid-append: dropped), else None.
+
+    CheckpointError naming the file and line for a line before the last that is not a record (`{"step": N,
+    ...}`): not the mark of an interrupted append, so it is not dropped silently."""
+    path = Path(path)
+    lines = path.read_bytes().split(b"\n")
+    records, note = [], None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+        except ValueError:  # JSONDecodeError and UnicodeDecodeError both are
+            r = None
+        if isinstance(r, dict) and type(r.get("step")) is int:
+            records.append(r)
+        elif n == len(lines):  # no newline after it: the append never finished (a complete one ends with "\n")
+            note = (f"{path}, line {n}: dropped {len(line)} bytes that are not a whole record (a write cut short "
+                    "by a crash or a full disk)")
+        else:
+            from rl4bit.checkpoint_format import CheckpointError
+
+            raise CheckpointError(f"{path}, line {n}: not a metrics record (damaged inside the file, not a write "
+                                  "cut short at its end); delete or repair that line (the other records are "
+                                  "intact), then run again")
+    return records, note
+
+
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The records of RUN_DIR/metrics.jsonl ([] when there is none); a last line cut short is dropped with a note
+    on stderr (`parse_metrics`)."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.exists() else []
+    if not path.exists():
+        return []
+    records, torn = parse_metrics(path)
+    if torn:
+        print(f"rl4bit: {torn}", file=sys.stderr)
+    return records
 
 
 def plot(run_dir: str | Path) -> list[Path]:

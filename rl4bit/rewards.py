@@ -22,8 +22,11 @@ JSON lines over pipes; the workers import the functions themselves: reward code
 never runs in the driver or the pool's own process) with a per-call timeout: a
 call that raises, returns a non-finite or non-number value, exits its process
 or runs past `timeout_s` masks that sample (counted in `reward/errors`, its
-worker restarted when it died or timed out), and the step fails only when more
-than `max_error_fraction` of its samples fail.
+worker killed with its process group, i.e. with what the reward started, and
+restarted when it died or timed out), and the step fails only when more
+than `max_error_fraction` of its samples fail. Each reward is logged as
+`reward/<function name>`: two rewards with one name, or a name the driver's own
+metrics use (`RESERVED_NAMES`: mean, std, ...), are refused when the pool is built.
 `check_rewards(specs, sample)` is the start-up validation: every reward is
 imported and called once (in a worker) and a failure raises `RewardError` naming it.
 
@@ -52,6 +55,7 @@ import numbers
 import os
 import re
 import resource
+import signal
 import subprocess
 import sys
 import time
@@ -117,26 +121,26 @@ class RewardError(ConfigError):
 
 
 def load_reward(spec: str) -> Callable:
-    """Resolve `pkg.module:function` or `path/to/file.py:function` to the function."""
+    """Resolve `pkg.module:function` or `path/to/file.py:function` to the function.
+
+    A file loads as `python path/to/file.py` would run it: its directory goes first on sys.path (so its
+    `from helpers import score` finds `helpers.py` beside it) and the module is in sys.modules while it runs
+    (so `@dataclass` under `from __future__ import annotations` works), under a name unique to the file, and
+    once per process however many of its functions are named. Meant for the worker processes: the sys.path
+    entry stays, for imports a reward makes when called. A module name is imported as is, from the installed
+    packages: the worker does not put the working directory on sys.path.
+    """
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise RewardError(f"reward {spec!r}: expected 'pkg.module:function' or 'path/file.py:function'")
     if target.endswith(".py") or "/" in target:
-        path = Path(target).expanduser()
-        if not path.is_file():
-            raise RewardError(f"reward {spec!r}: file {str(path)!r} does not exist (paths are relative to the working directory)")
-        mod_name = f"rl4bit_reward_{abs(hash(str(path.resolve())))}"
-        module_spec = importlib.util.spec_from_file_location(mod_name, path)
-        module = importlib.util.module_from_spec(module_spec)
-        try:
-            module_spec.loader.exec_module(module)
-        except Exception as e:
-            raise RewardError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e}") from e
+        module = _load_file(spec, Path(target).expanduser())
     else:
         try:
             module = importlib.import_module(target)
         except Exception as e:
-            raise RewardError(f"reward {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from e
+            raise RewardError(f"reward {spec!r}: cannot import module {target!r}: {type(e).__name__}: {e}"
+                              + _module_hint(target, name, e)) from e
     fn = getattr(module, name, None)
     if not callable(fn):
         names = [n for n, v in vars(module).items()  # the module's own callables, not what it imports
@@ -147,9 +151,64 @@ def load_reward(spec: str) -> Callable:
     return fn
 
 
+def _load_file(spec: str, path: Path):
+    """Execute the reward file `path` as a module (see `load_reward`); an error names the spec and the file."""
+    if not path.is_file():
+        raise RewardError(f"reward {spec!r}: file {str(path)!r} does not exist (paths are relative to the working directory)")
+    resolved = path.resolve()
+    mod_name = f"rl4bit_reward_{abs(hash(str(resolved))):x}"
+    if mod_name in sys.modules:  # another function of the same file
+        return sys.modules[mod_name]
+    if str(resolved.parent) not in sys.path:
+        sys.path.insert(0, str(resolved.parent))
+    module_spec = importlib.util.spec_from_file_location(mod_name, resolved)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[mod_name] = module  # before exec, as `import` does: dataclasses look their module up there
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[mod_name]
+        raise RewardError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e} "
+                          f"(its directory {str(resolved.parent)!r} is first on sys.path)") from e
+    return module
+
+
+def _module_hint(target: str, name: str, e: Exception) -> str:
+    """What to try when the module `target` itself (not something it imports) is not found: naming it by path."""
+    if not isinstance(e, ModuleNotFoundError) or not e.name or not (target + ".").startswith(e.name + "."):
+        return ""
+    as_file = target.replace(".", "/") + ".py"
+    example = f"{as_file}:{name}" if Path(as_file).is_file() else f"path/to/{target.rpartition('.')[2]}.py:{name}"
+    return (f"; the reward worker does not look in the working directory for modules: name a file by its path, "
+            f"e.g. {example!r}, or install its package")
+
+
+RESERVED_NAMES = ("mean", "std", "errors", "zero_spread_frac")
+"""Names the driver's own `reward/<name>` metrics use (`driver.rollout_metrics`); a reward may not take them."""
+
+
 def reward_name(spec: str) -> str:
-    """Short metric name of a reward spec: the function name."""
+    """Short metric name of a reward spec: the function name (logged as `reward/<name>`)."""
     return spec.rpartition(":")[2]
+
+
+def check_names(specs: list[str]) -> list[str]:
+    """The rewards' metric names, in order; RewardError when two rewards share one (one metric would hide the
+    other) or one takes a name of the driver's own (`RESERVED_NAMES`). Names are never made unique behind the
+    user's back: the error says which function to rename."""
+    seen: dict[str, str] = {}
+    for spec in specs:
+        name = reward_name(spec)
+        if name in RESERVED_NAMES:
+            raise RewardError(f"reward {spec!r}: the name {name!r} is taken by the metric reward/{name} "
+                              f"(reserved: {', '.join(RESERVED_NAMES)}); rename the function, or wrap it in one "
+                              f"with another name")
+        if name in seen:
+            raise RewardError(f"rewards {seen[name]!r} and {spec!r} would both log as reward/{name}; give each "
+                              f"function its own name (rename one, or wrap it: `def {name}_2(prompt, completion, "
+                              f"**sample): return {name}(prompt, completion, **sample)`)")
+        seen[name] = spec
+    return list(seen)
 
 
 def trl_style(fn: Callable) -> bool:
@@ -280,11 +339,16 @@ class Scores:
 
 
 class RewardPool:
-    """Reward worker processes with a per-call timeout (a plain class; Ray wraps it in rl4bit.actors)."""
+    """Reward worker processes with a per-call timeout (a plain class; Ray wraps it in rl4bit.actors).
+
+    Each worker leads its own process group, so a timed-out, dead or closed worker is killed with every process
+    its rewards started (a `subprocess.run` still running included); one that left the group (setsid, a daemon)
+    is out of reach."""
 
     def __init__(self, specs: list[str], weights: list[float], *, timeout_s: float = 10.0, workers: int = 1,
                  max_error_fraction: float = 0.1, memory_mb: int = 2048, cpu_s: float | None = None):
         self.specs, self.weights = list(specs), list(weights)
+        self.names = check_names(self.specs)  # before any worker starts: a job fails here, not in its first step
         self.timeout_s, self.max_error_fraction = timeout_s, max_error_fraction
         self.memory_mb = int(memory_mb)
         self.cpu_s = float(cpu_s) if cpu_s is not None else 2.0 * timeout_s  # 2x: a reward may use two threads
@@ -301,23 +365,35 @@ class RewardPool:
         return [p.pid for p in self._workers]
 
     def _start(self) -> subprocess.Popen:
+        """A new worker, once it has imported the rewards; a load error raises RewardError."""
         proc = subprocess.Popen(
             [sys.executable, "-P", "-m", "rl4bit.rewards", "--memory-mb", str(self.memory_mb), "--cpu-s", str(self.cpu_s),
              *self.specs],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True,
         )
         if not wait([proc.stdout], timeout=60):
-            proc.kill()
+            _kill(proc)
             raise RewardError(f"reward worker for {self.specs} did not start within 60 s")
         line = proc.stdout.readline()
         reply = json.loads(line) if line else {
             "load_error": f"the reward worker for {self.specs} exited at start-up (exit code {proc.wait()}; its stderr says why)"}
         if "load_error" in reply:
-            proc.wait()
-            proc.stdout.close()
-            proc.stdin.close()
+            _kill(proc)
             raise RewardError(reply["load_error"])
         return proc
+
+    def _send(self, slot: int, i: int, item: tuple[str, str, dict]) -> None:
+        """Send item `i` to the worker in `slot`, replacing the worker first if it died while idle."""
+        prompt, completion, sample = item
+        line = json.dumps({"i": i, "prompt": prompt, "completion": completion, "sample": sample}, default=str) + "\n"
+        try:
+            self._workers[slot].stdin.write(line)
+            self._workers[slot].stdin.flush()
+        except (BrokenPipeError, ValueError):
+            _kill(self._workers[slot])
+            self._workers[slot] = self._start()
+            self._workers[slot].stdin.write(line)
+            self._workers[slot].stdin.flush()
 
     def score(self, items: list[tuple[str, str, dict]]) -> Scores:
         """Score (prompt, completion, sample) triples; raises RewardError past max_error_fraction."""
@@ -329,64 +405,82 @@ class RewardPool:
             for slot in range(len(self._workers)):
                 if slot not in busy and todo:
                     i = todo.pop()
-                    prompt, completion, sample = items[i]
-                    msg = {"i": i, "prompt": prompt, "completion": completion, "sample": sample}
-                    line = json.dumps(msg, default=str) + "\n"
-                    try:
-                        self._workers[slot].stdin.write(line)
-                        self._workers[slot].stdin.flush()
-                    except (BrokenPipeError, ValueError):  # the worker died while idle: replace it, send again
-                        self._workers[slot].kill()
-                        self._workers[slot].wait()
-                        self._workers[slot] = self._start()
-                        self._workers[slot].stdin.write(line)
-                        self._workers[slot].stdin.flush()
+                    self._send(slot, i, items[i])
                     busy[slot] = (i, time.monotonic() + self.timeout_s)
             timeout = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
-            ready = wait([self._workers[s].stdout for s in busy], timeout=timeout)
+            wait([self._workers[s].stdout for s in busy], timeout=timeout)
+            restart = []
             for slot in list(busy):
-                proc = self._workers[slot]
                 i, deadline = busy[slot]
-                if proc.stdout in ready:
-                    line = proc.stdout.readline()
-                    reply = json.loads(line) if line else {
-                        "error": f"rewards {self.specs}: worker died (exit code {proc.wait()}; -24 = CPU limit "
-                                 f"rewards.cpu_s) on prompt {items[i][0]!r}"}
-                    results[i] = reply.get("values")
-                    if "error" in reply:
-                        messages.append(reply["error"])
-                    if not line:
-                        proc.stdout.close()
-                        proc.stdin.close()
-                        self._workers[slot] = self._start()
+                outcome = self._judge(slot, deadline, items[i][0])
+                if outcome is not None:
+                    results[i], error, dead = outcome
+                    messages += [error] if error else []
+                    restart += [slot] if dead else []
                     del busy[slot]
-                elif time.monotonic() >= deadline:
-                    proc.kill()
-                    proc.wait()
-                    proc.stdout.close()
-                    proc.stdin.close()
-                    messages.append(f"rewards {self.specs}: timed out after {self.timeout_s} s on prompt {items[i][0]!r}")
-                    self._workers[slot] = self._start()
-                    del busy[slot]
+            for slot in restart:  # after judging every slot: a restart takes the rewards' import time
+                self._workers[slot] = self._start()
         errors = sum(r is None for r in results)
         if items and errors > self.max_error_fraction * len(items):
             raise RewardError(
                 f"{errors}/{len(items)} samples failed to score (rewards.max_error_fraction={self.max_error_fraction}); first: {messages[0]}"
             )
-        per = {reward_name(s): [r[k] if r else None for r in results] for k, s in enumerate(self.specs)}
+        per = {name: [r[k] if r else None for r in results] for k, name in enumerate(self.names)}
         totals = [sum(w * v for w, v in zip(self.weights, r)) if r else None for r in results]
         return Scores(totals, per, errors, messages)
 
+    def _judge(self, slot: int, deadline: float, prompt: str) -> tuple[list | None, str | None, bool] | None:
+        """(values or None, error or None, whether the worker is gone) for the call the worker in `slot` is
+        running, or None while it may still answer. Polls its pipe now, so a reply that arrived before the
+        deadline is never taken for a timeout; a worker that died or timed out is killed, not restarted."""
+        proc = self._workers[slot]
+        if wait([proc.stdout], timeout=0):
+            line = proc.stdout.readline()
+            if line:
+                reply = json.loads(line)
+                return reply.get("values"), reply.get("error"), False
+            code = proc.wait()  # its own exit code, before the kill below could stand in for it
+            _kill(proc)  # what it started may outlive it
+            return None, (f"rewards {self.specs}: worker died (exit code {code}; -24 = CPU limit rewards.cpu_s) "
+                          f"on prompt {prompt!r}"), True
+        if time.monotonic() >= deadline:
+            _kill(proc)
+            return None, f"rewards {self.specs}: timed out after {self.timeout_s} s on prompt {prompt!r}", True
+        return None
+
     def close(self) -> None:
+        """Stop the workers: each gets end of input and 5 s (in all) to exit; then its process group is killed,
+        whatever its rewards left running."""
         for proc in self._workers:
             try:
                 proc.stdin.close()
-                proc.wait(timeout=5)
-            except (OSError, ValueError, subprocess.TimeoutExpired):
-                proc.kill()
-                proc.wait()
-            proc.stdout.close()
+            except OSError:  # the worker is gone: nothing to flush
+                pass
+        deadline = time.monotonic() + 5
+        for proc in self._workers:
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _kill(proc)
         self._workers = []
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill the worker `proc` and its process group (what its rewards started), reap it, close its pipes."""
+    try:
+        # the group (id = the worker's pid, from start_new_session) outlives its leader while any member runs,
+        # and Linux does not reuse a pid while its group exists: after the worker is reaped this reaches only
+        # what it left running, or raises ProcessLookupError
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the worker exited and took no process along: nothing to kill
+        pass
+    proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        try:
+            pipe.close()
+        except OSError:
+            pass
 
 
 if __name__ == "__main__":

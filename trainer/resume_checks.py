@@ -43,15 +43,20 @@ def job_settings(cfg) -> dict:
     return out
 
 
+def job_differences(saved: dict | None, cfg, label: str = "this job") -> list[str]:
+    """Each model or recipe setting in which `cfg` differs from the job that wrote a checkpoint (`saved`, from
+    `job_settings`), as "section.key: checkpoint X, <label> Y". A checkpoint without them (written before they
+    were stored), or a section it lacks, is not checked."""
+    if not isinstance(saved, dict):
+        return []
+    return [f"{section}.{k}: checkpoint {saved[section].get(k)!r}, {label} {v!r}"
+            for section, values in job_settings(cfg).items() if isinstance(saved.get(section), dict)
+            for k, v in values.items() if saved[section].get(k) != v]
+
+
 def config_problem(saved: dict | None, cfg) -> str | None:
-    """What makes the checkpoint's job (`saved`, from `job_settings`) another than `cfg`'s, naming each differing
-    setting, or None. A checkpoint without them (written before they were stored) is not checked."""
-    if not saved:
-        return None
-    now = job_settings(cfg)
-    diffs = [f"{section}.{k}: checkpoint {saved[section].get(k)!r}, this job {v!r}"
-             for section, values in now.items() if section in saved
-             for k, v in values.items() if saved[section].get(k) != v]
+    """What makes the checkpoint's job (`saved`) another than `cfg`'s for a resume (`job_differences`), or None."""
+    diffs = job_differences(saved, cfg)
     if not diffs:
         return None
     return (f"the checkpoint was written by a job with other settings ({'; '.join(diffs)}): its state only fits "

@@ -79,3 +79,28 @@ def test_export_of_a_missing_source_names_both_kinds(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "does not exist: pass a YAML config" in err and "or a run dir" in err, err
     assert not (tmp_path / "x").exists()
+
+
+def test_export_of_a_run_dir_refuses_settings_its_checkpoint_was_not_trained_with(tmp_path, capsys):
+    """`-o recipe.name=mxfp8` on an nvfp4 run: the FP32 masters load under any recipe, so without the check the
+    export would hold quantized tensors the trainer's forward never used. Refused, naming the setting."""
+    from rl4bit.checkpoint import save_checkpoint
+    from rl4bit.cli import main as cli
+    from rl4bit.config import dump_yaml, load_config
+    from rl4bit.export import _build
+    from rl4bit.trainer.resume_checks import job_settings
+
+    cfg = load_config("configs/quickstart.yaml", OVERRIDES)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(dump_yaml(cfg))
+    model, _, _ = _build(cfg)
+    save_checkpoint(run, 7, {f"model.{k}": v.contiguous() for k, v in model.state_dict().items()},
+                    {"trainer": {"version": 7}, "job": job_settings(cfg)})
+    capsys.readouterr()
+    assert cli(["export", str(run), "--out", str(tmp_path / "b"), "-o", "recipe.name=mxfp8"]) == 1
+    err = capsys.readouterr().err
+    assert "recipe.name: checkpoint 'nvfp4', export 'mxfp8'" in err and "without -o overrides" in err, err
+    assert not (tmp_path / "b").exists()
+    assert cli(["export", str(run), "--out", str(tmp_path / "b")]) == 0  # the run's own settings export
+    assert json.loads((tmp_path / "b" / ckf.LAYOUT).read_text())["recipe"] == "nvfp4"

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import rl4bit.checkpoint as ck
+from rl4bit.checkpoint_format import CheckpointError
 
 T = {"w": torch.ones(2)}
 
@@ -83,7 +84,8 @@ def test_a_failed_save_leaves_no_temporary_directory(tmp_path, monkeypatch, wher
 
     with monkeypatch.context() as m:
         m.setattr(ck, "_write" if where == "tensors" else "replace_dir", disk_full)
-        with pytest.raises(OSError, match="disk full"):
+        with pytest.raises(CheckpointError, match=r"writing checkpoint step 2 .*failed: disk full; .*step_000001 is "
+                                                  r"still the latest checkpoint"):
             ck.save_checkpoint(tmp_path, 2, T, {})
     assert _dirs(tmp_path) == ["step_000001"], "the failed save's full training state was left behind"
     assert ck.load_checkpoint(tmp_path)[1]["step"] == 1

@@ -321,3 +321,34 @@ def test_sampler_deaths_mid_rollout_and_mid_sync_are_recovered(tmp_path, referen
     assert [r["rollout/sampler_restarts"] for r in records[1:]] == [1.0, 2.0, 2.0]
     also = ("rollout/sampler_restarts",)
     assert learned(records, also) == learned(read_metrics(reference), also)
+
+
+def test_a_full_disk_while_checkpointing_stops_with_one_line_and_the_run_resumes(tmp_path, reference, monkeypatch,
+                                                                                 capsys):
+    """ENOSPC while writing step 2's checkpoint (injected; seen for real on the GPU machine's /tmp, twenty-seventh
+    session, as a raw traceback): one error line naming the step, the cause and the checkpoint still pointed to;
+    no temporary copy left; the resumed run equals the uninterrupted one."""
+    import errno
+
+    import rl4bit.checkpoint as ck
+
+    real, calls = ck._write, {"n": 0}
+
+    def full(path, data):
+        if path.name == "state.safetensors":
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise OSError(errno.ENOSPC, "No space left on device")
+        return real(path, data)
+
+    monkeypatch.setattr(ck, "_write", full)
+    run_dir = tmp_path / "run"
+    assert driver.main(QUICKSTART, out=str(run_dir), overrides=CFG) == 1
+    err = capsys.readouterr().err
+    assert "rl4bit train: error: writing checkpoint step 2 (" in err and "No space left on device" in err, err
+    assert f"{run_dir / 'checkpoints' / 'step_000001'} is still the latest checkpoint" in err, err
+    assert f"rl4bit train --resume {run_dir}" in err and "Traceback" not in err, err
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["latest.json", "step_000001"]
+    monkeypatch.setattr(ck, "_write", real)
+    assert driver.main(None, resume=str(run_dir)) == 0
+    _same_as(reference, run_dir)
