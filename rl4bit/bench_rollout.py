@@ -295,7 +295,7 @@ def _print_table(res: dict) -> None:
     has_unfused = any("engine_nvfp4_unfused" in r for r in res["rows"])
     has_unmarked = any("engine_unmarked" in r for r in res["rows"])
     for col in ("batch", "prompt tok/s", "generated tok/s", "ms / decode step", "prefill s", "decode s",
-                "NVFP4 weights: gen tok/s, ms/step (x vs BF16 engine)",
+                "NVFP4 weights: gen tok/s, ms/step (x vs BF16 engine by tok/s, by step)",
                 "read floor ms/step BF16 / NVFP4 (step over floor)", "NVFP4/BF16 ceiling") + (
                 ("NVFP4, unfused: ms/step (fused x)",) if has_unfused else ()) + (
                 ("padding unmarked: ms/step BF16 / NVFP4 (marked x)",) if has_unmarked else ()):
@@ -311,7 +311,8 @@ def _print_table(res: dict) -> None:
                   pair(e["gen_tok_s"], h["gen_tok_s"], "{:.0f}"),
                   pair(e["ms_per_step"], h["ms_per_step"], "{:.2f}", higher_better=False),
                   f"{e['prefill_s']:.3f} / {h['prefill_s']:.3f}", f"{e['decode_s']:.3f} / {h['decode_s']:.3f}",
-                  (f"{q['gen_tok_s']:.0f}, {q['ms_per_step']:.2f} ({q['gen_tok_s'] / e['gen_tok_s']:.2f}x)"
+                  (f"{q['gen_tok_s']:.0f}, {q['ms_per_step']:.2f} ({q['gen_tok_s'] / e['gen_tok_s']:.2f}x tok/s, "
+                   f"{e['ms_per_step'] / q['ms_per_step']:.2f}x a step)"
                    if (q := r["engine_nvfp4"]) else "missing"),
                   _floor_cell(r), f"{r['floor']['bf16']['step_ms'] / r['floor']['nvfp4']['step_ms']:.2f}x",
                   *((f"{u['ms_per_step']:.2f} ({u['ms_per_step'] / q['ms_per_step']:.2f}x)"
@@ -323,7 +324,8 @@ def _print_table(res: dict) -> None:
     w = {f: res["rows"][0]["floor"][f]["weight_bytes"] for f in ("bf16", "nvfp4")}
     print(f"Read floor: the bytes a decode step must read (`read_floor`: non-expert weights, the experts its tokens "
           f"pick, the KV cache) at the copy bandwidth measured in this run, {res['copy_gbps']:.0f} GB/s (read + "
-          f"write); the ceiling is the BF16 floor over the NVFP4 floor. All weights once: BF16 "
+          f"write); the ceiling is the BF16 floor over the NVFP4 floor, a ratio of decode steps: set it beside the "
+          f"NVFP4 engine's ratio a step (its tok/s ratio counts the prefill too). All weights once: BF16 "
           f"{w['bf16'] / 1e9:.2f} GB ({1e3 * w['bf16'] / gb:.3f} ms), NVFP4 experts {w['nvfp4'] / 1e9:.2f} GB "
           f"({1e3 * w['nvfp4'] / gb:.3f} ms).")
 

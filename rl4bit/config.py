@@ -345,7 +345,8 @@ class ParityConfig:
     reference: Optional[str] = None
     """A finished run dir (same config, mxfp8) to log `parity/reward_gap` against."""
     threshold: float = 0.02
-    """Gap (in reward/accuracy units) beyond which divergence is flagged."""
+    """The parity margin (reward and accuracy units): `rl4bit parity` says parity holds when the 90% interval of a
+    difference lies inside +/-threshold; a live run flags divergence when its trailing reward gap exceeds it."""
 
 
 @dataclass

@@ -5,32 +5,43 @@ module reduces the curves to one "final" value and the observations behind it:
 
 - final reward: the mean of `reward/mean` over the last `window` RL steps
   (observations: those steps' values);
-- final accuracy: the last `eval/accuracy`, a mean of `eval_size` 0/1 items
-  (observations: that many 0s and 1s, so resampling them is the binomial
-  bootstrap of the eval set).
+- final accuracy: the last `eval/accuracy`, a mean of `eval_size` 0/1 items.
 
-`bootstrap_diff` gives the difference of two recipes' means with a percentile
-confidence interval from a two-level bootstrap: resample seeds (paired: runs of
-one seed share initial weights, prompts and sampling seeds, so the same seed
-indices are drawn for both recipes), then resample each drawn run's
-observations. It runs on numpy with a fixed seed, so a report is reproducible.
-`verdict` applies the rule of issue 8: parity holds when the interval contains
-0 and |difference| < threshold; otherwise it says by how much it fails.
+Intervals are across seeds, on each run's final value. Runs of one seed share
+initial weights, prompts, eval items and sampling seeds, so a difference of two
+recipes is paired: `paired_difference` takes one difference per seed and gives
+its mean with a Student-t interval (n - 1 degrees of freedom), and beside it a
+seed-level paired percentile bootstrap (seeded, reproducible; narrower than the
+t interval at a few seeds, so it is reported, not judged on). A run's own
+noise (which eval items, which steps) is already inside its final value, so it
+is not resampled again: a second level would count it twice, and unpaired (both
+recipes see the same items).
+
+`verdict` is an equivalence test (two one-sided tests at 5%): parity **holds**
+when the 90% interval lies inside (-threshold, +threshold); it **fails** when
+the 95% interval lies wholly beyond the threshold on one side (a larger gap is
+established); anything else is **inconclusive**, and the text says how far the
+interval reaches past the threshold. Issue 8's first rule ("the interval
+contains 0 and |difference| < threshold") made a wide interval easier to pass
+than a narrow one: it is still reported (`interval_contains_0`,
+`under_threshold`) but no longer decides.
 
 Live tracking: `reward_gap(reference_run_dir, step, reward)` is this run's
 reward minus the reference run's at the same step (the reference's
 metrics.jsonl is read once per process); `live_parity_metrics` adds the gap's
 trailing mean over the last `LIVE_WINDOW` steps and a divergence flag.
 
-Leaves out: multiple-comparison corrections, BCa intervals, smoothing beyond a
-trailing window; with 2-3 seeds the seed level of the bootstrap is coarse and
-the report says how many seeds it used.
+Leaves out: multiple-comparison corrections (accuracy and reward are judged
+separately, each at 5%), per-item pairing of the eval set (only its accuracy
+is logged), smoothing beyond a trailing window. One seed gives no interval
+(its bounds are None): the verdict is then inconclusive.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -89,63 +100,101 @@ def reward_window(steps: int) -> int:
     return max(1, steps // 5)
 
 
-# --------------------------------------------------------------------------- bootstrap
+# --------------------------------------------------------------------------- intervals across seeds
 
 
-def bootstrap_mean(runs: list[np.ndarray], *, n_boot: int = 4000, seed: int = 0, level: float = 0.95) -> dict:
-    """Mean over runs of each run's observation mean, with a two-level percentile bootstrap interval."""
-    reps = _two_level([runs], n_boot, seed)[0]
-    point = float(np.mean([r.mean() for r in runs]))
-    lo, hi = np.quantile(reps, [(1 - level) / 2, (1 + level) / 2])
-    return {"mean": point, "lo": float(lo), "hi": float(hi), "seeds": len(runs)}
+def t_critical(level: float, df: int) -> float:
+    """The two-sided Student-t critical value: P(|T| < t) = level for T with `df` (>= 1) degrees of freedom.
+
+    Bisection on the closed-form CDF of integer degrees of freedom (Abramowitz & Stegun 26.7.3-4, in theta =
+    atan(t / sqrt(df))); `tests/parity/test_parity_stats.py` checks it against scipy.stats.t."""
+    if df < 1 or not 0.0 < level < 1.0:
+        raise ValueError(f"t_critical needs df >= 1 and 0 < level < 1, got df={df}, level={level}")
+
+    def inside(t: float) -> float:  # P(|T| < t)
+        theta = math.atan(t / math.sqrt(df))
+        c2 = math.cos(theta) ** 2
+        if df % 2:
+            term, total = math.cos(theta), (math.cos(theta) if df > 1 else 0.0)
+            for k in range(3, df - 1, 2):
+                term *= c2 * (k - 1) / k
+                total += term
+            return 2.0 / math.pi * (theta + math.sin(theta) * total)
+        term, total = 1.0, 1.0
+        for k in range(2, df - 1, 2):
+            term *= c2 * (k - 1) / k
+            total += term
+        return math.sin(theta) * total
+
+    lo, hi = 0.0, 1.0
+    while inside(hi) < level:
+        hi *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        lo, hi = (mid, hi) if inside(mid) < level else (lo, mid)
+    return 0.5 * (lo + hi)
 
 
-def bootstrap_diff(a: list[np.ndarray], b: list[np.ndarray], *, n_boot: int = 4000, seed: int = 0,
-                   level: float = 0.95) -> dict:
-    """mean(a) - mean(b) with a paired two-level percentile bootstrap interval; a[i] and b[i] share seed i."""
+def _t_interval(values: np.ndarray, level: float) -> tuple[float | None, float | None]:
+    """mean -/+ t x sd / sqrt(n) of `values` (one per seed); Nones for a single seed (no spread to measure)."""
+    n = len(values)
+    if n < 2:
+        return None, None
+    half = t_critical(level, n - 1) * float(np.std(values, ddof=1)) / math.sqrt(n)
+    m = float(np.mean(values))
+    return m - half, m + half
+
+
+def across_seeds(runs: list[np.ndarray], *, level: float = 0.95) -> dict:
+    """Mean over seeds of each run's final value (the mean of its observations), with a t interval over seeds."""
+    values = np.array([np.mean(r) for r in runs], dtype=np.float64)
+    lo, hi = _t_interval(values, level)
+    return {"mean": float(values.mean()), "lo": lo, "hi": hi, "seeds": len(runs)}
+
+
+def paired_difference(a: list[np.ndarray], b: list[np.ndarray], *, level: float = 0.95, n_boot: int = 10000,
+                      seed: int = 0) -> dict:
+    """mean(a) - mean(b) over seeds, a[i] and b[i] the runs of seed i: the mean of the per-seed differences with
+    its t interval at `level` (`lo`, `hi`) and at 90% (`eq_lo`, `eq_hi`: the equivalence test's), and a seed-level
+    paired percentile bootstrap at `level` (`boot_lo`, `boot_hi`) beside them."""
     if len(a) != len(b) or not a:
-        raise ValueError(f"paired bootstrap needs the same number of seeds on both sides, got {len(a)} and {len(b)}")
-    ra, rb = _two_level([a, b], n_boot, seed)
-    diffs = ra - rb
-    point = float(np.mean([x.mean() for x in a]) - np.mean([x.mean() for x in b]))
-    lo, hi = np.quantile(diffs, [(1 - level) / 2, (1 + level) / 2])
-    return {"diff": point, "lo": float(lo), "hi": float(hi), "level": level, "seeds": len(a), "n_boot": n_boot}
-
-
-def _two_level(groups: list[list[np.ndarray]], n_boot: int, seed: int) -> list[np.ndarray]:
-    """Bootstrap replicates of each group's mean-of-run-means; seed indices drawn once and shared by the groups."""
-    rng = np.random.default_rng(seed)
-    n = len(groups[0])
-    picks = rng.integers(0, n, size=(n_boot, n))
-    out = []
-    for runs in groups:
-        run_means = np.empty((n_boot, n))
-        for i, obs in enumerate(runs):
-            obs = np.asarray(obs, dtype=np.float64)
-            idx = rng.integers(0, len(obs), size=(n_boot, len(obs)))
-            run_means[:, i] = obs[idx].mean(1)
-        out.append(np.take_along_axis(run_means, picks, 1).mean(1))
-    return out
+        raise ValueError(f"a paired difference needs the same number of seeds on both sides, got {len(a)} and {len(b)}")
+    d = np.array([np.mean(x) - np.mean(y) for x, y in zip(a, b)], dtype=np.float64)
+    lo, hi = _t_interval(d, level)
+    eq_lo, eq_hi = _t_interval(d, 0.90)
+    picks = np.random.default_rng(seed).integers(0, len(d), size=(n_boot, len(d)))
+    boot_lo, boot_hi = (float(q) for q in np.quantile(d[picks].mean(1), [(1 - level) / 2, (1 + level) / 2]))
+    return {"diff": float(d.mean()), "lo": lo, "hi": hi, "eq_lo": eq_lo, "eq_hi": eq_hi, "boot_lo": boot_lo,
+            "boot_hi": boot_hi, "level": level, "seeds": len(a), "per_seed": d.tolist()}
 
 
 # --------------------------------------------------------------------------- verdicts and targets
 
 
 def verdict(diff: dict, threshold: float, *, what: str = "difference") -> dict:
-    """Parity holds iff lo <= 0 <= hi and |diff| < threshold; otherwise the text says by how much it fails."""
-    d, lo, hi = diff["diff"], diff["lo"], diff["hi"]
-    contains = lo <= 0.0 <= hi
+    """The equivalence verdict on a `paired_difference` (module docstring): outcome "holds", "fails" or
+    "inconclusive", with the text saying why and by how much."""
+    d, lo, hi, eq_lo, eq_hi = diff["diff"], diff["lo"], diff["hi"], diff["eq_lo"], diff["eq_hi"]
+    contains = lo is not None and lo <= 0.0 <= hi
     small = abs(d) < threshold
-    reasons = []
-    if not contains:
-        reasons.append(f"the {diff.get('level', 0.95):.0%} interval [{lo:+.4f}, {hi:+.4f}] misses 0 by {min(abs(lo), abs(hi)):.4f}")
-    if not small:
-        reasons.append(f"|{what}| = {abs(d):.4f} exceeds the threshold {threshold:.4f} by {abs(d) - threshold:.4f}")
-    holds = contains and small
-    text = (f"parity holds: {what} {d:+.4f}, interval [{lo:+.4f}, {hi:+.4f}] contains 0, |{what}| < {threshold:.4f}"
-            if holds else f"parity FAILS: {what} {d:+.4f}; " + "; ".join(reasons))
-    return {"holds": holds, "interval_contains_0": contains, "under_threshold": small,
-            "miss_by": 0.0 if contains else min(abs(lo), abs(hi)), "excess": max(0.0, abs(d) - threshold), "text": text}
+    if lo is None:
+        outcome, why = "inconclusive", f"{diff.get('seeds', 1)} seed gives no interval; run at least 3 seeds"
+    elif -threshold < eq_lo and eq_hi < threshold:
+        outcome, why = "holds", (f"the 90% interval [{eq_lo:+.4f}, {eq_hi:+.4f}] lies inside +/-{threshold:g} "
+                                 f"(95%: [{lo:+.4f}, {hi:+.4f}])")
+    elif lo >= threshold or hi <= -threshold:
+        outcome, why = "fails", (f"the 95% interval [{lo:+.4f}, {hi:+.4f}] lies beyond {threshold:g} by "
+                                 f"{min(abs(lo), abs(hi)) - threshold:.4f}")
+    else:
+        past = max(-threshold - eq_lo, eq_hi - threshold)
+        outcome, why = "inconclusive", (f"the 90% interval [{eq_lo:+.4f}, {eq_hi:+.4f}] reaches {past:.4f} past "
+                                        f"+/-{threshold:g}: neither parity nor a larger gap is established "
+                                        f"({diff.get('seeds')} seeds; more seeds narrow it)")
+    word = {"holds": "parity holds", "fails": "parity FAILS", "inconclusive": "parity not established"}[outcome]
+    return {"outcome": outcome, "holds": outcome == "holds", "interval_contains_0": contains, "under_threshold": small,
+            "past_threshold": 0.0 if outcome == "holds" or lo is None else
+            float(max(-threshold - eq_lo, eq_hi - threshold)),
+            "text": f"{word}: {what} {d:+.4f}; {why}"}
 
 
 def steps_to_reach(steps, values, level: float, *, smooth: int = 3) -> int | None:

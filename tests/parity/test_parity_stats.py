@@ -19,42 +19,77 @@ def test_a_known_gap_is_detected():
     rng = np.random.default_rng(1)
     a = _runs(0.60, seeds=3, n=20, noise=0.03, rng=rng)
     b = _runs(0.50, seeds=3, n=20, noise=0.03, rng=rng)
-    d = ps.bootstrap_diff(a, b)
+    d = ps.paired_difference(a, b)
     assert d["lo"] <= 0.10 <= d["hi"], d  # the interval covers the true gap
     v = ps.verdict(d, THRESHOLD)
-    assert not v["holds"] and not v["interval_contains_0"] and not v["under_threshold"]
-    assert v["miss_by"] == pytest.approx(d["lo"]) and v["excess"] == pytest.approx(d["diff"] - THRESHOLD)
-    assert "FAILS" in v["text"] and f"{d['diff'] - THRESHOLD:.4f}" in v["text"]
+    assert v["outcome"] == "fails" and not v["holds"] and not v["interval_contains_0"] and not v["under_threshold"]
+    assert "FAILS" in v["text"] and f"{d['lo'] - THRESHOLD:.4f}" in v["text"]
 
 
 @pytest.mark.parametrize("seed", range(5))
-def test_no_gap_passes(seed):
+def test_no_gap_passes_with_enough_seeds(seed):
     rng = np.random.default_rng(100 + seed)
-    a = _runs(0.55, seeds=3, n=20, noise=0.02, rng=rng)
-    b = _runs(0.55, seeds=3, n=20, noise=0.02, rng=rng)
-    d = ps.bootstrap_diff(a, b)
-    v = ps.verdict(d, THRESHOLD)
-    assert v["holds"], v["text"]
+    a = _runs(0.55, seeds=8, n=20, noise=0.02, rng=rng)
+    b = _runs(0.55, seeds=8, n=20, noise=0.02, rng=rng)
+    v = ps.verdict(ps.paired_difference(a, b), THRESHOLD)
+    assert v["outcome"] == "holds" and v["holds"], v["text"]
     assert "parity holds" in v["text"]
 
 
-def test_a_gap_inside_a_wide_interval_still_fails_on_the_threshold():
-    d = {"diff": 0.05, "lo": -0.04, "hi": 0.14, "level": 0.95}
+def test_a_wide_interval_around_zero_is_not_parity():
+    """The old rule (interval contains 0, |difference| < threshold) passed this: the less precise the runs, the
+    easier. An equivalence test cannot pass it."""
+    d = {"diff": 0.0, "lo": -0.04, "hi": 0.04, "eq_lo": -0.03, "eq_hi": 0.03, "seeds": 3}
     v = ps.verdict(d, THRESHOLD)
-    assert v["interval_contains_0"] and not v["holds"]
-    assert v["excess"] == pytest.approx(0.03) and "exceeds the threshold" in v["text"]
+    assert v["outcome"] == "inconclusive" and v["interval_contains_0"] and v["under_threshold"] and not v["holds"]
+    assert v["past_threshold"] == pytest.approx(0.01) and "not established" in v["text"]
 
 
-def test_bootstrap_is_seeded_and_paired():
+def test_a_precisely_measured_small_gap_holds():
+    """The old rule failed this (the interval misses 0); a gap known to be far under the threshold is parity."""
+    d = {"diff": -0.004, "lo": -0.006, "hi": -0.002, "eq_lo": -0.0055, "eq_hi": -0.0025, "seeds": 8}
+    v = ps.verdict(d, THRESHOLD)
+    assert v["outcome"] == "holds" and not v["interval_contains_0"]
+
+
+def test_one_seed_gives_no_interval_and_no_verdict():
+    a, b = [np.array([0.5, 0.6])], [np.array([0.5, 0.5])]
+    d = ps.paired_difference(a, b)
+    assert d["lo"] is None and d["eq_hi"] is None and d["diff"] == pytest.approx(0.05)
+    v = ps.verdict(d, THRESHOLD)
+    assert v["outcome"] == "inconclusive" and "1 seed gives no interval" in v["text"]
+    assert ps.across_seeds(a)["lo"] is None
+
+
+def test_the_difference_is_paired_by_seed_and_not_resampled_within_runs():
+    """Identical runs differ by exactly 0 with a zero-width interval (the old two-level bootstrap gave +/-3 points
+    here: it resampled each run's eval items again, separately per recipe). The interval is the t interval of the
+    per-seed differences, computed here by hand."""
     rng = np.random.default_rng(3)
-    a = _runs(0.5, seeds=2, n=10, noise=0.05, rng=rng)
-    assert ps.bootstrap_diff(a, a, seed=7) == ps.bootstrap_diff(a, a, seed=7)
-    same = ps.bootstrap_diff(a, a, seed=7)
-    assert same["diff"] == 0.0 and same["hi"] - same["lo"] > 0  # observation resampling still spreads
-    m = ps.bootstrap_mean(a)
-    assert m["lo"] <= m["mean"] <= m["hi"]
+    a = _runs(0.5, seeds=5, n=10, noise=0.05, rng=rng)
+    same = ps.paired_difference(a, a)
+    assert same["diff"] == 0.0 and same["lo"] == same["hi"] == 0.0 and same["boot_lo"] == same["boot_hi"] == 0.0
+    b = [x + rng.normal(0, 0.01) for x in a]
+    d = ps.paired_difference(a, b, level=0.95)
+    per = np.array([x.mean() - y.mean() for x, y in zip(a, b)])
+    half = 2.7764451051977934 * per.std(ddof=1) / np.sqrt(5)  # t(0.975, 4 df)
+    assert d["lo"] == pytest.approx(per.mean() - half) and d["hi"] == pytest.approx(per.mean() + half)
+    assert d["per_seed"] == pytest.approx(per.tolist())
+    assert ps.paired_difference(a, b, seed=7) == ps.paired_difference(a, b, seed=7)
+    m = ps.across_seeds(a)
+    assert m["lo"] <= m["mean"] <= m["hi"] and m["seeds"] == 5
     with pytest.raises(ValueError, match="same number of seeds"):
-        ps.bootstrap_diff(a, a[:1])
+        ps.paired_difference(a, a[:1])
+
+
+def test_t_critical_matches_scipy():
+    """The peer check of the closed-form Student-t quantile (scipy is in the test environment, not a dependency)."""
+    stats = pytest.importorskip("scipy.stats")
+    for df in (1, 2, 3, 4, 5, 7, 10, 29, 100):
+        for level in (0.90, 0.95, 0.99):
+            assert ps.t_critical(level, df) == pytest.approx(stats.t.ppf((1 + level) / 2, df), rel=1e-9)
+    with pytest.raises(ValueError):
+        ps.t_critical(0.95, 0)
 
 
 def test_accuracy_observations_and_curves():
@@ -92,6 +127,7 @@ def test_analyze_on_synthetic_runs(tmp_path, gap, holds):
             for s in range(3) for r in ("nvfp4", "mxfp8")]
     rep = parity.analyze(runs, ["nvfp4", "mxfp8"], threshold=THRESHOLD, eval_size=256, steps=20)
     assert rep["verdict"]["holds"] is holds, rep["verdict"]["text"]
+    assert rep["verdict"]["outcome"] == ("holds" if holds else "fails")
     acc = next(c for c in rep["comparisons"] if c["metric"] == "final_accuracy")
     assert acc["diff"] == pytest.approx(-gap, abs=1 / 256)
     nv, mx = rep["recipes"]["nvfp4"]["steps_to_target"], rep["recipes"]["mxfp8"]["steps_to_target"]
