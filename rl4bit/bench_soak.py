@@ -80,7 +80,7 @@ def verdict(rows: list[dict], warmup: int) -> dict:
 
 
 def run(device: str = "cpu", quick: bool = False, out: str | None = None, config: str | Path | None = None,
-        steps: int | None = None, overrides: list[str] | None = None, check: bool = True) -> dict:
+        steps: int | None = None, override: list[str] | None = None, check: bool = True) -> dict:
     """Soak the job; returns {"rows": [...], "verdict": {...}}; raises AssertionError past the bound when `check`."""
     from rl4bit import driver
     from rl4bit.config import ConfigError, load_config
@@ -94,7 +94,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, config
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("bench soak on cuda needs a GPU (use --device cpu)")
     o = (QUICK if quick else []) + [f"rl.steps={steps}", "ray.mode=local", "run.progress=false", f"trainer.device={device}"]
-    cfg = load_config(config or CONFIG, o + list(overrides or []))
+    cfg = load_config(config or CONFIG, o + list(override or []))
     me = psutil.Process()
     rows: list[dict] = []
 
@@ -112,6 +112,8 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, config
     with tempfile.TemporaryDirectory(prefix="rl4bit-soak-") as tmp:
         run_dir = create_run_dir(cfg, Path(out) / "run" if out else Path(tmp) / "run")
         driver.run(cfg, run_dir, on_step=on_step)
+        if not out:
+            print("(that run dir is temporary and is removed now; bench soak --out DIR keeps it as DIR/run)")
     v = verdict(rows, warmup)
     print(f"soak: RSS after the {v['warmup_steps']}-step warm-up {v['rss_at_warmup_mib']:.1f} MiB, grew "
           f"{v['rss_growth_mib']:+.1f} MiB over {steps - v['warmup_steps']} steps (bound {v['rss_bound_mib']:.1f} MiB = "

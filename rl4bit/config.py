@@ -578,6 +578,32 @@ def _check_seed(seed: int, path: str) -> None:
                           "non-negative 63-bit keys")
 
 
+def absolute_reward_spec(spec: str) -> str:
+    """A file-path reward (`path/file.py:function`) with its path made absolute from the working directory; a
+    module reward (`pkg.module:function`) as it is."""
+    target, _, name = spec.rpartition(":")
+    if target.endswith(".py") or "/" in target:
+        return f"{Path(target).expanduser().resolve()}:{name}"
+    return spec
+
+
+def anchored(cfg: JobConfig, *, model_path: bool = True) -> JobConfig:
+    """`cfg` with its relative file paths made absolute from the working directory (reward files, prompt files,
+    parity.reference and, with `model_path`, model.path), so a run dir's config.yaml names the same files from
+    wherever `--resume` runs. A resume passes model_path=False: the checkpoint's job recorded model.path as the
+    run wrote it, and a resume may not change it."""
+    def absolute(path: str | None) -> str | None:
+        return None if path is None else str(Path(path).expanduser().resolve())
+
+    fns = [dataclasses.replace(r, fn=absolute_reward_spec(r.fn)) for r in cfg.rewards.functions]
+    data = dataclasses.replace(cfg.data, train_file=absolute(cfg.data.train_file), eval_file=absolute(cfg.data.eval_file))
+    out = dataclasses.replace(cfg, rewards=dataclasses.replace(cfg.rewards, functions=fns), data=data,
+                              parity=dataclasses.replace(cfg.parity, reference=absolute(cfg.parity.reference)))
+    if model_path:
+        out = dataclasses.replace(out, model=dataclasses.replace(cfg.model, path=absolute(cfg.model.path)))
+    return out
+
+
 def to_dict(cfg: Any) -> dict[str, Any]:
     """The resolved config as plain data (what `rl4bit config` prints and run dirs store)."""
     return dataclasses.asdict(cfg)

@@ -81,7 +81,7 @@ from rl4bit.actors import ActorDiedError, Cluster, get, is_local, wait_alive
 from rl4bit.atomic import atomic_write_text
 from rl4bit.checkpoint import latest_dir, load_checkpoint, save_checkpoint, step_of
 from rl4bit.checkpoint_format import CheckpointError
-from rl4bit.config import ConfigError, JobConfig, dump_yaml, load_config
+from rl4bit.config import ConfigError, JobConfig, absolute_reward_spec, anchored, dump_yaml, load_config
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.metrics import MetricsLogger, PhasePeaks, plot, read_metrics
 from rl4bit.kernels import invariant
@@ -117,6 +117,8 @@ JOB_ERRORS = (ActorDiedError, NonFiniteError, WeightSyncError, CheckpointError, 
 def main(config_path, out=None, resume=None, overrides=None) -> int:
     if resume is not None:
         run_dir = Path(resume).expanduser().resolve()
+        if not run_dir.is_dir():
+            raise FileNotFoundError(f"--resume {resume}: {run_dir} does not exist; pass the run dir a `rl4bit train` wrote")
         if not (run_dir / "config.yaml").is_file():
             raise FileNotFoundError(f"--resume {resume}: {run_dir / 'config.yaml'} is missing; pass the run dir a `rl4bit train` wrote")
         if not (run_dir / "checkpoints" / "latest.json").is_file():  # before any actor starts
@@ -126,10 +128,10 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
                 f"--resume {resume}: the run has no checkpoint to resume (it stopped before its first one: "
                 f"run.checkpoint_every, or the last step when 0); run it again with `{again}` (its metrics so far "
                 f"stay in {run_dir})")
-        cfg = load_config(run_dir / "config.yaml", overrides)
+        cfg = anchored(load_config(run_dir / "config.yaml", overrides), model_path=False)
         _check_steps_left(run_dir, cfg)
     else:
-        cfg = load_config(config_path, overrides)
+        cfg = anchored(load_config(config_path, overrides))
         target = checked_out_dir(out) if out is not None else None
         created = target is None or not target.exists()
         run_dir = create_run_dir(cfg, target)
@@ -140,6 +142,9 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
     except JOB_ERRORS as e:
         print(f"rl4bit train: error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C: the actors are shut down by `run`; what was saved stays
+        print(f"rl4bit train: interrupted. {_resume_hint(run_dir)}", file=sys.stderr)
+        return 130
     finally:
         if not finished and resume is None:
             _forget_unstarted(run_dir, created)
@@ -190,7 +195,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
     if warning:
         print(warning, file=sys.stderr)
     stream = PromptStream(train_set, cfg.data.seed)
-    specs = [_absolute(r.fn) for r in cfg.rewards.functions]
+    specs = [absolute_reward_spec(r.fn) for r in cfg.rewards.functions]
     limits = reward_limits(cfg)
     check_rewards(specs, train_set[0], **limits)
 
@@ -434,7 +439,8 @@ def _record_config(run_dir: Path, cfg: JobConfig, step: int) -> None:
     kept.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(kept, before)
     atomic_write_text(path, text)
-    print(f"resume: {path} now holds this run's settings (the overrides); the previous one is {kept}", file=sys.stderr)
+    print(f"resume: {path} now holds this run's settings (the overrides, paths made absolute); the previous one is "
+          f"{kept}", file=sys.stderr)
 
 
 def _check_job(meta: dict, cfg: JobConfig) -> None:
@@ -471,14 +477,6 @@ class SamplerRecovery:
         stale = [s for s, h in zip(self.samplers, health) if h["version"] < version]
         self.last_sync = sync_weights(self.trainer, stale) if stale else (0, 0.0)
         return True
-
-
-def _absolute(spec: str) -> str:
-    """File-path rewards made absolute, so actors with another working directory find them."""
-    target, _, name = spec.rpartition(":")
-    if target.endswith(".py") or "/" in target:
-        return f"{Path(target).expanduser().resolve()}:{name}"
-    return spec
 
 
 def _request(cfg: JobConfig, tokenizer, sample: dict, *, n: int, seed: int, rid: str, greedy: bool = False) -> Request:

@@ -128,6 +128,8 @@ def inspect_main(path: str) -> int:
     from rich.table import Table
 
     path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path}: no such directory; pass the --out of an `rl4bit export`")
     if not (path / INDEX).is_file():
         raise FileNotFoundError(f"{path} holds no {INDEX}; is it an `rl4bit export` directory?")
     rows = module_rows(path)

@@ -156,7 +156,8 @@ class MetricsLogger:
                       "Raise sampler.max_new_tokens or add a stop string.")
         if m.get("reward/zero_spread_frac") == 1.0:
             self.warn(f"step {step}: EVERY group has zero reward spread, so every advantage is 0 and nothing is learned. "
-                      "The task is too hard or too easy for the policy: change data.digits, the warm start or the reward.")
+                      "The task is too hard or too easy for the policy: change the prompts (data.digits for the "
+                      "arithmetic task, the prompt file otherwise), the warm start or the reward.")
 
     def truncate(self, step: int) -> None:
         """Keep only the records of steps <= `step` (resume from a checkpoint at `step`)."""

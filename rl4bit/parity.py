@@ -43,7 +43,7 @@ import yaml
 
 from rl4bit import parity_stats as ps
 from rl4bit.atomic import atomic_write_text
-from rl4bit.config import ConfigError, dump_yaml, load_config
+from rl4bit.config import ConfigError, anchored, dump_yaml, load_config
 from rl4bit.metrics import read_metrics
 from rl4bit.trainer.recipe import RECIPES
 
@@ -136,7 +136,7 @@ def _state(job: dict) -> str:
     if not (d / "config.yaml").exists():
         return "new"
     stored = yaml.safe_load((d / "config.yaml").read_text())
-    wanted = yaml.safe_load(dump_yaml(job["cfg"]))
+    wanted = yaml.safe_load(dump_yaml(anchored(job["cfg"])))  # as `rl4bit train` stores it: paths absolute
     if stored != wanted:
         diff = sorted(f"{s}.{k}" for s in wanted for k in wanted[s] if stored.get(s, {}).get(k) != wanted[s][k])
         raise FileExistsError(f"{d} holds a run of another config (differs in {', '.join(diff)}); "

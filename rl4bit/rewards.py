@@ -127,7 +127,9 @@ def load_reward(spec: str) -> Callable:
     `from helpers import score` finds `helpers.py` beside it) and the module is in sys.modules while it runs
     (so `@dataclass` under `from __future__ import annotations` works), under a name unique to the file, and
     once per process however many of its functions are named. Meant for the worker processes: the sys.path
-    entry stays, for imports a reward makes when called. A module name is imported as is, from the installed
+    entry stays, for imports a reward makes when called. Two reward files in different folders that each import
+    a module of one name from their own folder (two `helpers.py`) are refused: the process would hold the first
+    folder's for both (a module both import only when called is not detected). A module name is imported as is, from the installed
     packages: the worker does not put the working directory on sys.path.
     """
     target, sep, name = spec.rpartition(":")
@@ -159,18 +161,39 @@ def _load_file(spec: str, path: Path):
     mod_name = f"rl4bit_reward_{abs(hash(str(resolved))):x}"
     if mod_name in sys.modules:  # another function of the same file
         return sys.modules[mod_name]
-    if str(resolved.parent) not in sys.path:
-        sys.path.insert(0, str(resolved.parent))
+    folder = resolved.parent
+    clash = sorted(n for n, d in _IMPORTED_FROM.items() if d != folder and _provides(folder, n))
+    if clash:
+        raise RewardError(f"reward {spec!r}: its folder {folder} has its own {clash[0]!r} module, but a reward file "
+                          f"in {_IMPORTED_FROM[clash[0]]} already imported the {clash[0]!r} there, and one process "
+                          f"holds one module of a name: this file would get the other folder's. Rename one of the "
+                          f"two modules, or keep the reward files that share helpers in one folder")
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
     module_spec = importlib.util.spec_from_file_location(mod_name, resolved)
     module = importlib.util.module_from_spec(module_spec)
+    before = set(sys.modules)
     sys.modules[mod_name] = module  # before exec, as `import` does: dataclasses look their module up there
     try:
         module_spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[mod_name]
         raise RewardError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e} "
-                          f"(its directory {str(resolved.parent)!r} is first on sys.path)") from e
+                          f"(its directory {str(folder)!r} is first on sys.path)") from e
+    for name in set(sys.modules) - before:  # the top-level modules this file brought in from its own folder
+        where = getattr(sys.modules[name], "__file__", None)
+        if "." not in name and where and folder in Path(where).resolve().parents[:2]:
+            _IMPORTED_FROM.setdefault(name, folder)
     return module
+
+
+_IMPORTED_FROM: dict[str, Path] = {}
+"""Top-level module name -> the reward file folder it was imported from, in this process (`_load_file`)."""
+
+
+def _provides(folder: Path, name: str) -> bool:
+    """Whether `folder` holds a module `name` that `import name` would find there (a file or a package)."""
+    return (folder / f"{name}.py").is_file() or (folder / name).is_dir()
 
 
 def _module_hint(target: str, name: str, e: Exception) -> str:

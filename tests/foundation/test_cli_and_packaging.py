@@ -51,6 +51,15 @@ def test_config_error_exits_nonzero_with_the_key(tmp_path, capsys):
     assert "rl.samples_per_prompt" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("what", ["soak", "step"])
+def test_bench_overrides_reach_the_job(what, capsys):
+    """`rl4bit bench soak -o` was refused ("takes no override argument": its run() named the parameter
+    `overrides`); every bench that runs a job takes -o. A misspelt key shows it reached the job's config."""
+    code = main(["bench", what, str(REPO / "configs/quickstart.yaml"), "--steps", "3", "-o", "rl.stepz=1"])
+    err = capsys.readouterr().err
+    assert code == 1 and "rl.stepz" in err and "takes no override" not in err, err
+
+
 def test_train_refuses_arguments_a_resume_would_ignore(tmp_path, capsys):
     """A config or --out beside --resume is refused: a resumed run keeps its run dir's config.yaml and directory."""
     assert main(["train", str(REPO / "configs/quickstart.yaml"), "--resume", str(tmp_path)]) == 2

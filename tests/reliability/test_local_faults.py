@@ -352,3 +352,40 @@ def test_a_full_disk_while_checkpointing_stops_with_one_line_and_the_run_resumes
     monkeypatch.setattr(ck, "_write", real)
     assert driver.main(None, resume=str(run_dir)) == 0
     _same_as(reference, run_dir)
+
+
+def test_ctrl_c_mid_run_says_where_to_continue_and_the_run_resumes(tmp_path, reference, monkeypatch, capsys):
+    """Ctrl-C (KeyboardInterrupt, here raised in step 2's train call) ends with one line and the resume command,
+    not a traceback; the step-1 checkpoint is intact and the resumed run equals the uninterrupted one."""
+    real, calls = Trainer.train_step, {"n": 0}
+
+    def interrupted(self, *a, **k):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise KeyboardInterrupt
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(Trainer, "train_step", interrupted)
+    run_dir = tmp_path / "run"
+    assert driver.main(QUICKSTART, out=str(run_dir), overrides=CFG) == 130
+    err = capsys.readouterr().err
+    assert f"rl4bit train: interrupted. Continue from the last checkpoint (step 1): rl4bit train --resume {run_dir}" in err
+    monkeypatch.setattr(Trainer, "train_step", real)
+    assert driver.main(None, resume=str(run_dir)) == 0
+    _same_as(reference, run_dir)
+
+
+def test_relative_reward_and_prompt_paths_are_stored_absolute(tmp_path, monkeypatch):
+    """A run started with relative paths resumes from another working directory: config.yaml names the files."""
+    work = tmp_path / "work"
+    (work / "rw").mkdir(parents=True)
+    (work / "rw" / "mine.py").write_text("from rl4bit.rewards import exact_match as mine\n")
+    monkeypatch.chdir(work)
+    run_dir = tmp_path / "run"
+    cfg = SMALL + ["rl.steps=1", "run.warmup_sft_steps=0", "rewards.functions=[{fn: 'rw/mine.py:mine'}]"]
+    assert driver.main(QUICKSTART, out=str(run_dir), overrides=cfg) == 0
+    stored = load_config(run_dir / "config.yaml")
+    assert stored.rewards.functions[0].fn == f"{work / 'rw' / 'mine.py'}:mine"
+    monkeypatch.chdir(tmp_path)  # elsewhere: rw/mine.py is not here
+    assert driver.main(None, resume=str(run_dir), overrides=["rl.steps=2"]) == 0
+    assert [r["step"] for r in read_metrics(run_dir)] == [0, 1, 2]

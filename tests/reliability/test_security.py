@@ -171,5 +171,8 @@ def test_output_paths_are_resolved_and_checked_before_writing(tmp_path):
         locked.mkdir(mode=0o500)
         with pytest.raises(ConfigError, match="not a writable directory"):
             driver.checked_out_dir(locked / "run")
-    with pytest.raises(FileNotFoundError, match="config.yaml is missing"):
+    with pytest.raises(FileNotFoundError, match="nowhere does not exist; pass the run dir"):
         driver.main(None, resume=str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.yaml is missing"):
+        driver.main(None, resume=str(tmp_path / "empty"))

@@ -19,7 +19,7 @@ def test_verdict_flags_growth_past_the_bound():
 
 @pytest.mark.slow
 def test_quick_soak_is_flat_after_warm_up(tmp_path, capsys):
-    result = bench_soak.run(device="cpu", quick=True, out=str(tmp_path), steps=10, overrides=["run.tensorboard=false"])
+    result = bench_soak.run(device="cpu", quick=True, out=str(tmp_path), steps=10, override=["run.tensorboard=false"])
     rows, v = result["rows"], result["verdict"]
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert all(r["rss_mib"] > 50 and r["reward_workers_rss_mib"] > 0 for r in rows)

@@ -67,6 +67,29 @@ def test_a_reward_file_imports_like_python_runs_it(tmp_path):
     assert s.per_reward == {"length": [3.5], "calls": [1.0]} and s.errors == 0, s.messages
 
 
+def test_two_folders_with_a_helper_of_one_name_are_refused_not_mixed(tmp_path):
+    """rw/a.py and rwc/b.py each import their own `helper`: one process holds one module of a name, so b.py got
+    a.py's helper and logged its values as its own (a README walk found it). Now the pool refuses at start, naming
+    the module and both folders; a second file of the same folder still shares it."""
+    for folder, value in (("rw", 1.0), ("rwc", 100.0)):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "helper.py").write_text(f"VALUE = {value}\n")
+        (tmp_path / folder / f"{folder}_reward.py").write_text(
+            "from helper import VALUE\n"
+            f"def {folder}(prompt, completion, **s):\n    return VALUE\n")
+    (tmp_path / "rw" / "also.py").write_text("from helper import VALUE\ndef also(prompt, completion, **s):\n"
+                                             "    return VALUE + 1\n")
+    specs = [f"{tmp_path}/rw/rw_reward.py:rw", f"{tmp_path}/rwc/rwc_reward.py:rwc"]
+    with pytest.raises(RewardError, match=r"has its own 'helper' module, but a reward file in .*rw already "
+                                          r"imported the 'helper' there"):
+        RewardPool(specs, [1.0, 1.0], workers=1)
+    pool = RewardPool([specs[0], f"{tmp_path}/rw/also.py:also"], [1.0, 1.0], workers=1)
+    try:
+        assert pool.score([("p", "c", {})]).per_reward == {"rw": [1.0], "also": [2.0]}
+    finally:
+        pool.close()
+
+
 def test_a_module_name_that_is_not_found_suggests_the_file_form():
     with pytest.raises(RewardError, match=r"cannot import module 'no_such_helpers'.*'path/to/no_such_helpers.py:score'"):
         load_reward("no_such_helpers:score")
