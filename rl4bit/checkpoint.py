@@ -118,12 +118,12 @@ def _unwritten(root: Path, step: int, err: OSError, size: int | None = None) -> 
     directory is already gone and the pointer did not move, so the checkpoint latest.json names is what a
     resume loads."""
     pointed = _pointed(root)
-    kept = (f"{root / pointed} is still the latest checkpoint" if pointed else "no earlier checkpoint is on disk")
     need = "" if not size else (f" ({size / 2**30:.2f} GiB of tensors)" if size >= 2**30 else
                                 f" ({size / 2**20:.1f} MiB of tensors)")
-    return CheckpointError(f"writing checkpoint step {step}{need} into {root} failed: {err.strerror or err}; "
-                           f"{kept} (what --resume loads). Free space there (or lower run.keep_checkpoints), then "
-                           f"continue: rl4bit train --resume {root.parent}")
+    then = (f"{root / pointed} is still the latest checkpoint (what --resume loads). Free space there (or lower "
+            f"run.keep_checkpoints), then continue: rl4bit train --resume {root.parent}" if pointed else
+            "the run has no earlier checkpoint to resume from. Free space there, then start it again into a new --out")
+    return CheckpointError(f"writing checkpoint step {step}{need} into {root} failed: {err.strerror or err}; {then}")
 
 
 def begin_checkpoint(run_dir: str | Path, step: int) -> Path:

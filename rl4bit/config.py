@@ -587,21 +587,18 @@ def absolute_reward_spec(spec: str) -> str:
     return spec
 
 
-def anchored(cfg: JobConfig, *, model_path: bool = True) -> JobConfig:
-    """`cfg` with its relative file paths made absolute from the working directory (reward files, prompt files,
-    parity.reference and, with `model_path`, model.path), so a run dir's config.yaml names the same files from
-    wherever `--resume` runs. A resume passes model_path=False: the checkpoint's job recorded model.path as the
-    run wrote it, and a resume may not change it."""
+def anchored(cfg: JobConfig) -> JobConfig:
+    """`cfg` with its relative reward files, prompt files and parity.reference made absolute from the working
+    directory, so a run dir's config.yaml names the same files from wherever `--resume` runs. model.path is kept
+    as written: a checkpoint records it among its job's settings, and a relative one lets a project (its models
+    and runs together) move."""
     def absolute(path: str | None) -> str | None:
         return None if path is None else str(Path(path).expanduser().resolve())
 
     fns = [dataclasses.replace(r, fn=absolute_reward_spec(r.fn)) for r in cfg.rewards.functions]
     data = dataclasses.replace(cfg.data, train_file=absolute(cfg.data.train_file), eval_file=absolute(cfg.data.eval_file))
-    out = dataclasses.replace(cfg, rewards=dataclasses.replace(cfg.rewards, functions=fns), data=data,
-                              parity=dataclasses.replace(cfg.parity, reference=absolute(cfg.parity.reference)))
-    if model_path:
-        out = dataclasses.replace(out, model=dataclasses.replace(cfg.model, path=absolute(cfg.model.path)))
-    return out
+    return dataclasses.replace(cfg, rewards=dataclasses.replace(cfg.rewards, functions=fns), data=data,
+                               parity=dataclasses.replace(cfg.parity, reference=absolute(cfg.parity.reference)))
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

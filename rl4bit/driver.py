@@ -128,7 +128,7 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
                 f"--resume {resume}: the run has no checkpoint to resume (it stopped before its first one: "
                 f"run.checkpoint_every, or the last step when 0); run it again with `{again}` (its metrics so far "
                 f"stay in {run_dir})")
-        cfg = anchored(load_config(run_dir / "config.yaml", overrides), model_path=False)
+        cfg = anchored(load_config(run_dir / "config.yaml", overrides))
         _check_steps_left(run_dir, cfg)
     else:
         cfg = anchored(load_config(config_path, overrides))
@@ -436,6 +436,10 @@ def _record_config(run_dir: Path, cfg: JobConfig, step: int) -> None:
     if text == before:
         return
     kept = run_dir / "logs" / f"config-before-step-{step + 1}.yaml"
+    k = 0
+    while kept.exists():  # a second resume from the same checkpoint (the first one stopped before its next)
+        k += 1
+        kept = run_dir / "logs" / f"config-before-step-{step + 1}-{k}.yaml"
     kept.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(kept, before)
     atomic_write_text(path, text)

@@ -135,8 +135,9 @@ def _state(job: dict) -> str:
     d = job["run_dir"]
     if not (d / "config.yaml").exists():
         return "new"
-    stored = yaml.safe_load((d / "config.yaml").read_text())
-    wanted = yaml.safe_load(dump_yaml(anchored(job["cfg"])))  # as `rl4bit train` stores it: paths absolute
+    # both sides' file paths absolute, as `rl4bit train` now stores them (older runs stored them as written)
+    stored = yaml.safe_load(dump_yaml(anchored(load_config(d / "config.yaml"))))
+    wanted = yaml.safe_load(dump_yaml(anchored(job["cfg"])))
     if stored != wanted:
         diff = sorted(f"{s}.{k}" for s in wanted for k in wanted[s] if stored.get(s, {}).get(k) != wanted[s][k])
         raise FileExistsError(f"{d} holds a run of another config (differs in {', '.join(diff)}); "

@@ -162,16 +162,16 @@ def _load_file(spec: str, path: Path):
     if mod_name in sys.modules:  # another function of the same file
         return sys.modules[mod_name]
     folder = resolved.parent
-    clash = sorted(n for n, d in _IMPORTED_FROM.items() if d != folder and _provides(folder, n))
-    if clash:
-        raise RewardError(f"reward {spec!r}: its folder {folder} has its own {clash[0]!r} module, but a reward file "
-                          f"in {_IMPORTED_FROM[clash[0]]} already imported the {clash[0]!r} there, and one process "
-                          f"holds one module of a name: this file would get the other folder's. Rename one of the "
-                          f"two modules, or keep the reward files that share helpers in one folder")
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     module_spec = importlib.util.spec_from_file_location(mod_name, resolved)
     module = importlib.util.module_from_spec(module_spec)
+    # a module name another reward folder already brought in, which this folder also holds: set aside while this
+    # file runs, so that an import of it finds this folder's; which of them the file imported is then known
+    others = {n for n, d in _IMPORTED_FROM.items() if d != folder and _provides(folder, n)}
+    aside = {n: m for n, m in sys.modules.items() if n.partition(".")[0] in others}
+    for n in aside:
+        del sys.modules[n]
     before = set(sys.modules)
     sys.modules[mod_name] = module  # before exec, as `import` does: dataclasses look their module up there
     try:
@@ -180,15 +180,42 @@ def _load_file(spec: str, path: Path):
         del sys.modules[mod_name]
         raise RewardError(f"reward {spec!r}: importing {path} failed: {type(e).__name__}: {e} "
                           f"(its directory {str(folder)!r} is first on sys.path)") from e
-    for name in set(sys.modules) - before:  # the top-level modules this file brought in from its own folder
-        where = getattr(sys.modules[name], "__file__", None)
-        if "." not in name and where and folder in Path(where).resolve().parents[:2]:
+    finally:
+        clash = sorted({n.partition(".")[0] for n in sys.modules} & others)
+        for n in [n for n in sys.modules if n.partition(".")[0] in others]:
+            del sys.modules[n]
+        sys.modules.update(aside)
+    if clash:
+        del sys.modules[mod_name]
+        raise RewardError(f"reward {spec!r}: it imports its own {clash[0]!r} from {folder}, but a reward file in "
+                          f"{_IMPORTED_FROM[clash[0]]} already imported a {clash[0]!r} from there, and one process "
+                          f"holds one module of a name (a call that imports it later would get either). Rename one "
+                          f"of the two modules, or keep the reward files that share helpers in one folder")
+    new = [n for n in set(sys.modules) - before if "." not in n and n not in aside]  # aside: put back, not new
+    astray = sorted(n for n in new if _provides(folder, n) and not _from_folder(sys.modules[n], folder))
+    if astray:  # e.g. its folder's namespace package lost to another reward folder's module of that name
+        del sys.modules[mod_name]
+        raise RewardError(f"reward {spec!r}: it imports {astray[0]!r}, which its folder {folder} holds, but Python "
+                          f"found another reward folder's {astray[0]!r} first (a folder without __init__.py loses to "
+                          f"a module of the same name anywhere on sys.path). Rename one of the two, or give the "
+                          f"package an __init__.py")
+    for name in new:  # the top-level modules this file brought in from its own folder
+        if _from_folder(sys.modules[name], folder):
             _IMPORTED_FROM.setdefault(name, folder)
     return module
 
 
 _IMPORTED_FROM: dict[str, Path] = {}
 """Top-level module name -> the reward file folder it was imported from, in this process (`_load_file`)."""
+
+
+def _from_folder(module, folder: Path) -> bool:
+    """Whether the top-level `module` was found in `folder`: a file there, or a package (regular or namespace:
+    the latter has no __file__, only __path__) whose directory is there."""
+    where = getattr(module, "__file__", None)
+    places = [Path(where).resolve().parent] if where else []
+    places += [Path(p).resolve() for p in getattr(module, "__path__", None) or []]
+    return any(p == folder or p.parent == folder for p in places)
 
 
 def _provides(folder: Path, name: str) -> bool:

@@ -115,3 +115,13 @@ def test_a_failed_sharded_save_leaves_no_tmp_dir(tmp_path):
     with pytest.raises(RuntimeError, match="rank 1 died"):
         TrainerGroup.save_checkpoint(SimpleNamespace(_all=fail), tmp_path, 3, {})
     assert not list((tmp_path / "checkpoints").glob(".step_*.tmp"))
+
+
+def test_a_failed_first_save_does_not_advise_a_resume(tmp_path, monkeypatch):
+    def disk_full(*_):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ck, "_write", disk_full)
+    with pytest.raises(CheckpointError, match="no earlier checkpoint to resume from.*start it again into a new --out"):
+        ck.save_checkpoint(tmp_path, 1, T, {})
+    assert not (tmp_path / "checkpoints" / "latest.json").exists()

@@ -122,3 +122,19 @@ def test_a_resume_s_overrides_are_kept_for_the_next_resume(tmp_path, small, caps
     assert [r["step"] for r in read_metrics(run)] == [0, 1, 2, 3]
     assert sorted(p.name for p in (run / "logs").glob("config-*")) == ["config-before-step-2.yaml",
                                                                        "config-before-step-3.yaml"]
+
+
+def test_a_second_resume_from_one_checkpoint_keeps_every_earlier_config(tmp_path):
+    """Two resumes from the same checkpoint (the first stopped before its next one): the original config.yaml is
+    not overwritten by the first resume's."""
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    (run / "config.yaml").write_text(driver.dump_yaml(load_config(QUICKSTART, ["rl.steps=10"])))
+    original = (run / "config.yaml").read_text()
+    driver._record_config(run, load_config(QUICKSTART, ["rl.steps=40"]), 10)
+    first = (run / "config.yaml").read_text()
+    driver._record_config(run, load_config(QUICKSTART, ["rl.steps=40", "trainer.lr=1e-6"]), 10)
+    logs = run / "logs"
+    assert sorted(p.name for p in logs.glob("config-*")) == ["config-before-step-11-1.yaml", "config-before-step-11.yaml"]
+    assert (logs / "config-before-step-11.yaml").read_text() == original
+    assert (logs / "config-before-step-11-1.yaml").read_text() == first

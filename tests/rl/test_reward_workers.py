@@ -16,27 +16,28 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_reply_in_time_is_not_judged_a_timeout_while_another_worker_restarts(tmp_path):
-    """Slot 0 times out on 'hang' at 1.5 s and is restarted, which takes 1.5 s (its import sleeps once 'hang' has
-    run); slot 1 got 'b' at 1.0 s, answered at 2.0 s, before its deadline (2.5 s), during that restart: it scores."""
+    """Slot 0 times out on 'hang' at 3 s and is restarted, which takes 2.5 s (its import sleeps once 'hang' has
+    run); slot 1 answered 'a' at 1.5 s, got 'b' then, and answered it at 3.75 s, before its deadline (4.5 s), during
+    that restart: it scores (the old code judged it after the restart, at 5.5 s). Every margin is 0.75 s or more."""
     f = tmp_path / "slow_restart.py"
     f.write_text(
         "import os, time\n"
         f"MARKER = {str(tmp_path / 'hung')!r}\n"
         "if os.path.exists(MARKER):\n"
-        "    time.sleep(1.5)\n"
+        "    time.sleep(2.5)\n"
         "def r(prompt, completion, **s):\n"
         "    if prompt == 'hang':\n"
         "        open(MARKER, 'w').close()\n"
-        "    time.sleep({'a': 1.0, 'b': 1.0}.get(prompt, 60))\n"
+        "    time.sleep({'a': 1.5, 'b': 2.25}.get(prompt, 60))\n"
         "    return 1.0\n"
     )
-    pool = RewardPool([f"{f}:r"], [1.0], workers=2, timeout_s=1.5, max_error_fraction=1.0)
+    pool = RewardPool([f"{f}:r"], [1.0], workers=2, timeout_s=3.0, max_error_fraction=1.0)
     try:
         s = pool.score([(p, "c", {}) for p in ("hang", "a", "b")])
     finally:
         pool.close()
     assert s.totals == [None, 1.0, 1.0], s.messages
-    assert s.errors == 1 and "timed out after 1.5 s on prompt 'hang'" in s.messages[0]
+    assert s.errors == 1 and "timed out after 3.0 s on prompt 'hang'" in s.messages[0]
 
 
 def test_a_reward_file_imports_like_python_runs_it(tmp_path):
@@ -80,14 +81,48 @@ def test_two_folders_with_a_helper_of_one_name_are_refused_not_mixed(tmp_path):
     (tmp_path / "rw" / "also.py").write_text("from helper import VALUE\ndef also(prompt, completion, **s):\n"
                                              "    return VALUE + 1\n")
     specs = [f"{tmp_path}/rw/rw_reward.py:rw", f"{tmp_path}/rwc/rwc_reward.py:rwc"]
-    with pytest.raises(RewardError, match=r"has its own 'helper' module, but a reward file in .*rw already "
-                                          r"imported the 'helper' there"):
+    with pytest.raises(RewardError, match=r"imports its own 'helper' from .*rwc, but a reward file in .*rw already "
+                                          r"imported a 'helper'"):
         RewardPool(specs, [1.0, 1.0], workers=1)
     pool = RewardPool([specs[0], f"{tmp_path}/rw/also.py:also"], [1.0, 1.0], workers=1)
     try:
         assert pool.score([("p", "c", {})]).per_reward == {"rw": [1.0], "also": [2.0]}
     finally:
         pool.close()
+
+
+def test_same_named_helper_packages_are_caught_and_unused_ones_are_not(tmp_path):
+    """Helper packages without __init__.py (namespace packages: no __file__) are caught too, and so is one that
+    loses to another folder's regular package of its name (f1 would silently get f3's V = 100); a folder that only holds a same-named module its reward
+    file does not import loads beside a regular package of that name, in either order."""
+    def reward(folder, imports, body, init=False):
+        (tmp_path / folder / "lib").mkdir(parents=True)
+        (tmp_path / folder / "lib" / "helper.py").write_text("V = 1.0\n")
+        if init:
+            (tmp_path / folder / "lib" / "__init__.py").write_text("")
+        (tmp_path / folder / f"{folder}.py").write_text(f"{imports}\ndef {folder}(prompt, completion, **s):\n"
+                                                         f"    return {body}\n")
+        return f"{tmp_path}/{folder}/{folder}.py:{folder}"
+
+    def loads(specs):
+        pool = RewardPool(specs, [1.0] * len(specs), workers=1)
+        try:
+            return pool.score([("p", "c", {})]).errors == 0
+        finally:
+            pool.close()
+
+    f1, f2 = reward("f1", "from lib.helper import V", "V"), reward("f2", "from lib.helper import V", "V")
+    with pytest.raises(RewardError, match="imports its own 'lib'"):
+        loads([f1, f2])
+    (tmp_path / "f3" / "lib").mkdir(parents=True)  # a regular package f3.py never imports
+    (tmp_path / "f3" / "lib" / "__init__.py").write_text("")
+    (tmp_path / "f3" / "lib" / "helper.py").write_text("V = 100.0\n")
+    (tmp_path / "f3" / "f3.py").write_text("import math\ndef f3(prompt, completion, **s):\n    return math.pi\n")
+    f3 = f"{tmp_path}/f3/f3.py:f3"
+    with pytest.raises(RewardError, match="found another reward folder's 'lib' first"):
+        loads([f3, f1])
+    g1 = reward("g1", "from lib.helper import V", "V", init=True)
+    assert loads([g1, f3]) and loads([f3, g1])
 
 
 def test_a_module_name_that_is_not_found_suggests_the_file_form():
