@@ -428,7 +428,8 @@ def _check_steps_left(run_dir: Path, cfg: JobConfig) -> None:
 
 def _record_config(run_dir: Path, cfg: JobConfig, step: int) -> None:
     """Make config.yaml say what a resumed run now runs: where the resume's overrides changed it, the previous file
-    moves to logs/config-before-step-STEP.yaml and config.yaml holds the resolved config (both writes atomic).
+    moves to logs/config-before-step-N.yaml (N the first step this resume runs; -1, -2... where one is kept
+    already) and config.yaml holds the resolved config (both writes atomic).
     Called after the checkpoint was checked against `cfg` (`_check_job`), so a refused resume changes nothing."""
     path = run_dir / "config.yaml"
     text = dump_yaml(cfg)
