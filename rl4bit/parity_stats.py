@@ -40,13 +40,13 @@ is logged), smoothing beyond a trailing window. One seed gives no interval
 from __future__ import annotations
 
 import functools
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 
 from rl4bit.config import ConfigError
+from rl4bit.metrics import read_metrics
 
 LIVE_WINDOW = 5
 """Steps in the trailing mean of the live reward gap (one step's reward is a noisy mean of one batch)."""
@@ -177,6 +177,7 @@ def verdict(diff: dict, threshold: float, *, what: str = "difference") -> dict:
     d, lo, hi, eq_lo, eq_hi = diff["diff"], diff["lo"], diff["hi"], diff["eq_lo"], diff["eq_hi"]
     contains = lo is not None and lo <= 0.0 <= hi
     small = abs(d) < threshold
+    past = 0.0 if lo is None else max(-threshold - eq_lo, eq_hi - threshold)  # how far the 90% interval overreaches
     if lo is None:
         outcome, why = "inconclusive", f"{diff.get('seeds', 1)} seed gives no interval; run at least 3 seeds"
     elif -threshold < eq_lo and eq_hi < threshold:
@@ -186,14 +187,12 @@ def verdict(diff: dict, threshold: float, *, what: str = "difference") -> dict:
         outcome, why = "fails", (f"the 95% interval [{lo:+.4f}, {hi:+.4f}] lies beyond {threshold:g} by "
                                  f"{min(abs(lo), abs(hi)) - threshold:.4f}")
     else:
-        past = max(-threshold - eq_lo, eq_hi - threshold)
         outcome, why = "inconclusive", (f"the 90% interval [{eq_lo:+.4f}, {eq_hi:+.4f}] reaches {past:.4f} past "
                                         f"+/-{threshold:g}: neither parity nor a larger gap is established "
                                         f"({diff.get('seeds')} seeds; more seeds narrow it)")
     word = {"holds": "parity holds", "fails": "parity FAILS", "inconclusive": "parity not established"}[outcome]
     return {"outcome": outcome, "holds": outcome == "holds", "interval_contains_0": contains, "under_threshold": small,
-            "past_threshold": 0.0 if outcome == "holds" or lo is None else
-            float(max(-threshold - eq_lo, eq_hi - threshold)),
+            "past_threshold": 0.0 if outcome == "holds" else float(past),
             "text": f"{word}: {what} {d:+.4f}; {why}"}
 
 
@@ -228,13 +227,8 @@ def _reference_rewards(run_dir: str) -> dict[int, float]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         raise FileNotFoundError(f"parity.reference {run_dir}: no metrics.jsonl there; point it at a finished run dir")
-    out = {}
-    for line in path.read_text().splitlines():
-        if line:
-            r = json.loads(line)
-            if isinstance(r.get("reward/mean"), (int, float)):
-                out[int(r["step"])] = float(r["reward/mean"])
-    return out
+    return {int(r["step"]): float(r["reward/mean"]) for r in read_metrics(run_dir)
+            if isinstance(r.get("reward/mean"), (int, float))}
 
 
 def reward_gap(reference_run_dir: str | Path, step: int, reward: float) -> float | None:
@@ -254,15 +248,12 @@ def live_parity_metrics(reference_run_dir: str | Path, run_dir: str | Path, step
     if gap is None:
         return {}
     gaps = [gap]
-    own = Path(run_dir) / "metrics.jsonl"
-    if own.exists():
-        prior = [json.loads(line) for line in own.read_text().splitlines() if line]
-        for r in reversed(prior):
-            if len(gaps) >= LIVE_WINDOW:
-                break
-            if r["step"] < step and isinstance(r.get("reward/mean"), (int, float)):
-                g = reward_gap(reference_run_dir, r["step"], r["reward/mean"])
-                if g is not None:
-                    gaps.append(g)
+    for r in reversed(read_metrics(run_dir)):  # this run's earlier records ([] before the first)
+        if len(gaps) >= LIVE_WINDOW:
+            break
+        if r["step"] < step and isinstance(r.get("reward/mean"), (int, float)):
+            g = reward_gap(reference_run_dir, r["step"], r["reward/mean"])
+            if g is not None:
+                gaps.append(g)
     trail = float(np.mean(gaps))
     return {"parity/reward_gap": gap, "parity/reward_gap_trailing": trail, "parity/diverged": float(abs(trail) > threshold)}
