@@ -251,6 +251,27 @@ class RepackMoE:
                 n += 1
         return n
 
+    def rl4bit_kernels(self) -> dict[str, list[str]]:
+        """{quant method class: [kernel classes]} over the model's layers: what vLLM chose to run each format
+        with (e.g. CompressedTensorsW4A4Nvfp4MoEMethod with MarlinExperts on Hopper)."""
+        seen: dict[str, set[str]] = {}
+        for module in self.model_runner.get_model().modules():
+            method = getattr(module, "quant_method", None)
+            if method is None:
+                continue
+            kinds = seen.setdefault(type(method).__name__, set())
+            for attr in ("moe_kernel", "kernel", "scheme"):
+                part = getattr(method, attr, None)
+                if part is not None:
+                    kinds.add(type(getattr(part, "fused_experts", part)).__name__)
+            scheme = getattr(module, "scheme", None)
+            if scheme is not None:
+                kinds.add(type(scheme).__name__)
+                kernel = getattr(scheme, "kernel", None)
+                if kernel is not None:
+                    kinds.add(type(kernel).__name__)
+        return {k: sorted(v) for k, v in seen.items()}
+
 
 class VLLMEngine:
     """`vllm.LLM` over an rl4bit export, with the embedded engine's interface."""
@@ -317,6 +338,10 @@ class VLLMEngine:
         """Seconds in generate calls, failed ones included (as their sampled tokens are in tokens_generated)."""
         self.broken: str | None = None
         """Why the engine's weights are unknown (a reload failed and so did the restore), or None."""
+
+    def kernels(self) -> dict[str, list[str]]:
+        """What vLLM runs each quantized format with (`RepackMoE.rl4bit_kernels` of the first worker)."""
+        return self.llm.collective_rpc("rl4bit_kernels")[0]
 
     @property
     def version(self) -> int:

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# vLLM on the lent GPU: reassemble the wheelhouse parts copied to /tmp/wh, install, then the checks.
+#   bash scripts/gpu_vllm.sh [install] [check] [tests]    outputs in $OUT
+set -uo pipefail
+out=${OUT:-gpu-vllm-out}; mkdir -p "$out"
+log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.txt"; }
+run() { local name=$1 limit=$2; shift 2; log "start $name"; timeout "$limit" "$@" > "$out/$name.txt" 2>&1; log "end $name rc=$?"; }
+source scripts/device_env.sh
+for step in "$@"; do case $step in
+  install)
+    if [ ! -f /tmp/site/vllm_env.sh ]; then
+      cat /tmp/wh/part.* > /tmp/wh.tar && echo "$WH_SHA  /tmp/wh.tar" | sha256sum -c - && tar -xf /tmp/wh.tar -C /tmp \
+        && bash scripts/vllm_offline_install.sh /tmp/bundle /tmp/site 2>&1 | tee -a "$out/steps.txt"
+    fi
+    source /tmp/site/vllm_env.sh
+    run import 300 python3 -c "import vllm, torch, compressed_tensors; print(vllm.__version__, torch.__version__); from vllm import LLM; print('LLM ok')"
+    ;;
+  check) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 run check ${CHECK_S:-240} python3 scripts/vllm_gpu_check.py ${CHECK_ARGS:-} --out /tmp/vllm-check ;;
+  check-tiny) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 run check_tiny ${TINY_S:-150} python3 scripts/vllm_gpu_check.py --size tiny --batch 16 --new 32 --out /tmp/vllm-check-tiny ;;
+  tests) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 RL4BIT_VLLM_TESTS=1 run tests ${TESTS_S:-200} python3 -P -m pytest tests/vllm -x -q -p no:cacheprovider ${TEST_ARGS:-} ;;
+esac; done
+cp /tmp/vllm-check/result.json "$out/check.json" 2>/dev/null; cp /tmp/vllm-check-tiny/result.json "$out/check_tiny.json" 2>/dev/null
+for f in "$out"/*.txt; do echo "== $f"; tail -c 2500 "$f"; done
