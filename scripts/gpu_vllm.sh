@@ -9,15 +9,16 @@ source scripts/device_env.sh
 for step in "$@"; do case $step in
   install)
     if [ ! -f /tmp/site/vllm_env.sh ]; then
-      cat /tmp/wh/part.* > /tmp/wh.tar && echo "$WH_SHA  /tmp/wh.tar" | sha256sum -c - && tar -xf /tmp/wh.tar -C /tmp \
-        && bash scripts/vllm_offline_install.sh /tmp/bundle /tmp/site 2>&1 | tee -a "$out/steps.txt"
+      # the parts of `rl4bit wheelhouse /tmp/house --split`, copied to /tmp/wh one call at a time
+      (cd /tmp/wh && cat house.tar.part* > house.tar && sha256sum -c house.tar.sha256) && tar -xf /tmp/wh/house.tar -C /tmp \
+        && bash /tmp/house/install.sh /tmp/site 2>&1 | tee -a "$out/steps.txt"
     fi
     source /tmp/site/vllm_env.sh
     run import 300 python3 -c "import vllm, torch, compressed_tensors; print(vllm.__version__, torch.__version__); from vllm import LLM; print('LLM ok')"
     ;;
   check) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 run check ${CHECK_S:-240} python3 scripts/vllm_gpu_check.py ${CHECK_ARGS:-} --out /tmp/vllm-check ;;
   check-tiny) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 run check_tiny ${TINY_S:-150} python3 scripts/vllm_gpu_check.py --size tiny --batch 16 --new 32 --out /tmp/vllm-check-tiny ;;
-  tests) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 RL4BIT_VLLM_TESTS=1 run tests ${TESTS_S:-200} python3 -P -m pytest tests/vllm -x -q -p no:cacheprovider ${TEST_ARGS:-} ;;
+  tests) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 RL4BIT_VLLM_TESTS=1 run tests ${TESTS_S:-200} python3 -P -m pytest tests/vllm -q -p no:cacheprovider ${TEST_ARGS:-} ;;
 esac; done
 cp /tmp/vllm-check/result.json "$out/check.json" 2>/dev/null; cp /tmp/vllm-check-tiny/result.json "$out/check_tiny.json" 2>/dev/null
 for f in "$out"/*.txt; do echo "== $f"; tail -c 2500 "$f"; done
