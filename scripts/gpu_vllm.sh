@@ -18,7 +18,9 @@ for step in "$@"; do case $step in
     ;;
   check) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 run check ${CHECK_S:-240} python3 scripts/vllm_gpu_check.py ${CHECK_ARGS:-} --out /tmp/vllm-check ;;
   check-tiny) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 run check_tiny ${TINY_S:-150} python3 scripts/vllm_gpu_check.py --size tiny --batch 16 --new 32 --out /tmp/vllm-check-tiny ;;
+  check-mp) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=1 run check_mp ${MP_S:-200} python3 scripts/vllm_gpu_check.py --size small --batch 32 --new 64 --skip-embedded --out /tmp/vllm-check-mp ;;
+  ipc) run ipc 120 python3 -P -m pytest -q -p no:cacheprovider tests/trainer/test_cuda_ipc.py ;;
   tests) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 RL4BIT_VLLM_TESTS=1 run tests ${TESTS_S:-200} python3 -P -m pytest tests/vllm -q -p no:cacheprovider ${TEST_ARGS:-} ;;
 esac; done
-cp /tmp/vllm-check/result.json "$out/check.json" 2>/dev/null; cp /tmp/vllm-check-tiny/result.json "$out/check_tiny.json" 2>/dev/null
+cp /tmp/vllm-check/result.json "$out/check.json" 2>/dev/null; cp /tmp/vllm-check-tiny/result.json "$out/check_tiny.json" 2>/dev/null; cp /tmp/vllm-check-mp/result.json "$out/check_mp.json" 2>/dev/null
 for f in "$out"/*.txt; do echo "== $f"; tail -c 2500 "$f"; done

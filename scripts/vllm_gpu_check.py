@@ -89,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--tail", type=float, default=1 / 6, help="recipe.high_precision_tail (MXFP8 last layers)")
     ap.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs")
+    ap.add_argument("--skip-embedded", action="store_true", help="vLLM alone (e.g. its multiprocess transport)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
 
@@ -113,6 +114,7 @@ def main(argv=None) -> int:
     eng, res["vllm_init_s"] = timed(lambda: VLLMEngine(export, experts="nvfp4", workdir=out / "w",
                                                        max_batch_size=a.batch, max_seq_len=max_len,
                                                        gpu_memory_utilization=0.35, enforce_eager=a.eager))
+    res["transport"] = eng.transport
     res["served_formats"] = sorted({f"{e.fmt}->{eng.form.fmt[n]}" for n, e in eng.form.entries.items()})
     res["kernels"] = eng.kernels()
     print("vLLM kernels:", json.dumps(res["kernels"], indent=1), flush=True)
@@ -134,21 +136,23 @@ def main(argv=None) -> int:
 
     va = rollout(eng, "vllm_nvfp4")
 
-    served = copy.deepcopy(ma)  # frozen serving mode from the trainer's own QTensors
-    load_quantized(served, quantized_weights(served))
-    emb = EmbeddedEngine(served, tok, max_batch_size=a.batch, device="cuda", max_seq_len=max_len,
-                         autocast=torch.bfloat16)
-    ea = rollout(emb, "embedded_nvfp4")
-    same = sum(x.completion_ids == y.completion_ids for x, y in zip(va, ea))
-    first = [next((i for i, (s, t) in enumerate(zip(x.completion_ids, y.completion_ids)) if s != t),
-                  len(x.completion_ids)) for x, y in zip(va, ea)]
-    d = []
-    for r in va[:16]:  # the embedded engine scores vLLM's tokens: the sampler-vs-trainer-form mismatch
-        lp = emb.score(r.prompt_ids, r.completion_ids)
-        d += [abs(x - y) for x, y in zip(r.logprobs, lp)]
-    res["agreement"] = dict(identical_greedy=f"{same}/{len(va)}", mean_first_divergence=sum(first) / len(first),
-                            mean_abs_dlogprob=sum(d) / len(d), max_abs_dlogprob=max(d))
-    print("agreement:", res["agreement"], flush=True)
+    emb = None
+    if not a.skip_embedded:
+        served = copy.deepcopy(ma)  # frozen serving mode from the trainer's own QTensors
+        load_quantized(served, quantized_weights(served))
+        emb = EmbeddedEngine(served, tok, max_batch_size=a.batch, device="cuda", max_seq_len=max_len,
+                             autocast=torch.bfloat16)
+        ea = rollout(emb, "embedded_nvfp4")
+        same = sum(x.completion_ids == y.completion_ids for x, y in zip(va, ea))
+        first = [next((i for i, (s, t) in enumerate(zip(x.completion_ids, y.completion_ids)) if s != t),
+                      len(x.completion_ids)) for x, y in zip(va, ea)]
+        d = []
+        for r in va[:16]:  # the embedded engine scores vLLM's tokens: the sampler-vs-trainer-form mismatch
+            lp = emb.score(r.prompt_ids, r.completion_ids)
+            d += [abs(x - y) for x, y in zip(r.logprobs, lp)]
+        res["agreement"] = dict(identical_greedy=f"{same}/{len(va)}", mean_first_divergence=sum(first) / len(first),
+                                mean_abs_dlogprob=sum(d) / len(d), max_abs_dlogprob=max(d))
+        print("agreement:", res["agreement"], flush=True)
 
     ub, qb = update_of(mb, 1)
     res["update_bytes"] = nbytes(ub, qb)
@@ -159,9 +163,11 @@ def main(argv=None) -> int:
     va2 = eng.generate(reqs[:8])
     res["a_b_a"] = dict(b_differs=any(x.completion_ids != y.completion_ids for x, y in zip(vb, va[:8])),
                         a_restored=all(x.completion_ids == y.completion_ids for x, y in zip(va2, va[:8])))
-    _, res["embedded_update_s"] = timed(emb.update_weights, ub, qb)
-    print(f"update: {res['update_bytes'] / 1e6:.1f} MB, vLLM {res['update_b_s']:.3f} / {res['update_a_s']:.3f} s,"
-          f" embedded {res['embedded_update_s']:.3f} s; A->B->A {res['a_b_a']}", flush=True)
+    if emb is not None:
+        _, res["embedded_update_s"] = timed(emb.update_weights, ub, qb)
+    print(f"update ({eng.transport}): {res['update_bytes'] / 1e6:.1f} MB, vLLM {res['update_b_s']:.3f} / "
+          f"{res['update_a_s']:.3f} s, embedded {res.get('embedded_update_s', float('nan')):.3f} s; "
+          f"A->B->A {res['a_b_a']}", flush=True)
     (out / "result.json").write_text(json.dumps(res, indent=1, default=str))
     print(json.dumps(res, indent=1, default=str))
     return 0
