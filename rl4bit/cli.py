@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("config", help="print the fully resolved config and derived batch sizes")
     p.add_argument("config")
     _overrides(p)
+
+    sub.add_parser("wheelhouse", help="vLLM and its offline dependencies as wheels for an air-gapped GPU node "
+                   "(rl4bit wheelhouse --help; handled before this parser)")
     return parser
 
 
@@ -203,6 +206,11 @@ def cmd_inspect(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["wheelhouse"]:  # its own parser, --help included
+        from rl4bit import wheelhouse
+
+        return wheelhouse.main(argv[1:])
     args = build_parser().parse_args(argv)
     handler = {
         "config": cmd_config, "bench": cmd_bench, "train": cmd_train,
