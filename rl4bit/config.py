@@ -151,7 +151,8 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 = off)."""
     tokens_per_microbatch: int = 4096
-    """Most tokens (prompt + completion, summed over sequences) in one forward/backward."""
+    """Most tokens (prompt + completion, summed over sequences) in one forward/backward; at least one rollout
+    (the longest prompt + sampler.max_new_tokens, checked when the job's prompts are known)."""
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available)."""
     max_nonfinite_steps: int = 3
@@ -541,6 +542,14 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             f"sampler.max_new_tokens: {cfg.sampler.max_new_tokens} leaves no room for the prompt within model.max_seq_len={cfg.model.max_seq_len}"
         )
+    if cfg.trainer.tokens_per_microbatch <= cfg.sampler.max_new_tokens:
+        # a rollout is its prompt (>= 1 token) + up to max_new_tokens; one that does not fit a micro-batch is
+        # trained alone, one sequence a forward (tens of times slower), so it is refused rather than run
+        raise ConfigError(
+            f"trainer.tokens_per_microbatch: {cfg.trainer.tokens_per_microbatch} is smaller than one rollout (a "
+            f"prompt of >= 1 token + sampler.max_new_tokens={cfg.sampler.max_new_tokens}); set it to at least "
+            f"model.max_seq_len={cfg.model.max_seq_len} (the longest rollout), e.g. "
+            f"-o trainer.tokens_per_microbatch={max(cfg.model.max_seq_len, 4096)}")
     if cfg.rl.samples_per_prompt == 1:
         raise ConfigError("rl.samples_per_prompt: 1 gives every GRPO group zero reward spread (no learning signal); use >= 2")
     if cfg.model.invariant_kernels and cfg.sampler.backend != "embedded":

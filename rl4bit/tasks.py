@@ -153,6 +153,28 @@ def check_prompt_lengths(train: list[dict], evals: list[dict], count_tokens, max
     return None
 
 
+def check_batch_fits(cfg, train: list[dict], prompt_tokens: list[int], source: str) -> None:
+    """ConfigError, naming the fix, when the job's batch vocabulary does not fit its train prompts: more prompts a
+    step than the train split holds (every step would repeat prompts within itself), or a micro-batch smaller than
+    the longest rollout (the longest train prompt that fits + sampler.max_new_tokens, capped at
+    model.max_seq_len), which would be trained one sequence a forward. `prompt_tokens`: the train prompts' token
+    counts; `source`: where the train split came from, for the message."""
+    n = len(train)
+    if cfg.rl.prompts_per_step > n:
+        raise ConfigError(f"rl.prompts_per_step: {cfg.rl.prompts_per_step} is larger than the {n} train prompts of "
+                          f"{source}; lower it to at most {n} (-o rl.prompts_per_step={n}) or add prompts")
+    fitting = [t for t in prompt_tokens if 0 < t < cfg.model.max_seq_len]
+    if not fitting:
+        return  # check_prompt_lengths names that problem
+    longest = min(cfg.model.max_seq_len, max(fitting) + cfg.sampler.max_new_tokens)
+    if cfg.trainer.tokens_per_microbatch < longest:
+        raise ConfigError(f"trainer.tokens_per_microbatch: {cfg.trainer.tokens_per_microbatch} is smaller than one "
+                          f"rollout ({longest} tokens: the longest train prompt, {max(fitting)} tokens, + "
+                          f"sampler.max_new_tokens={cfg.sampler.max_new_tokens}, at most model.max_seq_len="
+                          f"{cfg.model.max_seq_len}); set -o trainer.tokens_per_microbatch={max(longest, 4096)} or "
+                          f"more (micro-batches are packed up to it)")
+
+
 @dataclass
 class PromptStream:
     """Draws train prompts in seeded per-epoch permutations; (epoch, index) is its whole state."""
