@@ -91,7 +91,7 @@ from rl4bit.reward_log import RewardLog, failure_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
 from rl4bit.rundir import SUBDIRS, create_run_dir
 from rl4bit.sampler.types import MAX_SEED, Request, SamplingParams
-from rl4bit.tasks import PromptStream, check_batch_fits, check_prompt_lengths, load_task
+from rl4bit.tasks import PromptStream, check_batch_fits, check_prompt_lengths, load_task, warmup_split
 from rl4bit.tokenizer import build_tokenizer, check_chat_template, prompt_ids
 from rl4bit.trainer.actor import NonFiniteError, TrainBatch, Trainer
 from rl4bit.trainer.grpo import group_advantages
@@ -211,6 +211,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         torch.set_num_threads(cfg.run.cpu_threads)
     tokenizer = build_tokenizer(cfg.model)
     train_set, eval_set = load_task(cfg.data)
+    train_set, warm_set = warmup_split(train_set, cfg.data, cfg.run)
     if cfg.parity.reference:
         check_reference(cfg.parity.reference)
     chat = cfg.data.chat_template
@@ -280,8 +281,13 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         else:
             if cfg.run.warmup_sft_steps:
                 phase = "warm start"
-                warm = get(trainer.warm_start(train_set))
-                print(f"warm start: {cfg.run.warmup_sft_steps} steps, loss {warm['warmup/loss_first']:.3f} -> {warm['warmup/loss_last']:.3f}")
+                warm = get(trainer.warm_start(warm_set))
+                which = ("RL's own train prompts (run.warmup_prompts: train)" if cfg.run.warmup_prompts == "train"
+                         else f"{len(warm_set)} held-out prompts RL does not train on")
+                how = (f"reused from the cache {warm['warmup/cache']}" if warm.get("warmup/cached")
+                       else "trained" + (f", cached in {warm['warmup/cache']}" if warm.get("warmup/cache") else ""))
+                print(f"warm start: {cfg.run.warmup_sft_steps} steps on {which}, loss {warm['warmup/loss_first']:.3f} "
+                      f"-> {warm['warmup/loss_last']:.3f} ({how})")
                 phase = "setup"
             get(trainer.setup_rl())
         logger = MetricsLogger(run_dir, total_steps=cfg.rl.steps, tensorboard=cfg.run.tensorboard,
