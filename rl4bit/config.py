@@ -393,12 +393,18 @@ class RunConfig:
     """Prompts (with their answers) per step of the supervised warm start."""
     cpu_threads: int = 0
     """torch intra-op threads in every process of the job (0 = torch's default); tiny models on a shared CPU run fastest with 1."""
+    samples_every: int = 5
+    """Keep the completions of `samples_prompts` prompts every this many RL steps in samples.jsonl (with their
+    rewards, advantages and sampler logprobs; `rl4bit inspect RUN --samples`) and TensorBoard; 0 = never."""
+    samples_prompts: int = 2
+    """Prompts (each with all its samples_per_prompt completions) kept a time in samples.jsonl."""
     progress: bool = True
     """Show the live `rich` progress display (off in tests and non-interactive logs)."""
 
     def validate(self, path: str) -> None:
         for name, low in (("checkpoint_every", 0), ("warmup_sft_steps", 0), ("cpu_threads", 0),
-                          ("keep_checkpoints", 1), ("warmup_batch_size", 1)):
+                          ("keep_checkpoints", 1), ("warmup_batch_size", 1), ("samples_every", 0),
+                          ("samples_prompts", 1)):
             if getattr(self, name) < low:
                 raise ConfigError(f"{path}.{name}: {getattr(self, name)} must be >= {low}")
         _positive(self, path, "warmup_lr")

@@ -87,6 +87,7 @@ from rl4bit.metrics import MetricsLogger, PhasePeaks, plot, read_metrics
 from rl4bit.kernels import invariant
 from rl4bit.models import autocast_dtype, build_policy_model
 from rl4bit.parity_stats import check_reference, live_parity_metrics
+from rl4bit import samples as samples_log
 from rl4bit.reward_log import RewardLog, failure_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
 from rl4bit.rundir import SUBDIRS, create_run_dir
@@ -294,6 +295,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                                progress=cfg.run.progress, start_step=start)
         if resume:
             logger.truncate(start)
+            samples_log.truncate(run_dir, start)
         phase = "sync"
         sync_bytes, sync_s = sync_all(trainer, samplers, recover)
         if not resume:
@@ -368,6 +370,12 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 m["time/step_s"] = time.perf_counter() - t_step
                 peaks.job(m)  # after the evaluation: the job's peak so far, every phase included
                 logger.log(step, m)
+                every = cfg.run.samples_every
+                if every and (step % every == 0 or step == start + 1):  # the first step too: an early look
+                    record = samples_log.sample_record(step, prompts, rollouts, totals, adv.tolist(), G,
+                                                       cfg.run.samples_prompts, m)
+                    samples_log.append(run_dir, record)
+                    logger.text("samples", samples_log.as_markdown(record), step)
                 if on_step is not None:
                     on_step(step, m)
                 # checkpoint
