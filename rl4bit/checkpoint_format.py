@@ -323,10 +323,11 @@ def group_by_layer(entries: list[Entry]) -> list[list[Entry]]:
 
 
 def is_export(path: Path) -> bool:
-    """Whether the directory `path` holds an rl4bit export (complete or not): its layout, or an index rl4bit wrote.
+    """Whether the directory `path` holds an rl4bit export (complete or not): its layout, an index rl4bit wrote, or
+    the marker of a BF16 `--format hf` export (`rl4bit.export_hf.MARKER`).
 
     A Hugging Face model's own model.safetensors.index.json (no rl4bit_format_version) does not count."""
-    if (path / LAYOUT).is_file():
+    if (path / LAYOUT).is_file() or (path / "rl4bit_export.json").is_file():  # the latter: `export --format hf`
         return True
     try:
         return "rl4bit_format_version" in json.loads((path / INDEX).read_bytes())["metadata"]

@@ -85,13 +85,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="directory for plots and JSON results")
     _overrides(p)
 
-    p = sub.add_parser("export", help="write a quantized checkpoint (compressed-tensors layout vLLM reads)")
+    p = sub.add_parser("export", help="write a checkpoint: quantized for vLLM (default) or plain BF16 for transformers",
+                       description="compressed-tensors (default): the quantized tensors, read by vLLM and rl4bit, not "
+                                   "by plain transformers. hf: a plain BF16 Hugging Face checkpoint of the same "
+                                   "weights (dequantized), read by transformers, lm-eval-harness, PEFT.")
     p.add_argument("source", help="a config file (its model, quantized by its recipe) or a run dir (its latest checkpoint)")
     p.add_argument("--out", required=True)
+    p.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "hf"],
+                   help="compressed-tensors (vLLM; default) or hf (plain BF16 for transformers)")
+    p.add_argument("--eval", action=argparse.BooleanOptionalAction, default=None,
+                   help="hf from a run dir: greedy accuracy of the export on the run's eval split beside the run's "
+                        "own (default: when the model is small)")
     _overrides(p)
 
-    p = sub.add_parser("inspect", help="per-module formats, bits and bytes of a quantized checkpoint")
-    p.add_argument("dir")
+    p = sub.add_parser("inspect", help="an export's formats, bits, bytes and readers; or a run's latest samples")
+    p.add_argument("dir", help="an `rl4bit export` --out, or a run dir with --samples")
+    p.add_argument("--samples", action="store_true", help="print the run dir's latest samples.jsonl record")
 
     p = sub.add_parser("config", help="print the fully resolved config and derived batch sizes")
     p.add_argument("config")
@@ -197,12 +206,12 @@ def cmd_parity(args) -> int:
 
 def cmd_export(args) -> int:
     mod = _require("rl4bit.export", "`rl4bit export` (quantized checkpoints)")
-    return mod.main(args.source, out=args.out, overrides=args.override)
+    return mod.main(args.source, out=args.out, overrides=args.override, fmt=args.format, evaluate=args.eval)
 
 
 def cmd_inspect(args) -> int:
     mod = _require("rl4bit.export", "`rl4bit inspect` (quantized checkpoints)")
-    return mod.inspect_main(args.dir)
+    return mod.inspect_main(args.dir, samples=args.samples)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -151,7 +151,8 @@ class TrainerConfig:
     grad_clip: float = 1.0
     """Global gradient-norm clip (0 = off)."""
     tokens_per_microbatch: int = 4096
-    """Most tokens (prompt + completion, summed over sequences) in one forward/backward."""
+    """Most tokens (prompt + completion, summed over sequences) in one forward/backward; at least one rollout
+    (the longest prompt + sampler.max_new_tokens, checked when the job's prompts are known)."""
     device: str = "auto"
     """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available)."""
     max_nonfinite_steps: int = 3
@@ -286,11 +287,22 @@ class DataConfig:
     train_file: Optional[str] = None
     """JSONL or Parquet with `prompt`, optional `answer` and extra fields (task: file)."""
     eval_file: Optional[str] = None
-    """Held-out prompts in the same format (task: file)."""
+    """Held-out prompts in the same format (task: file); without it the eval split is carved from train_file
+    (`eval_fraction`)."""
+    warmup_file: Optional[str] = None
+    """Prompts with answers for the supervised warm start (task: file, run.warmup_sft_steps > 0 and
+    run.warmup_prompts: held_out), in the same format; RL never samples them."""
+    warmup_fraction: float = 0.5
+    """Arithmetic task with run.warmup_prompts: held_out: this fraction of the train sums (seeded permutation) is
+    the warm start's, and RL trains on the rest."""
     digits: int = 2
     """Arithmetic task: operand digits, 1 to `MAX_DIGITS` (the task enumerates all 10**(2*digits) operand pairs)."""
     eval_size: int = 64
-    """Prompts in the evaluation split."""
+    """Prompts in the evaluation split (at most)."""
+    eval_fraction: float = 0.1
+    """task: file without `eval_file`: this fraction of the train file's prompts (at least 1, at most
+    `eval_size`) is held out as the eval split, picked by a permutation seeded by `seed`, and RL never trains on
+    them (said in the log). 0: no eval split, no evaluation."""
     eval_every: int = 5
     """Evaluate every this many steps (and before the first step)."""
     seed: int = 0
@@ -303,11 +315,15 @@ class DataConfig:
     def validate(self, path: str) -> None:
         if self.task == "file" and not self.train_file:
             raise ConfigError(f"{path}.train_file: required when {path}.task is 'file'")
-        for name in ("train_file", "eval_file"):
+        for name in ("train_file", "eval_file", "warmup_file"):
             if self.task == "arithmetic" and getattr(self, name):  # would train on the built-in sums, silently
                 raise ConfigError(f"{path}.{name}: {getattr(self, name)!r} is set but {path}.task is 'arithmetic', "
                                   f"which ignores prompt files; set {path}.task: file to use it, or remove it")
         _positive(self, path, "digits", "eval_size", "eval_every")
+        if not 0 < self.warmup_fraction < 1:
+            raise ConfigError(f"{path}.warmup_fraction: {self.warmup_fraction} must be in (0, 1)")
+        if not 0 <= self.eval_fraction < 1:
+            raise ConfigError(f"{path}.eval_fraction: {self.eval_fraction} must be in [0, 1) (0: no eval split)")
         if self.digits > MAX_DIGITS:
             raise ConfigError(f"{path}.digits: {self.digits} is above {MAX_DIGITS}: the arithmetic task holds all "
                               f"10**(2*digits) operand pairs in memory (10**{2 * self.digits} here); use 1 to "
@@ -362,7 +378,13 @@ class RunConfig:
     keep_checkpoints: int = 2
     """Checkpoints kept on disk (oldest removed first)."""
     warmup_sft_steps: int = 0
-    """Supervised warm-start steps on the task before RL (quickstart)."""
+    """Supervised warm-start steps (prompt -> answer) before RL: a quickstart device that stands in for a
+    pretrained model; 0 (off) unless the config asks. Cached: the same model, prompts, settings and seed reuse
+    the weights of an earlier run (`rl4bit.warmstart`)."""
+    warmup_prompts: Literal["held_out", "train"] = "held_out"
+    """What the warm start trains on: `held_out`, prompts RL never samples (arithmetic: data.warmup_fraction of
+    the sums; file: data.warmup_file); `train`, RL's own train prompts, whose answers it then memorises (groups
+    agree, zero reward spread: little left to learn)."""
     warmup_lr: float = 3e-3
     """Learning rate of the supervised warm start."""
     tensorboard: bool = True
@@ -371,12 +393,18 @@ class RunConfig:
     """Prompts (with their answers) per step of the supervised warm start."""
     cpu_threads: int = 0
     """torch intra-op threads in every process of the job (0 = torch's default); tiny models on a shared CPU run fastest with 1."""
+    samples_every: int = 5
+    """Keep the completions of `samples_prompts` prompts every this many RL steps in samples.jsonl (with their
+    rewards, advantages and sampler logprobs; `rl4bit inspect RUN --samples`) and TensorBoard; 0 = never."""
+    samples_prompts: int = 2
+    """Prompts (each with all its samples_per_prompt completions) kept a time in samples.jsonl."""
     progress: bool = True
     """Show the live `rich` progress display (off in tests and non-interactive logs)."""
 
     def validate(self, path: str) -> None:
         for name, low in (("checkpoint_every", 0), ("warmup_sft_steps", 0), ("cpu_threads", 0),
-                          ("keep_checkpoints", 1), ("warmup_batch_size", 1)):
+                          ("keep_checkpoints", 1), ("warmup_batch_size", 1), ("samples_every", 0),
+                          ("samples_prompts", 1)):
             if getattr(self, name) < low:
                 raise ConfigError(f"{path}.{name}: {getattr(self, name)} must be >= {low}")
         _positive(self, path, "warmup_lr")
@@ -541,6 +569,20 @@ def validate(cfg: JobConfig) -> None:
         raise ConfigError(
             f"sampler.max_new_tokens: {cfg.sampler.max_new_tokens} leaves no room for the prompt within model.max_seq_len={cfg.model.max_seq_len}"
         )
+    if cfg.trainer.tokens_per_microbatch <= cfg.sampler.max_new_tokens:
+        # a rollout is its prompt (>= 1 token) + up to max_new_tokens; one that does not fit a micro-batch is
+        # trained alone, one sequence a forward (tens of times slower), so it is refused rather than run
+        raise ConfigError(
+            f"trainer.tokens_per_microbatch: {cfg.trainer.tokens_per_microbatch} is smaller than one rollout (a "
+            f"prompt of >= 1 token + sampler.max_new_tokens={cfg.sampler.max_new_tokens}); set it to at least "
+            f"model.max_seq_len={cfg.model.max_seq_len} (the longest rollout), e.g. "
+            f"-o trainer.tokens_per_microbatch={max(cfg.model.max_seq_len, 4096)}")
+    if (cfg.run.warmup_sft_steps and cfg.run.warmup_prompts == "held_out" and cfg.data.task == "file"
+            and not cfg.data.warmup_file):
+        raise ConfigError(
+            "run.warmup_sft_steps: a warm start on held-out prompts needs data.warmup_file (prompts with answers RL "
+            "does not train on); set it, or run.warmup_sft_steps: 0 (a pretrained model.path needs none), or "
+            "run.warmup_prompts: train to warm-start on RL's own prompts (their answers are then memorised)")
     if cfg.rl.samples_per_prompt == 1:
         raise ConfigError("rl.samples_per_prompt: 1 gives every GRPO group zero reward spread (no learning signal); use >= 2")
     if cfg.model.invariant_kernels and cfg.sampler.backend != "embedded":

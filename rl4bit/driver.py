@@ -87,10 +87,12 @@ from rl4bit.metrics import MetricsLogger, PhasePeaks, plot, read_metrics
 from rl4bit.kernels import invariant
 from rl4bit.models import autocast_dtype, build_policy_model
 from rl4bit.parity_stats import check_reference, live_parity_metrics
+from rl4bit import samples as samples_log
+from rl4bit.reward_log import RewardLog, failure_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
 from rl4bit.rundir import SUBDIRS, create_run_dir
 from rl4bit.sampler.types import MAX_SEED, Request, SamplingParams
-from rl4bit.tasks import PromptStream, check_prompt_lengths, load_task
+from rl4bit.tasks import PromptStream, check_batch_fits, check_prompt_lengths, load_task, warmup_split
 from rl4bit.tokenizer import build_tokenizer, check_chat_template, prompt_ids
 from rl4bit.trainer.actor import NonFiniteError, TrainBatch, Trainer
 from rl4bit.trainer.grpo import group_advantages
@@ -140,7 +142,8 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
         run(cfg, run_dir, resume=resume is not None)
         finished = True
     except JOB_ERRORS as e:
-        print(f"rl4bit train: error: {e}", file=sys.stderr)
+        kept = run_dir / "logs" / ERROR_FILE
+        print(f"rl4bit train: error: {e}" + (f" (kept in {kept})" if kept.is_file() else ""), file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: the actors are shut down by `run`; what was saved stays
         print(f"rl4bit train: interrupted. {_resume_hint(run_dir)}", file=sys.stderr)
@@ -149,6 +152,29 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
         if not finished and resume is None:
             _forget_unstarted(run_dir, created)
     return 0
+
+
+ERROR_FILE = "error.txt"
+"""Under the run dir's logs/: the traceback of every failure that stopped a started run (its actors up), the latest
+last. A job refused before that (bad data, a reward that does not load) only prints its error."""
+
+
+def keep_error(run_dir: Path, err: BaseException) -> Path | None:
+    """Append `err` with its traceback to RUN_DIR/logs/error.txt (atomic: the old text plus the new, renamed into
+    place), so the run dir says why it stopped after the terminal is gone; the path, or None when it could not be
+    written (the original error matters more than this record)."""
+    import traceback
+
+    path = Path(run_dir) / "logs" / ERROR_FILE
+    try:
+        before = path.read_text() if path.is_file() else ""
+        text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, f"{before}--- {stamp}: {type(err).__name__}\n{text}")
+    except OSError:
+        return None
+    return path
 
 
 def _forget_unstarted(run_dir: Path, created: bool = False) -> None:
@@ -186,19 +212,30 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         torch.set_num_threads(cfg.run.cpu_threads)
     tokenizer = build_tokenizer(cfg.model)
     train_set, eval_set = load_task(cfg.data)
+    train_set, warm_set = warmup_split(train_set, cfg.data, cfg.run)
     if cfg.parity.reference:
         check_reference(cfg.parity.reference)
     chat = cfg.data.chat_template
     check_chat_template(tokenizer, chat)
-    warning = check_prompt_lengths(train_set, eval_set, lambda texts: [len(prompt_ids(tokenizer, t, chat))
-                                                                        for t in texts], cfg.model.max_seq_len)
+    lengths: dict[str, int] = {}  # prompt -> tokens, counted once for both checks
+
+    def count_tokens(texts):
+        for t in texts:
+            if t not in lengths:
+                lengths[t] = len(prompt_ids(tokenizer, t, chat))
+        return [lengths[t] for t in texts]
+
+    warning = check_prompt_lengths(train_set, eval_set, count_tokens, cfg.model.max_seq_len)
     if warning:
         print(warning, file=sys.stderr)
+    check_batch_fits(cfg, train_set, count_tokens([s["prompt"] for s in train_set]),
+                     cfg.data.train_file or f"the arithmetic task ({cfg.data.digits} digits)")
     stream = PromptStream(train_set, cfg.data.seed)
     specs = [absolute_reward_spec(r.fn) for r in cfg.rewards.functions]
     limits = reward_limits(cfg)
     check_rewards(specs, train_set[0], **limits)
 
+    reward_log = RewardLog(run_dir)
     cluster = Cluster(cfg, run_dir)
     logger = pool = trainer = None
     world = int(getattr(cfg.trainer, "world_size", 1))
@@ -245,19 +282,25 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         else:
             if cfg.run.warmup_sft_steps:
                 phase = "warm start"
-                warm = get(trainer.warm_start(train_set))
-                print(f"warm start: {cfg.run.warmup_sft_steps} steps, loss {warm['warmup/loss_first']:.3f} -> {warm['warmup/loss_last']:.3f}")
+                warm = get(trainer.warm_start(warm_set))
+                which = ("RL's own train prompts (run.warmup_prompts: train)" if cfg.run.warmup_prompts == "train"
+                         else f"{len(warm_set)} held-out prompts RL does not train on")
+                how = (f"reused from the cache {warm['warmup/cache']}" if warm.get("warmup/cached")
+                       else "trained" + (f", cached in {warm['warmup/cache']}" if warm.get("warmup/cache") else ""))
+                print(f"warm start: {cfg.run.warmup_sft_steps} steps on {which}, loss {warm['warmup/loss_first']:.3f} "
+                      f"-> {warm['warmup/loss_last']:.3f} ({how})")
                 phase = "setup"
             get(trainer.setup_rl())
         logger = MetricsLogger(run_dir, total_steps=cfg.rl.steps, tensorboard=cfg.run.tensorboard,
                                progress=cfg.run.progress, start_step=start)
         if resume:
             logger.truncate(start)
+            samples_log.truncate(run_dir, start)
         phase = "sync"
         sync_bytes, sync_s = sync_all(trainer, samplers, recover)
         if not resume:
             phase = "evaluate"
-            logger.log(0, evaluate(cfg, tokenizer, samplers, pool, eval_set, recover))
+            logger.log(0, evaluate(cfg, tokenizer, samplers, pool, eval_set, recover, log=reward_log, step=0))
 
         step = start
         peaks = PhasePeaks(torch.device(cfg.trainer.device) if cfg.trainer.device.startswith("cuda") else None)
@@ -286,6 +329,8 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 scores = get(pool.score([(s["prompt"], r.text, s) for s, r in zip(samples, rollouts)]))
                 totals = [None if r.finish_reason == "error" else v for r, v in zip(rollouts, scores.totals)]
                 t_score = time.perf_counter() - t0
+                if line := reward_log.write(step, "train", scores):
+                    print(f"rl4bit: {line}", file=sys.stderr)
                 # advantages
                 rewards = torch.tensor([0.0 if v is None else v for v in totals])
                 valid = torch.tensor([v is not None for v in totals])  # failed samples: no part in their group
@@ -316,7 +361,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 m["rollout/sampler_restarts"] = float(recover.used)
                 if step % cfg.data.eval_every == 0 or step == cfg.rl.steps:
                     phase = "evaluate"
-                    m.update(evaluate(cfg, tokenizer, samplers, pool, eval_set, recover))
+                    m.update(evaluate(cfg, tokenizer, samplers, pool, eval_set, recover, log=reward_log, step=step))
                 if cfg.parity.reference:  # live parity against a finished reference run
                     m.update(live_parity_metrics(cfg.parity.reference, run_dir, step, m["reward/mean"], cfg.parity.threshold))
                     if m.get("parity/diverged"):
@@ -325,6 +370,12 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
                 m["time/step_s"] = time.perf_counter() - t_step
                 peaks.job(m)  # after the evaluation: the job's peak so far, every phase included
                 logger.log(step, m)
+                every = cfg.run.samples_every
+                if every and (step % every == 0 or step == start + 1):  # the first step too: an early look
+                    record = samples_log.sample_record(step, prompts, rollouts, totals, adv.tolist(), G,
+                                                       cfg.run.samples_prompts, m)
+                    samples_log.append(run_dir, record)
+                    logger.text("samples", samples_log.as_markdown(record), step)
                 if on_step is not None:
                     on_step(step, m)
                 # checkpoint
@@ -345,7 +396,12 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
     except torch.OutOfMemoryError as e:  # an actor's, re-raised as itself by `get`, or this process's (local mode)
         detail = ". ".join(str(e).split(". ")[:2])[:200]  # "CUDA out of memory. Tried to allocate X GiB"
         at = step if step > start else 0  # 0: before the run's first RL step (after a resume too)
-        raise OutOfMemory(_out_of_memory(cfg, phase, at, detail, run_dir), phase, at, detail) from None
+        err = OutOfMemory(_out_of_memory(cfg, phase, at, detail, run_dir), phase, at, detail)
+        keep_error(run_dir, err)
+        raise err from None
+    except Exception as e:  # the run started (its actors did): the run dir keeps why it stopped
+        keep_error(run_dir, e)
+        raise
     finally:
         invariant.set_mode(False)  # local mode: the trainer and samplers turned it on in this process
         if logger is not None:
@@ -600,11 +656,17 @@ def rollout_metrics(rollouts, totals, scores, group: int, sample_s: float) -> di
     for name, vals in scores.per_reward.items():
         good = [v for v in vals if v is not None]
         m[f"reward/{name}"] = sum(good) / len(good) if good else 0.0
+    m.update(failure_metrics(scores, "reward_errors"))
     return m
 
 
-def evaluate(cfg: JobConfig, tokenizer, samplers, pool, eval_set: list[dict], recover=None) -> dict:
-    """Greedy completions of the eval split: exact-match accuracy (when answers exist) and mean reward."""
+def evaluate(cfg: JobConfig, tokenizer, samplers, pool, eval_set: list[dict], recover=None, *,
+             log: RewardLog | None = None, step: int = 0) -> dict:
+    """Greedy completions of the eval split: exact-match accuracy (when answers exist) and mean reward.
+
+    What was left out and why is reported: `eval/rollout_errors` (failed rollouts, scored as empty completions),
+    `eval/reward_dropped` (samples whose reward failed: not in eval/reward_mean), `eval/reward_errors/<kind>`,
+    and the failures themselves in `log` (logs/rewards.log)."""
     if not eval_set:
         return {}
     t0 = time.perf_counter()
@@ -620,6 +682,11 @@ def evaluate(cfg: JobConfig, tokenizer, samplers, pool, eval_set: list[dict], re
     scores = get(pool.score([(s["prompt"], t, s) for s, t in zip(eval_set, texts)]))
     ok = [v for v in scores.totals if v is not None]
     m["eval/reward_mean"] = sum(ok) / len(ok) if ok else 0.0
+    m["eval/rollout_errors"] = float(sum(r.finish_reason == "error" for r in rollouts))
+    m["eval/reward_dropped"] = float(len(eval_set) - len(ok))
+    m.update(failure_metrics(scores, "eval/reward_errors"))
+    if log is not None and (line := log.write(step, "eval", scores)):
+        print(f"rl4bit: eval/reward_mean leaves out {len(eval_set) - len(ok)} samples: {line}", file=sys.stderr)
     m["time/eval_s"] = time.perf_counter() - t0
     return m
 

@@ -1,4 +1,11 @@
-"""`rl4bit export CONFIG_OR_RUN --out DIR` and `rl4bit inspect DIR`.
+"""`rl4bit export CONFIG_OR_RUN --out DIR [--format compressed-tensors|hf]` and `rl4bit inspect DIR [--samples]`.
+
+Two forms, one source (the trainer's own tensors):
+- `compressed-tensors` (default): the quantized tensors as they are, for vLLM and rl4bit (`CT_CONSUMERS`);
+- `hf`: a plain BF16 Hugging Face checkpoint (`rl4bit.export_hf`), for transformers, lm-eval-harness and PEFT
+  (`HF_CONSUMERS`); exported from a run dir, its greedy accuracy on the run's eval split is printed beside the
+  run's own (`--eval`; by default when the model is small enough to run on this machine quickly).
+Both say at export, and `inspect` says again, which consumers read them.
 
 export: a YAML config -> the model it builds (`rl4bit.models.build_model`,
 seeded), converted by its recipe (`trainer.surgery.convert_model`); a run dir ->
@@ -13,7 +20,7 @@ character one) and the model's generation config (its eos ids).
 inspect: per stored module, its format, bits per value, bytes, and the totals
 against the same weights in BF16, as a rich table.
 
-Leaves out: exporting a dense BF16 copy.
+Leaves out: other dense dtypes than BF16.
 """
 
 from __future__ import annotations
@@ -54,10 +61,22 @@ def _check_job(run_dir: Path, meta: dict, cfg) -> None:
                               "for another recipe, train a run with it")
 
 
-def main(source: str, out: str, overrides: list[str] | None = None) -> int:
-    """Export a config's model or a run dir's latest checkpoint; prints where it went."""
+FORMATS = ("compressed-tensors", "hf")
+
+EVAL_AUTO_PARAMS = 200_000_000
+"""`--eval` unset: a run dir's hf export is evaluated when the model has fewer parameters than this (seconds on a
+CPU for the quickstart's; a large model would take far longer than the export)."""
+
+
+def main(source: str, out: str, overrides: list[str] | None = None, fmt: str = "compressed-tensors",
+         evaluate: bool | None = None) -> int:
+    """Export a config's model or a run dir's latest checkpoint; prints where it went and who reads it."""
     from rl4bit.checkpoint_format import write_checkpoint
-    from rl4bit.config import load_config
+    from rl4bit.config import ConfigError, load_config
+    from rl4bit.export_hf import CT_CONSUMERS, HF_CONSUMERS, write_hf_checkpoint
+
+    if fmt not in FORMATS:
+        raise ConfigError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
 
     src = Path(source)
     extra = {"source": str(src)}
@@ -85,9 +104,39 @@ def main(source: str, out: str, overrides: list[str] | None = None) -> int:
         model, plan, tokenizer = _build(cfg)
         extra["policy_version"] = 0
     extra["recipe"] = cfg.recipe.name
+    if fmt == "hf":
+        path = write_hf_checkpoint(out, model, plan, tokenizer, extra)
+        print(f"exported a BF16 Hugging Face checkpoint of the {cfg.recipe.name} policy v{extra['policy_version']} "
+              f"(its dequantized weights) to {path}\nread by: {HF_CONSUMERS}")
+        params = sum(p.numel() for p in model.parameters())
+        if src.is_dir() and (evaluate or (evaluate is None and params < EVAL_AUTO_PARAMS)):
+            _report_accuracy(src, cfg, path)
+        return 0
+    extra["consumers"] = CT_CONSUMERS
     path = write_checkpoint(out, model, plan, tokenizer=tokenizer, extra=extra)
-    print(f"exported {cfg.recipe.name} checkpoint (policy v{extra['policy_version']}) to {path}")
+    print(f"exported {cfg.recipe.name} checkpoint (policy v{extra['policy_version']}) to {path}\n"
+          f"read by: {CT_CONSUMERS}")
     return 0
+
+
+def _report_accuracy(run_dir: Path, cfg, path: Path) -> None:
+    """Print the hf export's greedy accuracy on the run's eval split beside the run's own last eval/accuracy."""
+    import time
+
+    from rl4bit.export_hf import greedy_accuracy
+    from rl4bit.metrics import read_metrics
+    from rl4bit.tasks import load_task
+
+    _, eval_set = load_task(cfg.data, quiet=True)
+    t0 = time.perf_counter()
+    acc = greedy_accuracy(path, cfg, eval_set)
+    if acc is None:
+        print("eval: the run's eval split has no answers; no accuracy to compare")
+        return
+    own = [r for r in read_metrics(run_dir) if isinstance(r.get("eval/accuracy"), (int, float))]
+    theirs = f"{own[-1]['eval/accuracy']:.3f} at step {own[-1]['step']} (the run's own numerics)" if own else "none logged"
+    print(f"eval: greedy accuracy on the run's {len(eval_set)} eval prompts: {acc:.3f} with transformers in BF16 "
+          f"({time.perf_counter() - t0:.0f} s); the run's eval/accuracy: {theirs}")
 
 
 def module_rows(path: str | Path) -> list[dict]:
@@ -122,14 +171,23 @@ def module_rows(path: str | Path) -> list[dict]:
     return rows
 
 
-def inspect_main(path: str) -> int:
-    """Print per-module format, bits/value, bytes, and totals against BF16."""
+def inspect_main(path: str, samples: bool = False) -> int:
+    """Print per-module format, bits/value, bytes, and totals against BF16, and who reads the export; with
+    `samples`, a run dir's latest sample completions instead (`rl4bit.samples`)."""
     from rich.console import Console
     from rich.table import Table
 
+    from rl4bit.export_hf import CT_CONSUMERS, MARKER
+
     path = Path(path)
+    if samples:
+        from rl4bit.samples import print_latest
+
+        return print_latest(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: no such directory; pass the --out of an `rl4bit export`")
+    if (path / MARKER).is_file():
+        return _inspect_hf(path)
     if not (path / INDEX).is_file():
         raise FileNotFoundError(f"{path} holds no {INDEX}; is it an `rl4bit export` directory?")
     rows = module_rows(path)
@@ -149,4 +207,27 @@ def inspect_main(path: str) -> int:
     Console(width=140).print(table)
     layout = json.loads((path / "rl4bit_layout.json").read_text())
     print(f"recipe {layout.get('recipe', '?')}, policy v{layout.get('policy_version', '?')}, source {layout.get('source', '?')}")
+    print(f"form: compressed-tensors (quantized); read by: {layout.get('consumers', CT_CONSUMERS)}")
+    return 0
+
+
+def _inspect_hf(path: Path) -> int:
+    """An `--format hf` export: its tensors (all BF16) counted from the safetensors headers, and who reads it."""
+    from safetensors import safe_open
+
+    info = json.loads((path / "rl4bit_export.json").read_text())
+    numel, nbytes, dtypes = 0, 0, set()
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for k in st.keys():
+                sl = st.get_slice(k)
+                n = 1
+                for d in sl.get_shape():
+                    n *= d
+                numel += n
+                dtypes.add(sl.get_dtype())
+                nbytes += 2 * n if sl.get_dtype() in ("BF16", "F16") else 4 * n
+    print(f"{path}: {numel:,} values, {nbytes:,} bytes, dtypes {', '.join(sorted(dtypes))}")
+    print(f"recipe {info.get('recipe', '?')}, policy v{info.get('policy_version', '?')}, source {info.get('source', '?')}")
+    print(f"form: hf (plain BF16, {info.get('weights', '')}); read by: {info.get('consumers', '')}")
     return 0

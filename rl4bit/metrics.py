@@ -145,6 +145,11 @@ class MetricsLogger:
                 f"reward {metrics['reward/mean']:.3f}  eval acc {self.last_eval:.3f}  "
                 f"k3 {metrics.get('mismatch/k3', math.nan):.2e}  {metrics.get('rollout/tokens_per_s', 0):.0f} tok/s"))
 
+    def text(self, tag: str, text: str, step: int) -> None:
+        """A TensorBoard text summary (markdown), when TensorBoard is on."""
+        if self.tb is not None:
+            self.tb.add_text(tag, text, step)
+
     def warn(self, message: str) -> None:
         self.console.print(f"[bold red]WARNING: {message}[/]")
         with open(self.run_dir / "logs" / "warnings.log", "a") as f:

@@ -274,6 +274,20 @@ def trl_style(fn: Callable) -> bool:
                                                 inspect.Parameter.KEYWORD_ONLY)
 
 
+ERROR_KINDS = ("raised", "timeout", "type", "nonfinite", "died")
+"""How a reward call can fail: it raised, ran past rewards.timeout_s, returned something not a number (or a list
+of the wrong length), returned NaN/Inf, or its worker process died (a CPU or memory limit, os._exit). Each is
+counted apart (`Scores.kinds`, metrics `reward_errors/<kind>`)."""
+
+
+class BadValue(TypeError):
+    """A reward returned a value that is not one finite number; `kind` is "type" or "nonfinite"."""
+
+    def __init__(self, kind: str, message: str):
+        super().__init__(message)
+        self.kind = kind
+
+
 def _call(fn: Callable, prompt: str, completion: str, sample: dict) -> float:
     extra = {k: v for k, v in sample.items() if k != "prompt"}
     if trl_style(fn):
@@ -282,17 +296,36 @@ def _call(fn: Callable, prompt: str, completion: str, sample: dict) -> float:
         value = _one(fn([prompt], [completion], **{k: [v] for k, v in extra.items()}))
     else:
         value = fn(prompt, completion, **extra)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
-        raise TypeError(f"returned {value!r}; a reward must return a finite float")
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise BadValue("type", f"returned {value!r}; a reward must return a finite float")
+    if not math.isfinite(value):
+        raise BadValue("nonfinite", f"returned {value!r}; a reward must return a finite float")
     return float(value)
 
 
 def _one(values):
     """The single value a list-in, list-out reward returned for a one-sample call."""
     if not isinstance(values, (list, tuple)) or len(values) != 1:
-        raise TypeError(f"returned {values!r} for a one-sample call; a batched or TRL-style reward returns a list "
-                        f"with one value per completion")
+        raise BadValue("type", f"returned {values!r} for a one-sample call; a batched or TRL-style reward returns "
+                               f"a list with one value per completion")
     return values[0]
+
+
+def raising_line(e: BaseException, fn: Callable) -> str | None:
+    """Where in the user's code `e` was raised: `file:line in function: source` of the deepest frame in the
+    reward's own file (else the deepest frame outside this module), or None when there is no such frame."""
+    frames = traceback.extract_tb(e.__traceback__)
+    try:
+        own = str(Path(inspect.getsourcefile(fn) or "").resolve())
+    except TypeError:  # a builtin or a C function
+        own = ""
+    here = str(Path(__file__).resolve())
+    mine = [f for f in frames if own and str(Path(f.filename).resolve()) == own]
+    outside = [f for f in frames if str(Path(f.filename).resolve()) != here]
+    pick = (mine or outside or [None])[-1]
+    if pick is None:
+        return None
+    return f"{pick.filename}:{pick.lineno} in {pick.name}: {(pick.line or '').strip()}"
 
 
 def check_rewards(specs: list[str], sample: dict, **limits) -> None:
@@ -306,7 +339,9 @@ def check_rewards(specs: list[str], sample: dict, **limits) -> None:
     finally:
         pool.close()
     if scores.errors:
-        raise RewardError(f"start-up call on prompt {sample['prompt']!r} failed: {scores.messages[0]}")
+        where = scores.failures[0].where
+        raise RewardError(f"start-up call on prompt {sample['prompt']!r} failed: {scores.messages[0]}"
+                          + (f" at {where}" if where else ""))
 
 
 # --------------------------------------------------------------------------- limits
@@ -372,28 +407,59 @@ def _worker_main(argv: list[str]) -> None:
             try:
                 reply["values"].append(_call(fn, msg["prompt"], msg["completion"], msg["sample"]))
             except Exception as e:
-                reply = {"i": msg["i"], "error": f"reward {spec!r}: " + traceback.format_exception_only(type(e), e)[-1].strip()}
+                kind = e.kind if isinstance(e, BadValue) else "raised"
+                where = None if isinstance(e, BadValue) else raising_line(e, fn)
+                reply = {"i": msg["i"], "kind": kind, "where": where,
+                         "error": f"reward {spec!r}: " + traceback.format_exception_only(type(e), e)[-1].strip()}
                 break
         proto.write(json.dumps(reply) + "\n")
         proto.flush()
 
 
 @dataclass
+class Failure:
+    """One sample that failed to score: its index in the scored list, how (`ERROR_KINDS`), the message (naming
+    the reward), the line of the user's code that raised (kind "raised"), and the prompt."""
+
+    index: int
+    kind: str
+    message: str
+    where: str | None
+    prompt: str
+
+
+@dataclass
 class Scores:
-    """Per-sample weighted totals (None where a reward failed) and per-reward values."""
+    """Per-sample weighted totals (None where a reward failed) and per-reward values; every failure, in order."""
 
     totals: list[float | None]
     per_reward: dict[str, list[float | None]]
     errors: int = 0
     messages: list[str] = field(default_factory=list)
+    failures: list[Failure] = field(default_factory=list)
+
+    @property
+    def kinds(self) -> dict[str, int]:
+        """Failures counted by kind, every kind of `ERROR_KINDS` present (0 when none)."""
+        return {k: sum(f.kind == k for f in self.failures) for k in ERROR_KINDS}
+
+
+def count_line(kinds: dict[str, int]) -> str:
+    """"3 raised, 1 timeout": the kinds that occurred, for messages."""
+    return ", ".join(f"{n} {k}" for k, n in kinds.items() if n) or "none"
 
 
 class RewardPool:
     """Reward worker processes with a per-call timeout (a plain class; Ray wraps it in rl4bit.actors).
 
-    Each worker leads its own process group, so a timed-out, dead or closed worker is killed with every process
-    its rewards started (a `subprocess.run` still running included); one that left the group (setsid, a daemon)
-    is out of reach."""
+    Up to `workers` calls run at once, hung ones included: a worker that timed out or died is replaced by a new
+    process that starts (imports the rewards) while the other workers go on scoring, and takes items again once
+    it is ready. Each worker leads its own process group, so a timed-out, dead or closed worker is killed with
+    every process its rewards started (a `subprocess.run` still running included); one that left the group
+    (setsid, a daemon) is out of reach."""
+
+    START_S = 60.0
+    """How long a new worker may take to import the rewards before the pool gives up on it (RewardError)."""
 
     def __init__(self, specs: list[str], weights: list[float], *, timeout_s: float = 10.0, workers: int = 1,
                  max_error_fraction: float = 0.1, memory_mb: int = 2048, cpu_s: float | None = None):
@@ -403,34 +469,59 @@ class RewardPool:
         self.memory_mb = int(memory_mb)
         self.cpu_s = float(cpu_s) if cpu_s is not None else 2.0 * timeout_s  # 2x: a reward may use two threads
         self._workers: list[subprocess.Popen] = []
+        self._starting: dict[int, float] = {}  # slot -> deadline of a replacement worker not yet ready
         try:
-            for _ in range(workers):
-                self._workers.append(self._start())  # a load error raises RewardError naming the reward
+            self._workers = [self._spawn() for _ in range(workers)]  # all import at once
+            deadline = time.monotonic() + self.START_S
+            for proc in self._workers:
+                self._await_ready(proc, deadline)  # a load error raises RewardError naming the reward
         except BaseException:
             self.close()
             raise
 
     def pids(self) -> list[int]:
-        """Process ids of the live workers."""
+        """Process ids of the workers (replacements still starting included)."""
         return [p.pid for p in self._workers]
 
-    def _start(self) -> subprocess.Popen:
-        """A new worker, once it has imported the rewards; a load error raises RewardError."""
-        proc = subprocess.Popen(
+    def _spawn(self) -> subprocess.Popen:
+        return subprocess.Popen(
             [sys.executable, "-P", "-m", "rl4bit.rewards", "--memory-mb", str(self.memory_mb), "--cpu-s", str(self.cpu_s),
              *self.specs],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True,
         )
-        if not wait([proc.stdout], timeout=60):
-            _kill(proc)
-            raise RewardError(f"reward worker for {self.specs} did not start within 60 s")
+
+    def _ready_reply(self, proc: subprocess.Popen) -> None:
+        """Read a started worker's first line; RewardError (the worker killed) unless it says it is ready."""
         line = proc.stdout.readline()
         reply = json.loads(line) if line else {
             "load_error": f"the reward worker for {self.specs} exited at start-up (exit code {proc.wait()}; its stderr says why)"}
         if "load_error" in reply:
             _kill(proc)
             raise RewardError(reply["load_error"])
+
+    def _await_ready(self, proc: subprocess.Popen, deadline: float) -> None:
+        if not wait([proc.stdout], timeout=max(0.0, deadline - time.monotonic())):
+            _kill(proc)
+            raise RewardError(f"reward worker for {self.specs} did not start within {self.START_S:.0f} s")
+        self._ready_reply(proc)
+
+    def _start(self) -> subprocess.Popen:
+        """A new worker, once it has imported the rewards; a load error raises RewardError."""
+        proc = self._spawn()
+        self._await_ready(proc, time.monotonic() + self.START_S)
         return proc
+
+    def _poll_starting(self) -> None:
+        """Move replacement workers that are ready out of `_starting`; RewardError for one that failed to start."""
+        for slot, deadline in list(self._starting.items()):
+            proc = self._workers[slot]
+            if wait([proc.stdout], timeout=0):
+                del self._starting[slot]
+                self._ready_reply(proc)
+            elif time.monotonic() >= deadline:
+                del self._starting[slot]
+                _kill(proc)
+                raise RewardError(f"reward worker for {self.specs} did not start within {self.START_S:.0f} s")
 
     def _send(self, slot: int, i: int, item: tuple[str, str, dict]) -> None:
         """Send item `i` to the worker in `slot`, replacing the worker first if it died while idle."""
@@ -448,54 +539,66 @@ class RewardPool:
     def score(self, items: list[tuple[str, str, dict]]) -> Scores:
         """Score (prompt, completion, sample) triples; raises RewardError past max_error_fraction."""
         results: list = [None] * len(items)
-        messages: list[str] = []
+        failures: list[Failure] = []
         todo = list(range(len(items)))[::-1]
         busy: dict[int, tuple[int, float]] = {}  # worker slot -> (item index, deadline)
         while todo or busy:
             for slot in range(len(self._workers)):
-                if slot not in busy and todo:
+                if slot not in busy and slot not in self._starting and todo:
                     i = todo.pop()
                     self._send(slot, i, items[i])
                     busy[slot] = (i, time.monotonic() + self.timeout_s)
-            timeout = max(0.0, min(d for _, d in busy.values()) - time.monotonic())
-            wait([self._workers[s].stdout for s in busy], timeout=timeout)
-            restart = []
+            waiting = [*busy, *self._starting]
+            deadlines = [d for _, d in busy.values()] + list(self._starting.values())
+            wait([self._workers[s].stdout for s in waiting], timeout=max(0.0, min(deadlines) - time.monotonic()))
+            self._poll_starting()
             for slot in list(busy):
                 i, deadline = busy[slot]
                 outcome = self._judge(slot, deadline, items[i][0])
-                if outcome is not None:
-                    results[i], error, dead = outcome
-                    messages += [error] if error else []
-                    restart += [slot] if dead else []
-                    del busy[slot]
-            for slot in restart:  # after judging every slot: a restart takes the rewards' import time
-                self._workers[slot] = self._start()
+                if outcome is None:
+                    continue
+                values, failure, dead = outcome
+                results[i] = values
+                if failure is not None:
+                    kind, message, where = failure
+                    failures.append(Failure(i, kind, message, where, items[i][0]))
+                if dead:  # replaced at once; the new worker imports while the others keep scoring
+                    self._workers[slot] = self._spawn()
+                    self._starting[slot] = time.monotonic() + self.START_S
+                del busy[slot]
         errors = sum(r is None for r in results)
+        scores = Scores([], {}, errors, [f.message for f in sorted(failures, key=lambda f: f.index)],
+                        sorted(failures, key=lambda f: f.index))
         if items and errors > self.max_error_fraction * len(items):
+            first = scores.failures[0]
             raise RewardError(
-                f"{errors}/{len(items)} samples failed to score (rewards.max_error_fraction={self.max_error_fraction}); first: {messages[0]}"
-            )
-        per = {name: [r[k] if r else None for r in results] for k, name in enumerate(self.names)}
-        totals = [sum(w * v for w, v in zip(self.weights, r)) if r else None for r in results]
-        return Scores(totals, per, errors, messages)
+                f"{errors}/{len(items)} samples failed to score ({count_line(scores.kinds)}; "
+                f"rewards.max_error_fraction={self.max_error_fraction}); first: {first.message}"
+                + (f" at {first.where}" if first.where else ""))
+        scores.per_reward = {name: [r[k] if r else None for r in results] for k, name in enumerate(self.names)}
+        scores.totals = [sum(w * v for w, v in zip(self.weights, r)) if r else None for r in results]
+        return scores
 
-    def _judge(self, slot: int, deadline: float, prompt: str) -> tuple[list | None, str | None, bool] | None:
-        """(values or None, error or None, whether the worker is gone) for the call the worker in `slot` is
-        running, or None while it may still answer. Polls its pipe now, so a reply that arrived before the
-        deadline is never taken for a timeout; a worker that died or timed out is killed, not restarted."""
+    def _judge(self, slot: int, deadline: float, prompt: str):
+        """(values or None, (kind, message, where) or None, whether the worker is gone) for the call the worker in
+        `slot` is running, or None while it may still answer. Polls its pipe now, so a reply that arrived before
+        the deadline is never taken for a timeout; a worker that died or timed out is killed, not restarted."""
         proc = self._workers[slot]
         if wait([proc.stdout], timeout=0):
             line = proc.stdout.readline()
             if line:
                 reply = json.loads(line)
-                return reply.get("values"), reply.get("error"), False
+                if "error" in reply:
+                    return None, (reply.get("kind", "raised"), reply["error"], reply.get("where")), False
+                return reply["values"], None, False
             code = proc.wait()  # its own exit code, before the kill below could stand in for it
             _kill(proc)  # what it started may outlive it
-            return None, (f"rewards {self.specs}: worker died (exit code {code}; -24 = CPU limit rewards.cpu_s) "
-                          f"on prompt {prompt!r}"), True
+            return None, ("died", f"rewards {self.specs}: worker died (exit code {code}; -24 = CPU limit "
+                                  f"rewards.cpu_s) on prompt {prompt!r}", None), True
         if time.monotonic() >= deadline:
             _kill(proc)
-            return None, f"rewards {self.specs}: timed out after {self.timeout_s} s on prompt {prompt!r}", True
+            return None, ("timeout", f"rewards {self.specs}: timed out after {self.timeout_s} s on prompt {prompt!r} "
+                                     f"(rewards.timeout_s)", None), True
         return None
 
     def close(self) -> None:
@@ -514,6 +617,7 @@ class RewardPool:
                 pass
             _kill(proc)
         self._workers = []
+        self._starting = {}
 
 
 def _kill(proc: subprocess.Popen) -> None:

@@ -122,13 +122,53 @@ def _check_row(row, where: str) -> None:
         row["answer"] = str(row["answer"])
 
 
-def load_task(data: DataConfig) -> tuple[list[dict], list[dict]]:
-    """(train, eval) samples for the data config."""
+def load_task(data: DataConfig, quiet: bool = False) -> tuple[list[dict], list[dict]]:
+    """(train, eval) samples for the data config. A prompt file without `eval_file` gives up a held-out eval split
+    (`split_eval`), said on stderr unless `quiet`."""
     if data.task == "arithmetic":
         return arithmetic_task(data.digits, data.eval_size, data.seed)
     train = load_prompt_file(data.train_file)
-    evals = load_prompt_file(data.eval_file) if data.eval_file else []
-    return train, evals[: data.eval_size]
+    if data.eval_file:
+        return train, load_prompt_file(data.eval_file)[: data.eval_size]
+    train, evals = split_eval(train, data.eval_fraction, data.eval_size, data.seed)
+    if not quiet:
+        import sys
+
+        print(f"data: no data.eval_file, so {len(evals)} of the {len(train) + len(evals)} prompts of "
+              f"{data.train_file} are held out as the eval split (data.eval_fraction={data.eval_fraction}, at most "
+              f"data.eval_size={data.eval_size}); RL trains on the other {len(train)}"
+              if evals else f"data: no data.eval_file and data.eval_fraction=0: this job has no evaluation",
+              file=sys.stderr)
+    return train, evals
+
+
+def warmup_split(train: list[dict], data: DataConfig, run) -> tuple[list[dict], list[dict]]:
+    """(RL's train prompts, the warm start's prompts) under `run.warmup_prompts` (see RunConfig); the warm start's
+    are [] when run.warmup_sft_steps is 0. held_out: arithmetic splits the train sums by data.warmup_fraction,
+    a prompt file reads data.warmup_file; train: both are the train split."""
+    if not run.warmup_sft_steps:
+        return train, []
+    if run.warmup_prompts == "train":
+        return train, train
+    if data.task == "file":
+        return train, load_prompt_file(data.warmup_file)
+    order = list(range(len(train)))
+    random.Random(data.seed * 1_000_003 + 29).shuffle(order)
+    k = min(len(train) - 1, max(1, round(data.warmup_fraction * len(train))))
+    held = set(order[:k])
+    return [s for i, s in enumerate(train) if i not in held], [train[i] for i in sorted(held)]
+
+
+def split_eval(samples: list[dict], fraction: float, most: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """(train, eval): round(fraction x len) samples (at least 1 when fraction > 0, at most `most`, and never all
+    of them) picked by a permutation seeded by `seed` as the eval split; train keeps the rest in file order."""
+    if fraction <= 0 or len(samples) < 2:
+        return samples, []
+    k = min(most, len(samples) - 1, max(1, round(fraction * len(samples))))
+    order = list(range(len(samples)))
+    random.Random(seed * 1_000_003 + 17).shuffle(order)
+    held = set(order[:k])
+    return ([s for i, s in enumerate(samples) if i not in held], [samples[i] for i in sorted(held)])
 
 
 def check_prompt_lengths(train: list[dict], evals: list[dict], count_tokens, max_seq_len: int) -> str | None:
@@ -151,6 +191,28 @@ def check_prompt_lengths(train: list[dict], evals: list[dict], count_tokens, max
                 f"are empty or do not fit model.max_seq_len={max_seq_len}: their rollouts fail (counted in "
                 f"rollout/errors)")
     return None
+
+
+def check_batch_fits(cfg, train: list[dict], prompt_tokens: list[int], source: str) -> None:
+    """ConfigError, naming the fix, when the job's batch vocabulary does not fit its train prompts: more prompts a
+    step than the train split holds (every step would repeat prompts within itself), or a micro-batch smaller than
+    the longest rollout (the longest train prompt that fits + sampler.max_new_tokens, capped at
+    model.max_seq_len), which would be trained one sequence a forward. `prompt_tokens`: the train prompts' token
+    counts; `source`: where the train split came from, for the message."""
+    n = len(train)
+    if cfg.rl.prompts_per_step > n:
+        raise ConfigError(f"rl.prompts_per_step: {cfg.rl.prompts_per_step} is larger than the {n} train prompts of "
+                          f"{source}; lower it to at most {n} (-o rl.prompts_per_step={n}) or add prompts")
+    fitting = [t for t in prompt_tokens if 0 < t < cfg.model.max_seq_len]
+    if not fitting:
+        return  # check_prompt_lengths names that problem
+    longest = min(cfg.model.max_seq_len, max(fitting) + cfg.sampler.max_new_tokens)
+    if cfg.trainer.tokens_per_microbatch < longest:
+        raise ConfigError(f"trainer.tokens_per_microbatch: {cfg.trainer.tokens_per_microbatch} is smaller than one "
+                          f"rollout ({longest} tokens: the longest train prompt, {max(fitting)} tokens, + "
+                          f"sampler.max_new_tokens={cfg.sampler.max_new_tokens}, at most model.max_seq_len="
+                          f"{cfg.model.max_seq_len}); set -o trainer.tokens_per_microbatch={max(longest, 4096)} or "
+                          f"more (micro-batches are packed up to it)")
 
 
 @dataclass

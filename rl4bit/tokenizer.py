@@ -41,6 +41,11 @@ def build_tokenizer(model_cfg=None):
     from transformers import AutoTokenizer
 
     root = Path(path).expanduser()
+    if not root.is_dir():  # checked first: every later message ("holds no tokenizer") would misname the problem
+        what = "is a file, not a directory" if root.exists() else "does not exist"
+        raise FileNotFoundError(f"model.path: {path!r} {what} (resolved from {Path.cwd()}: {root.resolve()}); point "
+                                f"it at a local Hugging Face checkpoint directory (config.json, safetensors, "
+                                f"tokenizer files) or set model.path to null to build the tiny model")
     if not any((root / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json")):
         # transformers would build an empty tokenizer of the config's model type instead of failing
         raise FileNotFoundError(f"model.path: {path!r} holds no tokenizer (tokenizer.json or tokenizer_config.json); "
