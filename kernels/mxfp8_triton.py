@@ -19,7 +19,7 @@ four consecutive output elements). A block holding NaN gets scale 0xFF.
 Each program loads a [BLOCK_M, BLOCK_K] tile once, reduces 32-blocks in
 registers and writes the (transposed) codes once: one read and one write of
 the bytes, nothing else. Stochastic rounding costs one Philox4x32-10 call
-(about 40-60 integer instructions) per four elements; see PERF_NOTES.md. Codes are built on integers (``formats_triton``) and
+(about 40-60 integer instructions) per four elements. Codes are built on integers (``formats_triton``) and
 stored as uint8; callers view them as float8.
 
 Leaves out: the FLOOR scale mode (the Triton path is RCEIL only; the dispatch

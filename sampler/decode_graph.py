@@ -68,12 +68,8 @@ from rl4bit.trainer.transfer import to_device
 MODES = ("off", "static", "cuda")
 SPLIT_MAX_ROWS = 16
 """Decode steps of at most this many rows split their attention over key chunks (`DecodeLayout.key_chunks`);
-the bits do not depend on it. `scripts/sweep_attention.py` (seventeenth session, H100, 16 query / 4 kv heads of
-128, a 2176-position slot, in-kernel merge), split / unsplit time at contexts 128 / 512 / 2048: batch 1 1.13 /
-0.64 / 0.32, batch 16 1.27 / 0.97 / 0.84, batch 64 1.93 / 1.52 / 1.33 (64 was the earlier, untimed bound).
-Eighteenth session, the same sweep on an H100 with batch 8 added: 1.16 / 0.78 / 0.54 (0.94 at 256), the other
-rows within 0.02. At 16 rows the split loses up to 27% at contexts under ~512 and wins 11-16% from 1024: the
-bound stays at 16, which favours long rollouts (the choice is static for a bucket's graph, not per context)."""
+the bits do not depend on it. At 16 rows the split loses at contexts under ~512 and wins from ~1024
+(`scripts/sweep_attention.py`): 16 favours long rollouts (the choice is static for a bucket's graph)."""
 
 
 @dataclass

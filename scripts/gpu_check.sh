@@ -83,7 +83,7 @@ case "$mode" in
         tail -30 "$out/unmarked.txt" ;;
     rl)
         # RL_INVARIANT (default "true false") picks the runs, RL_TEMPERATURE (default 1.0) the sampling temperature
-        limit=220  # the first job compiles (25 s a step on an H100)
+        limit=220  # the first job compiles its kernels: a longer limit
         for invariant in ${RL_INVARIANT:-true false}; do
             rm -rf /tmp/rl-$invariant  # a second call on a warm machine: no stale run dir
             run parity-$invariant $limit python3 -P -m rl4bit.cli train configs/gpu-h200.yaml \

@@ -1,10 +1,9 @@
-"""Profile the embedded engine's generate on the bench's 1B Qwen3-MoE (BF16 and NVFP4 weights): top ops by time.
+"""Where does a decode step's time go? Profiles the embedded engine's generate (bench 1B Qwen3-MoE, BF16 and NVFP4).
 
     python -P scripts/profile_decode.py --device cuda --batch 64 --new 16 [--temperature 1.0]
 
 Prints per recipe the decode ms/step, the number of kernel launches and host syncs per decode step, and the
-top ops by device time and by host time.
-"""
+top ops by device time and by host time."""
 
 import argparse
 

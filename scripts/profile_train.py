@@ -1,19 +1,14 @@
-"""Profile one RL train step of the bench job (`configs/gpu-h200.yaml`) per recipe: device time by kernel family.
+"""Where does an RL train step's time go, per recipe? Device time by kernel family, and the host side.
 
     source scripts/device_env.sh && python3 -P scripts/profile_train.py [--recipes nvfp4,bf16] [--new 64]
 
-Builds the job's Trainer (random init, no warm start), a synthetic TrainBatch of
-`--seqs` rollouts (prompt 12 tokens, `--new` completion tokens), runs two
-untimed train steps (compiles, allocator), then one under torch.profiler. Prints
-per recipe the step's wall time, its device time split into kernel families
-(NVFP4 GEMM, MXFP8 GEMMs, format kernels, cuBLAS/cutlass GEMMs, attention
-softmax, elementwise/other), the top kernels, and the host side (sync-like
-calls, top ops by self host time: the step is host-bound; `--cprofile`: the
-Python functions by host time), so the train
-phase's overhead of nvfp4 over bf16 can be put on named kernels and calls.
+Builds the bench job's Trainer (`configs/gpu-h200.yaml`, random init), a synthetic TrainBatch of `--seqs`
+rollouts (prompt 12 tokens, `--new` completion tokens), runs two untimed train steps (compiles, allocator),
+then one under torch.profiler. Prints per recipe the step's wall time, its device time by kernel family (NVFP4
+GEMM, MXFP8 GEMMs, format kernels, cuBLAS/cutlass GEMMs, attention, elementwise/other), the top kernels, and the
+host side (sync-like calls, top ops by self host time; `--cprofile`: Python functions by host time).
 
-Leaves out: the sampler and weight sync (`profile_decode.py`, `bench step`).
-"""
+Leaves out: the sampler and weight sync (`profile_decode.py`, `bench step`)."""
 
 from __future__ import annotations
 
