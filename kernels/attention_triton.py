@@ -304,7 +304,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Ten
 
     Why a row's bits depend on that row alone: every launch has the same tile shapes (BLOCK_M query rows from the
     row count of no one: a constant; BLOCK_N and BLOCK_D from the head dim and C alone; KEY_CHUNK a constant), a
-    row's key blocks are visited in the same order from 0, and a block past a row's last key leaves its m, l and acc untouched (a
+    row's key blocks are visited in the same order from 0, and a block past a row's last key leaves its m, l and acc
+    untouched (a
     select, not a multiply by exp(0)). So a token's output is the same in a decode step of any batch, in a
     prefill next to other tokens, and in the trainer's pass over the whole sequence, as long as its q, keys and
     values are. (Masked keys add p = 0 products: exact zeros, which can change only the sign of an output that is

@@ -38,8 +38,16 @@ import triton
 import triton.language as tl
 
 from rl4bit.kernels.formats_triton import pow2
-from rl4bit.kernels.qgemm_triton import (Config, alloc_out, as_counts, grouped_shapes, interpret, map_entry, tile_first,
-                                         tile_map)
+from rl4bit.kernels.qgemm_triton import (
+    Config,
+    alloc_out,
+    as_counts,
+    grouped_shapes,
+    interpret,
+    map_entry,
+    tile_first,
+    tile_map,
+)
 
 FP8_CORES = False
 """Default path: False = BF16 dequantize (exact products, FP32 sums); True = FP8 tensor cores. Pick by bench_gemm."""
@@ -158,7 +166,8 @@ def _mx_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, seg_ptr, P, Q, RP, R
                        BLOCK_M, BLOCK_N, FP8, BK, INTERPRET)
         ca, cb = na, nb
     out_rows = (e.to(tl.int64) * P + rows)[:, None]
-    tl.store(out_ptr + out_rows * Q + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    tl.store(out_ptr + out_rows * Q + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & nmask[None, :])
 
 
 def _operands(q, what: str):

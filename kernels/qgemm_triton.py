@@ -251,7 +251,8 @@ def tile_map(counts, rows: int, block_m: int, device=None) -> torch.Tensor:
             return cmap
         t_block = 64  # a program a block of 64 tiles (the work of a skewed map, all rows one expert's, spread)
         _tile_map_kernel[(triton.cdiv(n_tiles, t_block),)](counts.contiguous(), cmap, groups, n_tiles, BLOCK_M=block_m,
-                                                           E_PAD=triton.next_power_of_2(max(groups, 2)), T_BLOCK=t_block)
+                                                           E_PAD=triton.next_power_of_2(max(groups, 2)),
+                                                           T_BLOCK=t_block)
         return cmap
     key = (tuple(int(n) for n in counts), int(block_m), str(device))
     if sum(key[0]) > rows:  # the tile bound and the kernels' row reads assume the counts cover at most `rows`
@@ -406,8 +407,10 @@ def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr
                 xv = tl.load(xh_ptr + x_rows * K + kk[None, :], mask=rmask[:, None] & ((kk < K) | EVEN_K)[None, :],
                              other=0.0)
             else:
-                xp = tl.load(xd_ptr + x_rows * KW + (k0 // 8 + kw)[None, :], mask=rmask[:, None] & kwm[None, :], other=0)
-                xs = tl.load(xs_ptr + x_rows * KS + (k0 // 16 + ks)[None, :], mask=rmask[:, None] & ksm[None, :], other=0)
+                xp = tl.load(xd_ptr + x_rows * KW + (k0 // 8 + kw)[None, :], mask=rmask[:, None] & kwm[None, :],
+                             other=0)
+                xs = tl.load(xs_ptr + x_rows * KS + (k0 // 16 + ks)[None, :], mask=rmask[:, None] & ksm[None, :],
+                             other=0)
                 xv = _decode_tile(xp, xs, BLOCK_M, BLOCK_K, DECODE)
             wv = _decode_tile(wp, ws, BLOCK_N, BLOCK_K, DECODE)
             if W_FIRST:

@@ -114,7 +114,8 @@ class Sampler:
             return self.receiver.commit(version)
 
     def accepts_tensors(self) -> bool:
-        """Whether `apply_tensors` may be used: the embedded engine yes; vLLM (its own copy of the weights) takes buckets."""
+        """Whether `apply_tensors` may be used: the embedded engine yes; vLLM (its own copy of the weights) takes
+        buckets."""
         return isinstance(self.engine, EmbeddedEngine)
 
     def apply_tensors(self, update: WeightUpdate, quantized: dict) -> int:

@@ -32,8 +32,15 @@ from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_impleme
 from rl4bit.sampler.rope_table import rope_tables
 from rl4bit.sampler.sampling import policy_logprobs, rows_to_lists, sample_rows, sample_rows_tensors
 from rl4bit.sampler.serving_dtype import precast
-from rl4bit.sampler.types import (Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts,
-                                  nonfinite_logprob_error, request_error)
+from rl4bit.sampler.types import (
+    Request,
+    Rollout,
+    SamplingParams,
+    WeightUpdate,
+    failed_rollouts,
+    nonfinite_logprob_error,
+    request_error,
+)
 from rl4bit.trainer import padding
 from rl4bit.trainer.fused_attention import pack_qkv
 

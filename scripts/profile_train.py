@@ -87,7 +87,8 @@ def main() -> None:
             print(f"  {e.self_device_time_total / 1e3:>10.1f} ms  {e.count:>6}x  {e.key[:90]}")
         ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
         syncs = sum(e.count for e in ops if "Synchronize" in e.key or e.key == "aten::_local_scalar_dense")
-        print(f"  host: {syncs} sync-like calls (synchronize / host reads of a value); top {args.rows} ops by self host time:")
+        print(f"  host: {syncs} sync-like calls (synchronize / host reads of a value); "
+              f"top {args.rows} ops by self host time:")
         for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[: args.rows]:
             print(f"  {e.self_cpu_time_total / 1e3:>10.1f} ms  {e.count:>6}x  {e.key[:90]}")
         if args.cprofile:

@@ -27,7 +27,8 @@ import statistics
 import torch
 
 from rl4bit.bench_gemm import _copies, _routing, _time_us, _weights, copy_gbps
-from rl4bit.kernels import quantize, qgemm_triton as qg
+from rl4bit.kernels import qgemm_triton as qg
+from rl4bit.kernels import quantize
 from rl4bit.trainer.qgemm import GemmSpec, quantize_activation
 
 SHAPES = [("dense", 1, 4096, 14336, 1), ("dense", 1, 4096, 14336, 4), ("dense", 1, 4096, 14336, 16),

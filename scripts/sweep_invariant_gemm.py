@@ -1,4 +1,4 @@
-"""Which tiles make the invariant mode's dense product (`invariant_triton.bmm`) fastest, and what does it cost beside cuBLAS?
+"""Which tiles make the invariant mode's product (`invariant_triton.bmm`) fastest, and what does it cost beside cuBLAS?
 
     source scripts/device_env.sh && python3 -P scripts/sweep_invariant_gemm.py [--quick] [--only-current]
         [--against OLD.py]     # another version of kernels/invariant_triton.py: bits and time before and after

@@ -21,7 +21,8 @@ import os
 import torch
 
 from rl4bit.bench_gemm import _routing, _time_us, _weights
-from rl4bit.kernels import mxfp8_gemm_triton as mg, quantize
+from rl4bit.kernels import mxfp8_gemm_triton as mg
+from rl4bit.kernels import quantize
 from rl4bit.kernels.qgemm_triton import Config
 
 MODELS = [("bench", 16, 4, 2048, 768, 16384), ("a3b", 128, 8, 2048, 768, 4096)]

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from rl4bit.config import JobConfig
-from rl4bit.kernels import NonFiniteInputError, deferred_checks
-from rl4bit.kernels import invariant
+from rl4bit.kernels import NonFiniteInputError, deferred_checks, invariant
 from rl4bit.models import autocast_dtype, build_model
 from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer import grpo
@@ -114,7 +113,8 @@ class Trainer:
         if cfg.run.cpu_threads:
             torch.set_num_threads(cfg.run.cpu_threads)
         self.cfg = cfg
-        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.trainer.device == "auto" else cfg.trainer.device)
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(auto if cfg.trainer.device == "auto" else cfg.trainer.device)
         if self.device.type == "cuda" and cfg.model.invariant_kernels:  # the samplers too (sampler/actor.py);
             invariant.set_mode(True)  # the driver turns it off when the job ends
         self.tokenizer = build_tokenizer(cfg.model)
@@ -184,7 +184,8 @@ class Trainer:
             raise ValueError(
                 f"trainer.expert_parallel={ep} with trainer.world_size={self.world}: expert parallelism shards the "
                 f"experts over the whole trainer group; set trainer.world_size={ep} or trainer.expert_parallel="
-                f"{self.world if self.world > 1 else 1} (EP groups smaller than the group, 2D meshes, are not supported)")
+                f"{self.world if self.world > 1 else 1} "
+                "(EP groups smaller than the group, 2D meshes, are not supported)")
         from rl4bit.trainer.modules import QuantExperts
 
         if not any(isinstance(m, QuantExperts) for m in self.model.modules()):
@@ -273,7 +274,8 @@ class Trainer:
             if self.world > 1:
                 from rl4bit.trainer.sharding import clip_grad_norm_
 
-                norm = clip_grad_norm_(self.params, max_norm)  # the group's norm: every rank takes the same skip decision
+                # the group's norm: every rank takes the same skip decision
+                norm = clip_grad_norm_(self.params, max_norm)
             else:
                 norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             norms.append(norm)
@@ -383,7 +385,8 @@ class Trainer:
                                    "call trainer.setup_rl() (or load_state after it) first")
             from rl4bit.weight_sync import WeightSender
 
-            self._sender = WeightSender(self.model, self.plan, dense_dtype=None)  # dense: FP32 masters, as computed with
+            # dense: FP32 masters, as computed with
+            self._sender = WeightSender(self.model, self.plan, dense_dtype=None)
         return self.version, self._sender.num_buckets, self._sender.layout()
 
     def weight_bucket(self, index: int):
@@ -455,7 +458,9 @@ class Trainer:
 
             ep_shapes = {}  # the expert slices and their AdamW moments are Shard(0) pieces of the global [E, ...]
             for n, (p, shape) in expert_params(self.model).items():
-                ep_shapes[f"model.{n}"] = ep_shapes[f"optim.{n}.exp_avg"] = ep_shapes[f"optim.{n}.exp_avg_sq"] = list(shape)
+                global_shape = list(shape)
+                ep_shapes[f"model.{n}"] = ep_shapes[f"optim.{n}.exp_avg"] = global_shape
+                ep_shapes[f"optim.{n}.exp_avg_sq"] = global_shape
             if self.ref_model is not None:
                 for n, (p, shape) in expert_params(self.ref_model).items():
                     ep_shapes[f"ref.{n}"] = list(shape)
@@ -517,7 +522,8 @@ class Trainer:
             else:
                 self._load_local_pieces(self.ref_model, ref_sd)
         for name, p in self.model.named_parameters():
-            st = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
+            st = {k.rsplit(".", 1)[1]: v for k, v in tensors.items()
+                  if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
             if st:
                 self.optimizer.state[p] = {k: self._like(p, v) if k != "step" else v.clone() for k, v in st.items()}
         torch.set_rng_state(tensors["rng.torch_cpu"])

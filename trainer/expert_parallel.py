@@ -1,6 +1,7 @@
-"""Expert parallelism: a converted MoE experts module sharded over a torch.distributed group, tokens moved by all-to-all.
+"""Expert parallelism: a converted MoE experts module sharded over a process group, tokens moved by all-to-all.
 
-    group = dist.new_group(...)                    # the EP ranks (size cfg.trainer.expert_parallel); None = default group
+    group = dist.new_group(...)                    # the EP ranks (size cfg.trainer.expert_parallel); None = default
+    group
     shard_experts(model, group, combine=cfg.trainer.combine)   # after surgery.convert_model, before the optimizer
     loss.backward(); metrics.update(comm_metrics(model))        # {"comm/dispatch_bytes": ..., ...}
 
@@ -64,7 +65,8 @@ class CommMeter:
         self.values[phase] += rows * hidden
 
     def metrics(self) -> dict:
-        """{"comm/<phase>_bytes": payload bytes sent to other ranks, "..._bits_per_value", "..._bf16_bytes": BF16 baseline}."""
+        """{"comm/<phase>_bytes": payload bytes sent to other ranks, "..._bits_per_value", "..._bf16_bytes": BF16
+        baseline}."""
         out = {}
         for p in PHASES:
             out[f"comm/{p}_bytes"] = self.remote[p]
@@ -97,7 +99,8 @@ def _a2a(buf: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Te
 
 
 class _Dispatch(torch.autograd.Function):
-    """x rows (source order) -> the owner's rows (expert-major). NVFP4: returns a placeholder and puts the QTensor in `box`."""
+    """x rows (source order) -> the owner's rows (expert-major). NVFP4: returns a placeholder and puts the QTensor in
+    `box`."""
 
     @staticmethod
     def forward(ctx, x, q_rows, layer, route, box):
@@ -130,7 +133,8 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """Owner's expert outputs (expert-major) -> decoded rows on the source (its sorted order; RHT domain for rht_s2f6)."""
+    """Owner's expert outputs (expert-major) -> decoded rows on the source (its sorted order; RHT domain for
+    rht_s2f6)."""
 
     @staticmethod
     def forward(ctx, o, layer, route, seed, out_dtype):
@@ -206,7 +210,8 @@ class ExpertParallelExperts(QuantExperts):
         n_local = e // self.world
         self.first_expert, self.global_num_experts = self.rank * n_local, e
         sl = slice(self.first_expert, self.first_expert + n_local)
-        self.gate_up_proj = nn.Parameter(src.gate_up_proj.detach()[sl].clone(), requires_grad=src.gate_up_proj.requires_grad)
+        self.gate_up_proj = nn.Parameter(src.gate_up_proj.detach()[sl].clone(),
+                                         requires_grad=src.gate_up_proj.requires_grad)
         self.down_proj = nn.Parameter(src.down_proj.detach()[sl].clone(), requires_grad=src.down_proj.requires_grad)
         self.act_fn = src.act_fn
         self.num_experts = n_local

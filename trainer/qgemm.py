@@ -189,7 +189,8 @@ _METERS: list[dict] = []
 
 @contextmanager
 def count_saved_bytes():
-    """Within the block, sum the activation bytes the GEMMs save for backward: `with count_saved_bytes() as m: ...; m["bytes"]`."""
+    """Within the block, sum the activation bytes the GEMMs save for backward: `with count_saved_bytes() as m: ...;
+    m["bytes"]`."""
     meter = {"bytes": 0, "rows": 0}
     _METERS.append(meter)
     try:
@@ -258,7 +259,8 @@ def _check_finite(t: torch.Tensor, what: str) -> None:
         checks.defer_host(not bool(torch.isfinite(t).all()))
         return
     if not bool(torch.isfinite(t).all()):
-        raise FloatingPointError(f"non-finite values in {what}; MXFP8 cannot encode them (lower the learning rate or check the loss)")
+        raise FloatingPointError(f"non-finite values in {what}; MXFP8 cannot encode them "
+                                 "(lower the learning rate or check the loss)")
 
 
 def _mxfp8_backward(dy, xt: QTensor, wt: QTensor, lay: _Layout, spec: GemmSpec, seeds):

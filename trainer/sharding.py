@@ -32,14 +32,14 @@ from safetensors.torch import save
 
 from rl4bit.checkpoint import CheckpointError, read_manifest, read_verified, shard_file
 
-
 # --------------------------------------------------------------------------- group and units
 
 
 def init_group(rank: int, world: int, addr: str, port: int, device: torch.device) -> None:
     """Join the trainer group (gloo on CPU, nccl on CUDA); CUDA ranks use the device they were given."""
     if dist.is_initialized():
-        raise RuntimeError("a torch.distributed group is already initialised in this process; one trainer rank per process")
+        raise RuntimeError("a torch.distributed group is already initialised in this process; "
+                           "one trainer rank per process")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -211,7 +211,8 @@ def save_shard(dir_: str | Path, rank: int, world: int, tensors: dict[str, torch
         rows = shard_rows(shape[0], rank, world) if sharded else None
         if sharded and (rows[1], *shape[1:]) != tuple(v.shape):
             raise ValueError(f"{k}: local shape {tuple(v.shape)} is not rank {rank}'s Shard(0) piece of {shape}")
-        info[k] = {"shape": list(shape), "dtype": str(v.dtype).removeprefix("torch."), "rows": list(rows) if rows else None}
+        info[k] = {"shape": list(shape), "dtype": str(v.dtype).removeprefix("torch."),
+                   "rows": list(rows) if rows else None}
     data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
                 metadata={"meta": json.dumps(meta), "rank": str(rank), "world": str(world)})
     path = Path(dir_) / shard_file(rank)
