@@ -40,7 +40,7 @@ NEEDS_VLLM = ("vllm_engine", "vllm_plugin")  # the vllm extra's modules, tested 
 
 
 def run_blocked(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", BLOCK_TRITON + code, *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-P", "-c", BLOCK_TRITON + code, *args], capture_output=True, text=True,
                           cwd=REPO, timeout=timeout)
 
 
