@@ -17,7 +17,6 @@ from rl4bit.kernels.philox import derive_seed, random_bits, random_bits4
 from rl4bit.kernels.qtensor import QTensor
 
 
-
 def deferred_checks(host: bool = False):
     """Context manager: quantize kernels inside it skip their per-call host read of the non-finite flag
     (so a decode step can be captured in a CUDA graph, and a training micro-batch makes one host sync for

@@ -39,10 +39,12 @@ def fused_attention_ok(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     for the device, Hq a multiple of Hkv, one head dim <= 256, and q, k, v and the compute dtype each FP32,
     BF16 or FP16.
     """
+    if not fused.enabled(query.device.type):
+        return False  # before the import: off (or without triton) the kernel module is never loaded
     from rl4bit.kernels.attention_triton import MAX_HEAD_DIM
 
     floats = (torch.float32, torch.bfloat16, torch.float16)
-    return (fused.enabled(query.device.type) and query.shape[1] % key.shape[1] == 0
+    return (query.shape[1] % key.shape[1] == 0
             and key.shape[1] == value.shape[1] and query.shape[-1] == key.shape[-1] == value.shape[-1] <= MAX_HEAD_DIM
             and all(t.dtype in floats for t in (query, key, value)) and dtype in floats)
 

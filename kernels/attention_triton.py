@@ -3,47 +3,13 @@ row): one Triton kernel for the embedded engine's prefill and decode and for the
 
     out = attention(q, k, v, seqs, tiles, scaling, compute_dtype)
 
-Rows: a sequence s has n_s query tokens at packed rows q_start_s .. q_start_s + n_s - 1 of q [T, Hq, D], the
-first one at causal position pos0_s; its keys / values for kv head h at position j are
-k[(kv_row_s + j) * s_kp + h * s_kh + 0..D-1] (element offsets into k's storage, the same for v): `kv_row` counts
-position strides, so a cache slot is `kv_row = slot * stride0 / s_kp` and the packed row `kv_row = first row`
-(offsets stay multiples of the strides, which Triton's specialization sees: vectorized loads). Query head h
-reads kv head h // G (grouped-query attention). Query token t attends to key positions 0 .. pos0 + t.
-
-Numerics, per query row (C = `compute_dtype`, what the matmuls run in: the autocast dtype, or the operands'):
-
-    q, k, v rounded to C; score_j = C(C(sum_d q_d k_jd) * scaling)          (FP32 accumulation)
-    keys in chunks of KEY_CHUNK positions from 0; in each chunk, an online softmax over key blocks of
-    BLOCK_N, in order, from scratch: m = running max, p_j = exp(score_j - m),
-    l = l * exp(m_old - m) + sum p, acc = acc * exp(m_old - m) + C(p) @ v
-    the chunks' (m, l, acc) folded in order (`_fold`: both rescaled to the larger max, FP32)
-    out = C(acc / l)                         (IEEE division), stored in the output's dtype (q's)
-
-A decode step of few rows takes its chunks in separate programs (`attention(key_chunks=)`): each stores its
-chunk's softmax state and counts itself done on its (row tile, kv head)'s counter, and the program that counts
-last folds the stored states in chunk order with the same `_fold` and stores the output (`_merge_states`; the
-counter goes back to 0 for the next call). One compiled kernel computes a chunk either way (whether it splits is
-a run-time argument), so split and unsplit give the same bits, and no second launch merges. The hand-off is
-CUTLASS's split-K semaphore: a CTA barrier, then one thread's acq_rel atomic at GPU scope (Triton performs a
-scalar atomic in one thread and broadcasts its result through shared memory behind a barrier), and the merging
-program reads the states from L2 (`.cg`).
-
-The same roundings as the engine's torch path (`kv_cache.engine_attention`: scores and products in C, softmax
-in FP32, probabilities in C), but another softmax algorithm and summation order, so not its bits: within a
-job every pass runs this kernel or every pass runs the torch ops (`rl4bit.kernels.fused`).
-
-Why a row's bits depend on that row alone: every launch has the same tile shapes (BLOCK_M query rows from the
-row count of no one: a constant; BLOCK_N and BLOCK_D from the head dim and C alone; KEY_CHUNK a constant), a
-row's key blocks are visited in the same order from 0, and a block past a row's last key leaves its m, l and acc untouched (a
-select, not a multiply by exp(0)). So a token's output is the same in a decode step of any batch, in a
-prefill next to other tokens, and in the trainer's pass over the whole sequence, as long as its q, keys and
-values are. (Masked keys add p = 0 products: exact zeros, which can change only the sign of an output that is
-exactly zero.) Under TRITON_INTERPRET=1 tiles are FP32 C values multiplied by `interpreter_dot` (not numpy's
-matmul, whose row bits can move with the row's place in its tile), so the interpreter tests check the same
-properties, not the GPU's bits.
-
-`cache_write` puts a step's new keys and values into their cache slots (one launch for what were two index
-writes and two casts).
+A sequence's queries are consecutive rows of q [T, Hq, D]; its keys and values are read at offsets from its
+`kv_row` (a cache slot, or the packed row itself); query head h reads kv head h // G (grouped-query attention).
+Online softmax over key blocks in a fixed order, so a row's bits depend on that row alone: the same in a decode
+step of any batch, in a prefill and in the trainer's pass (numerics and the split decode in `attention`'s
+docstring). The same roundings as the engine's torch path, not its bits: within a job every pass runs this
+kernel or every pass runs the torch ops (`rl4bit.kernels.fused`). `cache_write` puts a step's new keys and
+values into their cache slots in one launch.
 
 Leaves out: sliding windows, softcapping, attention sinks, ALiBi, head dims above 256, dropout, the backward
 (`kernels/attention.py` differentiates the torch formula).
@@ -305,7 +271,47 @@ def split_counters(n_tiles: int, hkv: int, device) -> torch.Tensor:
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqs: torch.Tensor, tiles: torch.Tensor,
               scaling: float, compute_dtype: torch.dtype, out: torch.Tensor, key_chunks: int = 0,
               counters: torch.Tensor | None = None) -> torch.Tensor:
-    """Write into `out` [T, Hq, D] (q's dtype) the attention of q [T, Hq, D] (see module docstring).
+    """Write into `out` [T, Hq, D] (q's dtype) the attention of q [T, Hq, D].
+
+    Rows: a sequence s has n_s query tokens at packed rows q_start_s .. q_start_s + n_s - 1 of q [T, Hq, D], the
+    first one at causal position pos0_s; its keys / values for kv head h at position j are
+    k[(kv_row_s + j) * s_p + h * s_h + 0..D-1] (element offsets into k's storage, the same for v): `kv_row` counts
+    position strides, so a cache slot is `kv_row = slot * stride0 / s_p` and the packed row `kv_row = first row`
+    (offsets stay multiples of the strides, which Triton's specialization sees: vectorized loads). Query token t
+    attends to key positions 0 .. pos0 + t.
+
+    Numerics, per query row (C = `compute_dtype`, what the matmuls run in: the autocast dtype, or the operands'):
+
+        q, k, v rounded to C; score_j = C(C(sum_d q_d k_jd) * scaling)          (FP32 accumulation)
+        keys in chunks of KEY_CHUNK positions from 0; in each chunk, an online softmax over key blocks of
+        BLOCK_N, in order, from scratch: m = running max, p_j = exp(score_j - m),
+        l = l * exp(m_old - m) + sum p, acc = acc * exp(m_old - m) + C(p) @ v
+        the chunks' (m, l, acc) folded in order (`_fold`: both rescaled to the larger max, FP32)
+        out = C(acc / l)                         (IEEE division), stored in the output's dtype (q's)
+
+    A decode step of few rows takes its chunks in separate programs (`attention(key_chunks=)`): each stores its
+    chunk's softmax state and counts itself done on its (row tile, kv head)'s counter, and the program that counts
+    last folds the stored states in chunk order with the same `_fold` and stores the output (`_merge_states`; the
+    counter goes back to 0 for the next call). One compiled kernel computes a chunk either way (whether it splits is
+    a run-time argument), so split and unsplit give the same bits, and no second launch merges. The hand-off is
+    CUTLASS's split-K semaphore: a CTA barrier, then one thread's acq_rel atomic at GPU scope (Triton performs a
+    scalar atomic in one thread and broadcasts its result through shared memory behind a barrier), and the merging
+    program reads the states from L2 (`.cg`).
+
+    The same roundings as the engine's torch path (`kv_cache.engine_attention`: scores and products in C, softmax
+    in FP32, probabilities in C), but another softmax algorithm and summation order, so not its bits: within a
+    job every pass runs this kernel or every pass runs the torch ops (`rl4bit.kernels.fused`).
+
+    Why a row's bits depend on that row alone: every launch has the same tile shapes (BLOCK_M query rows from the
+    row count of no one: a constant; BLOCK_N and BLOCK_D from the head dim and C alone; KEY_CHUNK a constant), a
+    row's key blocks are visited in the same order from 0, and a block past a row's last key leaves its m, l and acc
+    untouched (a
+    select, not a multiply by exp(0)). So a token's output is the same in a decode step of any batch, in a
+    prefill next to other tokens, and in the trainer's pass over the whole sequence, as long as its q, keys and
+    values are. (Masked keys add p = 0 products: exact zeros, which can change only the sign of an output that is
+    exactly zero.) Under TRITON_INTERPRET=1 tiles are FP32 C values multiplied by `interpreter_dot` (not numpy's
+    matmul, whose row bits can move with the row's place in its tile), so the interpreter tests check the same
+    properties, not the GPU's bits.
 
     key_chunks > 0: split each row tile's keys over that many programs, KEY_CHUNK positions each (enough for
     every position of k: the engine's decode steps pass cdiv(cache length, KEY_CHUNK); fewer is a ValueError);

@@ -29,6 +29,7 @@ import triton.language as tl
 from rl4bit.kernels.invariant_triton import _on_device
 from rl4bit.kernels.rmsnorm_triton import round_to
 
+
 @triton.jit(do_not_specialize=["E", "HAS_R"])
 def _combine_kernel(o_ptr, w_ptr, idx_ptr, inv_ptr, r_ptr, out_ptr, H, E, HAS_R, K: tl.constexpr, K_PAD: tl.constexpr,
                     BLOCK_H: tl.constexpr):

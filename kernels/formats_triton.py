@@ -189,7 +189,8 @@ def e8m0_rceil_of_quotient(amax, MAN: tl.constexpr, SHIFT: tl.constexpr, ZERO_MA
 
 @triton.jit
 def tile_2d(pid_r, pid_c, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Rows, cols, in-bounds mask and int64 element offsets of one [BLOCK_R, BLOCK_C] tile of a row-major [R, C] tensor."""
+    """Rows, cols, in-bounds mask and int64 element offsets of one [BLOCK_R, BLOCK_C] tile of a row-major [R, C]
+    tensor."""
     rows = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (rows < R)[:, None] & (cols < C)[None, :]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from rl4bit.kernels import e2m1
 from rl4bit.kernels.checks import check_choice, check_input
 from rl4bit.kernels.nvfp4 import (
     BLOCK,
@@ -36,7 +37,6 @@ from rl4bit.kernels.nvfp4 import (
     f32,
     outer_amax,
 )
-from rl4bit.kernels import e2m1
 from rl4bit.kernels.qtensor import QTensor
 
 OUTER_BOUND = 256.0

@@ -1,30 +1,15 @@
 """Batch-invariant dense products and means (Triton): a result's bits depend on its own row, never on the row count.
 
-Why: on CUDA, `torch.mm` / `bmm` / `addmm` (cuBLAS) and `mean` (ATen's reduce
-kernel) pick their kernels, tiles and split of the reduction by shape. The
-sampler's decode step (P rows) and the trainer's forward (every token of a
-micro-batch) run the same rows at different row counts, so their BF16 attention
-projections, router and lm_head disagree in the last bits, and quantization
-amplifies that (a 4/6 scale choice flips): measured on the H200, `mismatch/k3`
-5e-5 (nvfp4) and 5e-6 (bf16) where the CPU gives exactly 0.
+Why: on CUDA, `torch.mm` / `bmm` / `addmm` (cuBLAS) and `mean` (ATen) pick kernels, tiles and the split of the
+reduction by shape, so the sampler's decode step (P rows) and the trainer's forward (a micro-batch) round the
+same row differently, and quantization amplifies that (a 4/6 scale choice flips). Here every output element
+is one FP32 accumulation over K in BLOCK_K steps from K = 0 (no split-K), tiles chosen from K, N and the dtype
+only; a mean is one program per output in fixed chunks, then one tree sum. BF16/FP16 use the tensor cores,
+FP32 multiplies in full FP32 (`input_precision="ieee"`). Not bitwise equal to cuBLAS: the point is that
+trainer and sampler run the same kernels (`rl4bit.kernels.invariant`). Under TRITON_INTERPRET=1 tiles are
+up-cast to FP32 and multiplied by `interpreter_dot` (the interpreter's BF16 dot is wrong).
 
-Here every output element is one FP32 accumulation over K in BLOCK_K steps from
-K = 0 (`tl.dot` into the accumulator, no split-K), with tiles chosen from K, N
-and the dtype only, never from M or the batch count; a mean is one program per
-output reducing its row in fixed BLOCK chunks, then one tree sum. So a row's
-bits are a function of that row (and the weights) alone, by construction, on
-any GPU. BF16/FP16 operands use the tensor cores; FP32 operands multiply in
-full FP32 (`input_precision="ieee"`, like torch with TF32 off). These are not
-bitwise equal to cuBLAS or ATen (different reduction orders): the point is that
-trainer and sampler run the same kernels (`rl4bit.kernels.invariant`).
-
-Under TRITON_INTERPRET=1 (CPU tests) tiles are up-cast to FP32 (the interpreter's
-BF16 dot is wrong) and multiplied by `interpreter_dot`, not `tl.dot` (numpy's
-matmul, whose bits for a row moved with the row's place in the tile on an AMD
-EPYC's OpenBLAS kernel); the output is rounded once, as on the GPU.
-
-Leaves out: FP8 operands, complex and integer dtypes (callers fall back), and
-any attempt to be fast at tiny K (one tile config per (K, N, dtype)).
+Leaves out: FP8 operands, complex and integer dtypes (callers fall back), speed at tiny K.
 """
 
 from __future__ import annotations
@@ -96,7 +81,7 @@ def _bmm_kernel(a_ptr, b_ptr, c_ptr, bias_ptr, M, N, K,
     a: not a multiple of 16 for an odd row count and K) cannot hide the operands' alignment. Where alignment is
     unknown the compiler loads an operand element by element (`ld.global.b16` in the sm_90 PTX instead of
     16-byte `cp.async` copies into shared memory): `tests/kernels/test_triton_compile.py` checks the mode's
-    layouts; the cost it had is in PERF_NOTES_RL.md (twenty-sixth session)."""
+    layouts; `scripts/sweep_invariant_gemm.py` times the mode against cuBLAS."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if BATCHED:
@@ -136,8 +121,7 @@ def tiles(k: int, n: int, dtype: torch.dtype) -> Tiles:
     """The configuration for a product of reduction length k into n columns, from k, n and the dtype only (never
     the row count): 16-bit operands on tensor cores, FP32 in smaller tiles (the IEEE product runs on the FMA
     units). The 16-bit tile was the fastest of four on a kernel of known alignment over the GPU job's projections
-    at 16 and 8,192 rows (not the grouped product's few-row tiles); `scripts/probe_invariant_alignment.py
-    --configs` and PERF_NOTES_RL.md (twenty-sixth session) have the figures and what is not yet run."""
+    at 16 and 8,192 rows (not the grouped product's few-row tiles), in `scripts/sweep_invariant_gemm.py`."""
     if dtype == torch.float32:
         return Tiles(32, 32, 32, 4, 3)
     return Tiles(128, 128, 64, 8, 3)

@@ -68,7 +68,8 @@ def quantize_mxfp8(
     else:
         u = uniform24(check_seed(seed, "mxfp8"), x32.shape, x32.device).unflatten(-1, (k // BLOCK, BLOCK))
         data = e4m3.round_stochastic(y, u)
-    data = torch.where(nan_block.unsqueeze(-1), torch.full_like(data.view(torch.uint8), E4M3_NAN_BYTE), data.view(torch.uint8))
+    data = torch.where(nan_block.unsqueeze(-1), torch.full_like(data.view(torch.uint8), E4M3_NAN_BYTE),
+                       data.view(torch.uint8))
     e = torch.where(nan_block, torch.full_like(e, E8M0_NAN), e)
     outer = torch.ones((1,) * x.dim(), dtype=torch.float32, device=x.device)
     return QTensor(

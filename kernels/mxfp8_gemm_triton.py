@@ -38,8 +38,16 @@ import triton
 import triton.language as tl
 
 from rl4bit.kernels.formats_triton import pow2
-from rl4bit.kernels.qgemm_triton import (Config, alloc_out, as_counts, grouped_shapes, interpret, map_entry, tile_first,
-                                         tile_map)
+from rl4bit.kernels.qgemm_triton import (
+    Config,
+    alloc_out,
+    as_counts,
+    grouped_shapes,
+    interpret,
+    map_entry,
+    tile_first,
+    tile_map,
+)
 
 FP8_CORES = False
 """Default path: False = BF16 dequantize (exact products, FP32 sums); True = FP8 tensor cores. Pick by bench_gemm."""
@@ -48,10 +56,9 @@ MX_DECODE = Config(block_m=16, block_n=64, num_warps=4, num_stages=3)
 MX_TRAIN = {False: Config(block_m=128, block_n=128, num_warps=4, num_stages=3),
             True: Config(block_m=128, block_n=64, num_warps=4, num_stages=3)}
 """Per path (fp8): the FP8 path keeps a second FP32 tile (the fresh partial sum) live, so a smaller N tile.
-BF16 path: 4 warps (``scripts/sweep_mxfp8_gemm.py`` on the H200, bench model gate_up dgrad, 65536 rows:
-2630 -> 1774 µs, all 22 configs bitwise equal; the only shape the sweep reached before the device time ran
-out; 4 warps also won every shape of the NVFP4 forward's sweep). The wgrad kernel keeps its 8-warp tile
-(``WGRAD``: not swept yet)."""
+BF16 path: 4 warps, the fastest bitwise-equal tile of ``scripts/sweep_mxfp8_gemm.py`` on the bench model's gate_up
+dgrad (4 warps also won every shape of the NVFP4 forward's sweep). The wgrad kernel keeps its 8-warp tile
+(``WGRAD``: not swept)."""
 MX_DECODE_MAX_ROWS = 64
 TWO_CONFIGS = True
 """False: MX_TRAIN for every M (if the two configs ever differ in bits on a GPU)."""
@@ -159,7 +166,8 @@ def _mx_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, seg_ptr, P, Q, RP, R
                        BLOCK_M, BLOCK_N, FP8, BK, INTERPRET)
         ca, cb = na, nb
     out_rows = (e.to(tl.int64) * P + rows)[:, None]
-    tl.store(out_ptr + out_rows * Q + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+    tl.store(out_ptr + out_rows * Q + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=rmask[:, None] & nmask[None, :])
 
 
 def _operands(q, what: str):

@@ -19,7 +19,7 @@ four consecutive output elements). A block holding NaN gets scale 0xFF.
 Each program loads a [BLOCK_M, BLOCK_K] tile once, reduces 32-blocks in
 registers and writes the (transposed) codes once: one read and one write of
 the bytes, nothing else. Stochastic rounding costs one Philox4x32-10 call
-(about 40-60 integer instructions) per four elements; see PERF_NOTES.md. Codes are built on integers (``formats_triton``) and
+(about 40-60 integer instructions) per four elements. Codes are built on integers (``formats_triton``) and
 stored as uint8; callers view them as float8.
 
 Leaves out: the FLOOR scale mode (the Triton path is RCEIL only; the dispatch
@@ -164,7 +164,8 @@ def _mxfp8_cols_kernel(src_ptr, src_scale_ptr, src_outer_ptr, data_ptr, scale_pt
     bits3 = ax
     if STOCHASTIC:
         # output offset of (m, k) is (b*K + k)*M + m: one Philox call per 4 consecutive m (M % 32 == 0)
-        ctr = (b * K + cols.to(tl.int64))[None, :] * (M // 4) + (pid_m * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4))[:, None]
+        ctr = ((b * K + cols.to(tl.int64))[None, :] * (M // 4)
+               + (pid_m * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4))[:, None])
         bits = tl.reshape(philox_bits4(seed_lo, seed_hi, ctr), [BLOCK_M // 4, BLOCK_K, 4])
         bits3 = tl.reshape(tl.permute(bits, (0, 2, 1)), [G, 32, BLOCK_K])
     code, sc = _mx_quant_blocks(tl.reshape(ax, [G, 32, BLOCK_K]), tl.reshape(sign, [G, 32, BLOCK_K]), bits3, 1,
@@ -231,7 +232,8 @@ def _launch_cols(src, src_scale, src_outer, B, M, K, device, stochastic, seed, b
 
 def quantize_cols(x: torch.Tensor, *, stochastic: bool = False, seed=None,
                   block_m: int = 32, block_k: int = 256, num_warps: int = 4):
-    """Columnwise MXFP8 of x [..., M, K]: quantize x.transpose(-2, -1) along M -> ([..., K, M], [..., K, M/32], Inf flag)."""
+    """Columnwise MXFP8 of x [..., M, K]: quantize x.transpose(-2, -1) along M -> ([..., K, M], [..., K, M/32], Inf
+    flag)."""
     if x.dim() < 2:
         raise ValueError(f"columnwise MXFP8 needs a tensor of at least 2 dims, got shape {tuple(x.shape)}")
     *lead, M, K = x.shape

@@ -58,11 +58,9 @@ NV_BLOCK = 16
 MAX_ROW_K = 16384  # widest row held in one program; wider rows get their amax from torch first
 SWIGLU_PER_THREAD = 4
 """Elements a thread of a ``swiglu=True`` launch, which holds one row a program (the SwiGLU's exp and two loads a
-value make it heavier than a plain quantize's 16 a thread). `scripts/sweep_quantize.py`, H100, the bench model's
-768-wide down input with 4/6 and the pre-decoded operand, µs a call at 1 / 16 / 64 tokens: 3.07 / 3.18 / 3.65 for
-one row and 8 warps (this) against 5.15 / 5.25 / 5.43 for the former two rows and 4 warps (16 a thread); 16 warps
-two rows 3.74 / 3.83 / 4.02, 4 warps one row 3.36 / 3.49 / 3.80 (nineteenth session). The tile cannot change a bit
-(a row's amax is a max, the 4/6 errors pairwise sums within a block): the sweep checked every output."""
+value make it heavier than a plain quantize's 16 a thread): one row and 8 warps a program was the fastest at
+decode sizes in `scripts/sweep_quantize.py`. The tile cannot change a bit (a row's amax is a max, the 4/6 errors
+pairwise sums within a block): the sweep checks every output."""
 
 
 @triton.jit

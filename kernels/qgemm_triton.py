@@ -2,51 +2,17 @@
 
     y = grouped_nvfp4(qx, qw, counts, torch.bfloat16)   # qx NVFP4 [R, K] per-row outer, qw NVFP4 [E, N, K]
 
-Matches ``rl4bit.trainer.qgemm.grouped_forward`` (the exact CPU reference)
-up to the order of the FP32 sum over K: operands are decoded WITHOUT their
-outer scales (E2M1 x E4M3 is exact in 16-bit floats), multiplied on the
-tensor cores with FP32 accumulation, and the epilogue is the reference's
-``(acc * outer_x[m]) * outer_w[e]`` in FP32, then the output dtype.
+Matches ``rl4bit.trainer.qgemm.grouped_forward`` (the exact CPU reference) up to the order of the FP32 sum over
+K: operands are decoded to FP16 without their outer scales (E2M1 x E4M3 is exact there; `_decode_tile`),
+multiplied on the tensor cores with FP32 accumulation, and the epilogue applies ``(acc * outer_x[m]) *
+outer_w[e]`` in FP32. Batch-invariant: a program owns BLOCK_M rows of one expert, K is walked from 0 up (no
+split-K), each output is one chain of k16 MMAs, so row m's bits depend on row m and the weights only; the
+configs (DECODE, DECODE_WIDE, MID, TRAIN; `pick_config`) differ in tiles only and give the same bits (GPU
+test). With ``counts`` on the device the grid is fixed (`n_row_tiles`) and nothing reads the host: a decode
+step can be captured in a CUDA graph. `quantize_and_multiply` serves a layer: quantize (with SwiGLU or a row
+gather) and GEMMs sharing one tile map, the same bits as quantize + GEMM.
 
-Decode (no lookup table, no int->float conversion): an E2M1 code ``s e1 e0 m``
-placed as FP16 bits ``s 00000 e1e0 m 000000000`` is the code value times 2**-14
-for every code (exponent field 0 makes 0.5 the subnormal 2**-15, exactly
-as in the E2M1 format itself); an E4M3 scale code shifted left by 7 is its value
-times 2**-8 in FP16, times 256 exactly. The product code x scale x 2**-14 has
-at most 6 significant bits and is >= 2**-24 when non-zero, so it is an exact
-FP16 (subnormals included; PTX f16 arithmetic keeps subnormals). The dot then
-carries 2**-28, removed exactly in the epilogue. Per 32-bit word of 8 codes,
-each pair (k, k+4) takes two shifts, two logic ops and one f16x2 multiply
-(inline PTX, ``decode="asm"``; the same in Triton ops is ``"bits"``, which the
-CPU interpreter runs; ``"f32"`` is the plain E2M1 x E4M3 decode in FP32). All
-three give the same FP16 operands; tests/kernels/test_qgemm_triton.py checks
-the bits on the GPU. FP16 rather than BF16: both hold these values exactly,
-and only FP16 has the subnormals the bit trick needs.
-
-Batch invariance (the trainer forward, sampler prefill and decode call this
-same kernel): a program owns BLOCK_M rows of ONE expert (rows of other experts
-are masked to zero), K is walked from 0 up (no split-K), and each output
-element is one chain of k16 MMAs into its FP32 accumulator, so row m's bits
-depend on row m and the weights only. Three configs exist (``DECODE`` for few
-rows, see ``pick_config``: mma.sync, x decoded once by a small kernel instead
-of by every warp; ``MID`` for batched MoE decode, ~64 rows an expert;
-``TRAIN`` above: wgmma); they differ only in tiles, K step, warps and stages,
-and the GPU test ``test_gpu_configs_and_decodes_bitwise_equal`` checks that
-they give the same bits. If it fails on some GPU, set ``TWO_CONFIGS = False``
-(TRAIN for every M).
-
-CUDA graphs: with ``counts`` a device int tensor (sum(counts) == R, not
-checked: that would sync) the tile map is built by one small kernel, the grid
-is fixed at cdiv(R, BLOCK_M) + min(E, R) - 1 row tiles (``n_row_tiles``; the tiles
-past the last expert exit at once) and nothing reads the device, so a decode step can be captured.
-
-Serving (`quantize_and_multiply`): the activation quantize kernel also writes the
-pre-decoded x (and can take the SwiGLU of a gate-up product as its input, or gather
-and cast the MoE layer's token rows itself), and
-the GEMMs of a layer share one tile map: the same bits as quantize + GEMM.
-
-Leaves out: split-K, autotuning (tiles are fixed so the bits are), swizzled
-scale layouts, quantize and GEMM in one kernel.
+Leaves out: split-K, autotuning (tiles are fixed so the bits are), swizzled scale layouts.
 """
 
 from __future__ import annotations
@@ -87,53 +53,26 @@ class Config:
     TRAIN are). For mma.sync tiles only (<= 2 warps or block_n <= 32; 64 x 4 warps compiles to wgmma, worse). Why:
     with x as A, every k16 step gathers x's A fragment from four 128-bit shared loads into a register quad (~90
     register moves a 256-wide K step, DECODE's sm_90 SASS); as B, x's fragment is a pair from one load. sm_90
-    SASS (Triton 3.6), thread instructions a weight element in the K loop: DECODE (16 x 64, 4 warps) 4.45,
-    w_first 16 x 64 with 2 warps 3.92, 16 x 32 with 2 warps 4.22. Bitwise equal to TRAIN on an H100 (16 x 64 and
-    16 x 32 with 2 warps at a 256 step, 16 x 32 with 1 warp at 64). Timed on the bench model's experts at 1-64
-    tokens (`sweep_decode_gemm.py --one-token --rollout`, H100, best W-first tile against DECODE, µs): the down
-    projection at 1 / 2 / 4 tokens 8.9 / 10.6 / 12.6 against 9.1 / 10.9 / 12.9 (2-3% faster), everything else
-    3-16% slower (gate_up at 1 token 11.8 against 10.2, at 64 tokens 36.4 against 32.5): not a default."""
+    SASS has fewer thread instructions a weight element in the K loop, yet no W-first tile beat DECODE on the
+    bench model's experts at 1-64 tokens (`scripts/sweep_decode_gemm.py`): not a default."""
 
 
 MIN_COMPILED_BLOCK_K = 64
-"""Smallest K step a compiled kernel takes. A 16-wide step is wrong on the GPU (H100, Triton 3.6,
-`scripts/check_k16.py`): every 16 x 32 config, x-first and W-first, x pre-decoded or not, 1 or 2 warps, is off
-by order 1 against the exact FP64 product, the wrong columns moving with the warp count, while every 32-wide
-config is bitwise equal to TRAIN. The interpreter is right at 16, so the fault is in how the compiled 16-wide
-step decodes or multiplies the weights' tile (pre-decoded x does not help), not in the algorithm. The nineteenth
-session's check_k16 (H100) narrowed it: at 16 the plain FP32 decode ("f32") is right inside the GEMM and both
-bit-trick decodes ("asm", "bits") are wrong there, while `_predecode_kernel` at 16 stores the same values as at
-64 for all three: the bit-trick tile (`_pairs_in_k_order`'s joins) is decoded right but reaches the k16 dot's
-operand layout wrong, a layout conversion of the compiler at that width. 32 was right on check_k16's shapes
-only; 64 and up are what the tests and sweeps cover, hence this bound (PERF_NOTES_RL.md, seventeenth to
-nineteenth sessions)."""
+"""Smallest K step a compiled kernel takes. A compiled 16-wide step is wrong on sm_90 with Triton 3.6 (every
+16-wide config off by order 1 against the exact product, while the interpreter is right): the bit-trick tile
+is decoded right but reaches the k16 dot's operand layout wrong. 64 and up are what the tests and sweeps cover."""
 
 
 DECODE = Config(block_m=16, block_n=64, num_warps=4, num_stages=3, predecode_x=True, block_k=256)
-"""From ``scripts/sweep_decode_gemm.py`` on the H200 (64 configs, all bitwise equal to TRAIN): dense M=1 K=4096
-N=14336 50.1 -> 30.2 µs against the previous 16x32 one-warp tile. Twenty-third session (H200, 85 and 87
-configs, the tight row-tile bound): still the fastest on the dense shape and the bench model's gate_up, within 8%
-elsewhere."""
+"""Few-row calls: the fastest bitwise-equal tile on the dense one-token shape and the bench model's gate_up in
+``scripts/sweep_decode_gemm.py``; figures in docs/performance.md."""
 DECODE_WIDE = Config(block_m=16, block_n=128, num_warps=4, num_stages=3, predecode_x=True, block_k=256)
-"""DECODE's 128-wide sibling, for DECODE-row calls of more than `SMALL_GRID` programs, whatever K. Sweeps of
-84-85 distinct configs, every one bitwise equal to TRAIN (µs; DECODE_WIDE / DECODE / the previous DECODE_SHORT_K,
-a two-warp 16 x 64 tile with a 128-wide K step that ran below K 2048):
-
-- H100, twenty-fourth session (`sweep_decode_gemm.py --large-grid`): Qwen3-30B-A3B down (K 768) at 8 / 16 / 32
-  tokens 28.8 / 40.5 / 50.6 against DECODE 28.9 / 42.4 / 53.4 and SHORT_K 29.6 / 41.7 / 51.2; Qwen3-235B-A22B
-  down (K 1536, N 4096) at 4 / 16 tokens 53.8 / 127.7 against 52.9 / 136.1 and 58.9 / 145.3; A3B gate_up (K 2048)
-  at 16 tokens 69.4 against 72.0 (SHORT_K 83.1). The fastest of the sweep on 4 of these 6 shapes, within 2% on
-  the other two (A22B).
-- H200, twenty-third session: A3B down at 16 tokens 39.3 against 42.2 (SHORT_K 37.3, the best there); A3B gate_up
-  at 16 tokens 65.5 against 70.9 (best 64.4).
-
-Over these eight calls it takes 476 µs against 499 for DECODE and 507 for the previous rule (SHORT_K below K 2048,
-DECODE above), and is at most 5.4% over a shape's best. Per-GPU picks differ (SHORT_K won the H200's A3B down and
-lost the H100's A22B down by 14%): one rule for both, not a table per GPU."""
+"""DECODE's 128-wide sibling, for DECODE-row calls of more than `SMALL_GRID` programs, whatever K: within a few %
+of each shape's best on Qwen3-30B-A3B and 235B-A22B expert shapes on both H100 and H200
+(`scripts/sweep_decode_gemm.py --large-grid`), one rule for both GPUs rather than a table per GPU."""
 TRAIN = Config(block_m=128, block_n=128, num_warps=4, num_stages=3, block_k=64)
-"""From ``scripts/sweep_decode_gemm.py --train`` on the H200 (45 configs, all bitwise equal): fastest or within
-2% of it on Qwen3-30B-A3B gate_up / down at 4096 tokens (947.8 / 462.7 µs) and the bench model's at 16384
-(1549 / 769 µs); the previous 8-warp tile took 1098 / 570 / 1835 / 952 µs (14-19% slower)."""
+"""Training-size calls: fastest or within 2% of it on Qwen3-30B-A3B's and the bench model's expert shapes at
+thousands of tokens (``scripts/sweep_decode_gemm.py --train``)."""
 DECODE_MAX_ROWS = 64
 """R at or below this runs DECODE (R = all rows of the call, so one call uses one config)."""
 TWO_CONFIGS = True
@@ -161,21 +100,16 @@ experts) also run DECODE: TRAIN's 128-row tiles would be almost all masked rows.
 
 MID = Config(block_m=64, block_n=128, num_warps=4, num_stages=3, predecode_x=True, block_k=64)
 """Grouped calls with DECODE_MAX_ROWS_PER_GROUP < rows an expert <= MID_MAX_ROWS_PER_GROUP (batched MoE decode,
-e.g. 256 tokens x top-4 over 16 experts). From ``scripts/sweep_decode_gemm.py --mid`` on the H200 (50
-configs, all bitwise equal to TRAIN), the GPU job's batch-256 decode shapes: gate_up (K=2048, N=1536) 64.1 ->
-58.1 µs, down (K=768, N=2048) 27.7 -> 25.0 µs against TRAIN; DECODE took 82.9 / 51.0 µs there."""
+e.g. 256 tokens x top-4 over 16 experts): faster there than TRAIN and DECODE (``scripts/sweep_decode_gemm.py
+--mid``)."""
 MID_MAX_ROWS_PER_GROUP = 64
 
 
 SMALL_GRID = 1024
 """Programs of DECODE's tiles (row tiles holding rows x 64-wide column tiles) up to which a DECODE-row call runs
 DECODE; past it, DECODE_WIDE. With few programs a program's K loop is the call's latency and narrow tiles spread
-the bytes over more SMs. Below the threshold neither tile wins everywhere (sweeps of the twenty-third and
-twenty-fourth sessions, µs, DECODE / DECODE_WIDE): H200, the bench model at 1 token 9.9 / 14.1 (gate_up) and
-7.1 / 8.3 (down), down at 16 tokens (832 programs) 17.4 / 18.3, at 64 (1024) 19.3 / 18.8, gate_up at 64 (768)
-31.2 / 29.5; H100, A3B down at 4 tokens (960) 18.9 / 21.5, gate_up at 4 (720) 31.3 / 30.5. DECODE's losses
-there are at most 8% (against the sweep's best), DECODE_WIDE's up to 42%, hence DECODE. History: the threshold
-was first K-dependent (a narrower K step below K 2048, ninth to twenty-third sessions)."""
+the bytes over more SMs. Below the threshold neither tile wins everywhere, but DECODE's losses against the
+sweep's best are small and DECODE_WIDE's large (``scripts/sweep_decode_gemm.py``), hence DECODE."""
 
 
 def decode_programs(rows: int, groups: int, n: int) -> int:
@@ -279,12 +213,9 @@ def tile_first(N, BLOCK_N: tl.constexpr):
     tile varying fastest: the GPU starts programs in grid order, so every program of the tile map's live tiles
     (its first ones) starts before any of the dead tiles past them, which exit at once.
 
-    Row tile first, the former two-dimensional grid's order, interleaved them: a decode call's grid is sized by
-    the bound `n_row_tiles` (fixed for a CUDA graph) and mostly dead when the batch is below its bucket, and the
-    live programs of the last column tiles waited behind hundreds of dead ones. Measured (twentieth session, H100,
-    `scripts/probe_gemm_context.py --padding`): the bench model's gate_up with 4 live row tiles in a 36-tile grid
-    took 14.7 µs against 7.9 for the same work in a 5-tile grid. Which program computes a tile does not change
-    what it computes: the same bits either way."""
+    Why: a decode call's grid is sized by the bound `n_row_tiles` (fixed for a CUDA graph) and is mostly dead
+    below its bucket; with the row tile first, live programs of the last column tiles would wait behind the dead
+    ones. Which program computes a tile does not change what it computes: the same bits either way."""
     pid = tl.program_id(0)
     n_cols = tl.cdiv(N, BLOCK_N)
     return pid // n_cols, pid % n_cols
@@ -297,9 +228,8 @@ def n_row_tiles(rows: int, groups: int, block_m: int) -> int:
     block_m) <= k + floor((rows - k) / block_m) <= k + cdiv(rows, block_m) - 1 tiles; the bound is reached (e.g.
     by groups = k <= block_m experts of block_m + 1 rows each, and by every dense call). It depends on the shape
     only (a CUDA graph's grid is fixed). With min(groups, rows) rather than groups, a decode step's 4 rows over
-    32 experts launch 4 row tiles, not 32 of which 28 would exit at once; without the - 1 (before the
-    twenty-third session), a dense call (one group) launched two row tiles, the second dead, as many dead
-    programs as live ones.
+    32 experts launch 4 row tiles, not 32 of which 28 would exit at once; the - 1 keeps a dense call (one group)
+    at one row tile.
     """
     return triton.cdiv(rows, block_m) + min(groups, rows) - 1 if rows > 0 else 0
 
@@ -321,7 +251,8 @@ def tile_map(counts, rows: int, block_m: int, device=None) -> torch.Tensor:
             return cmap
         t_block = 64  # a program a block of 64 tiles (the work of a skewed map, all rows one expert's, spread)
         _tile_map_kernel[(triton.cdiv(n_tiles, t_block),)](counts.contiguous(), cmap, groups, n_tiles, BLOCK_M=block_m,
-                                                           E_PAD=triton.next_power_of_2(max(groups, 2)), T_BLOCK=t_block)
+                                                           E_PAD=triton.next_power_of_2(max(groups, 2)),
+                                                           T_BLOCK=t_block)
         return cmap
     key = (tuple(int(n) for n in counts), int(block_m), str(device))
     if sum(key[0]) > rows:  # the tile bound and the kernels' row reads assume the counts cover at most `rows`
@@ -388,7 +319,14 @@ def _decode_tile(words, scales, R: tl.constexpr, BK: tl.constexpr, DECODE: tl.co
     so the dot is unchanged.
     DECODE 0: the bit trick in PTX (GPU); 1: the same bit trick in Triton ops
     (interpreter); 2: plain FP32 decode (E2M1 value x E4M3 value, cast to FP16).
-    0 and 1 give code x scale x 2**-14, 2 gives code x scale (module docstring).
+    0 and 1 give code x scale x 2**-14, 2 gives code x scale.
+
+    The bit trick (no lookup table, no int->float conversion): an E2M1 code ``s e1 e0 m`` placed as FP16 bits
+    ``s 00000 e1e0 m 000000000`` is the code value times 2**-14 for every code (exponent field 0 makes 0.5 the
+    subnormal 2**-15, as in E2M1 itself); an E4M3 scale code shifted left by 7 is its value times 2**-8 in FP16.
+    The product has at most 6 significant bits and is >= 2**-24 when non-zero, so it is an exact FP16 (PTX f16
+    arithmetic keeps subnormals); the dot carries 2**-28, removed exactly in the epilogue. FP16 rather than
+    BF16: both hold these values exactly, only FP16 has the subnormals the trick needs.
     """
     s = scales.to(tl.int32)
     if DECODE == 2:
@@ -469,8 +407,10 @@ def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr
                 xv = tl.load(xh_ptr + x_rows * K + kk[None, :], mask=rmask[:, None] & ((kk < K) | EVEN_K)[None, :],
                              other=0.0)
             else:
-                xp = tl.load(xd_ptr + x_rows * KW + (k0 // 8 + kw)[None, :], mask=rmask[:, None] & kwm[None, :], other=0)
-                xs = tl.load(xs_ptr + x_rows * KS + (k0 // 16 + ks)[None, :], mask=rmask[:, None] & ksm[None, :], other=0)
+                xp = tl.load(xd_ptr + x_rows * KW + (k0 // 8 + kw)[None, :], mask=rmask[:, None] & kwm[None, :],
+                             other=0)
+                xs = tl.load(xs_ptr + x_rows * KS + (k0 // 16 + ks)[None, :], mask=rmask[:, None] & ksm[None, :],
+                             other=0)
                 xv = _decode_tile(xp, xs, BLOCK_M, BLOCK_K, DECODE)
             wv = _decode_tile(wp, ws, BLOCK_N, BLOCK_K, DECODE)
             if W_FIRST:
@@ -549,7 +489,7 @@ def shared_tile_map(maps: dict | None, counts, groups: int, rows: int, block_m: 
 
 def predecode(qx, decode: str, block_k: int = BLOCK_K) -> torch.Tensor:
     """x's codes decoded to the FP16 operand of a config that pre-decodes x (`_predecode_kernel`, `decode` a key of
-    DECODES), walking K in steps of block_k: the values do not depend on the step (scripts/check_k16.py checks)."""
+    DECODES), walking K in steps of block_k: the values do not depend on the step."""
     rows, k = qx.data.shape[0], qx.data.shape[1] * 2
     xh = torch.empty((rows, k), dtype=torch.float16, device=qx.data.device)
     _predecode_kernel[(triton.cdiv(rows, 16), triton.cdiv(k, block_k))](

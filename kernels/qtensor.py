@@ -7,11 +7,14 @@ live in ``nvfp4.py`` / ``mxfp8.py`` / ``s2f6.py`` and the dispatching
 
 Field layouts (blocks always along the last, K, dimension):
 
-| fmt   | data                                  | scale                         | outer                      |
-|-------|---------------------------------------|-------------------------------|----------------------------|
-| nvfp4 | uint8 [..., K/2], element 2i in the low nibble, code = sign<<3 or magnitude index | float8_e4m3fn [..., K/16] | float32 1/S_enc, broadcastable to [..., 1] |
-| mxfp8 | float8_e4m3fn [..., K]                | float8_e8m0fnu [..., K/32]    | float32 ones (shape [1]*ndim) |
-| s2f6  | int8 [..., K] (value = int8/64)       | float8_e8m0fnu [..., K/32]    | float32 ones (shape [1]*ndim) |
+| fmt   | data                                   | scale                      | outer                         |
+|-------|----------------------------------------|----------------------------|-------------------------------|
+| nvfp4 | uint8 [..., K/2] (two codes a byte)    | float8_e4m3fn [..., K/16]  | float32 1/S_enc (see below)  |
+| mxfp8 | float8_e4m3fn [..., K]                 | float8_e8m0fnu [..., K/32] | float32 ones (shape [1]*ndim) |
+| s2f6  | int8 [..., K] (value = int8/64)        | float8_e8m0fnu [..., K/32] | float32 ones (shape [1]*ndim) |
+
+nvfp4 data: element 2i in the low nibble, code = sign<<3 or magnitude index; its outer scale broadcasts to
+[..., 1].
 
 Leaves out: swizzled (128x4) scale layouts for Blackwell GEMMs, and any
 tensor-subclass / autograd behaviour (torchao's NVFP4Tensor does that; here a

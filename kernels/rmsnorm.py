@@ -35,6 +35,7 @@ from torch import nn
 
 from rl4bit.kernels.fused import enabled, install
 
+
 def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm forward (Qwen3-MoE 5.x), op for op."""
     h = x.to(torch.float32)

@@ -12,7 +12,7 @@ weight rounded to the output dtype (torch's type promotion of weight and input;
 torch too computes that product in FP32 and rounds it once).
 
 So a row's bits depend on that row, its weight and eps alone (never on the row
-count: batch-invariant by construction). Trainer and embedded samplers both run
+count: batch-invariant by construction). The trainer and the embedded samplers run
 this kernel (`rmsnorm.py`), which is what makes their norms agree bitwise. It is
 not bitwise any other kernel's reduction: `tl.sum`'s tree follows the layout the
 compiler picks for this kernel, so even the invariant mode's mean kernel, with

@@ -43,13 +43,9 @@ def route_warps(block: int, e_pad: int) -> int:
     """Warps of the one program for a padded index of `block` entries over `e_pad` histogram bins (the experts
     and the EP sentinel, padded to a power of 2); integers, so any count gives the same results. One warp
     where both are at most 64 (a decode step of up to 16 tokens at top-4 over up to 63 experts): every
-    reduction, scan and sort stays in one warp's shuffles (sm_90 SASS with the tile map, Triton 3.6, aligned
-    pointers as launched: 4 entries, 64 bins 396 instructions and 5 barriers against 484 and 12 with 4 warps;
-    64 entries 568 and 5 against 621 and 15); more bins or entries spread over 4 warps (128 bins, 8 entries:
-    one warp 958 instructions, four 558), 8 above 256 entries. Timed by `scripts/sweep_route.py` (seventeenth
-    session, H100, 32 experts, top-4, with the map, µs a call for 1 / 2 / 4 / 8 warps): 1 token 1.43 / 1.62 /
-    1.63 / 1.93, 16 tokens 1.96 / 2.24 / 2.26 / 2.40, 64 tokens 4.48 / 3.53 / 2.79 / 3.05, 256 tokens (1024
-    entries) 19.97 / 16.17 / 10.95 / 7.99."""
+    reduction, scan and sort stays in one warp's shuffles (fewer instructions and barriers in the sm_90 SASS);
+    more bins or entries spread over 4 warps, 8 above 256 entries. Counts from `scripts/sweep_route.py`; figures
+    in docs/performance.md."""
     return 1 if block <= 64 and e_pad <= 64 else 4 if block <= 256 else 8
 
 

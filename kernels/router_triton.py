@@ -20,7 +20,7 @@ shape and the chunking come from E and C, never from T), and the trainer (`train
 training through an autograd Function) and the samplers run these same kernels, so they agree bitwise. On a
 decode step two launches replace about seven (the FP32 input cast, cuBLAS's GEMM and split-K reduce, softmax,
 top-k's two kernels, the sum and the division); the chunks spread a one-token GEMV over H / CHUNK programs.
-No `tl.dot`: an FP32 `tl.dot` (FMA) ran 75 µs for one token on the H200, and under TRITON_INTERPRET=1 it is
+No `tl.dot`: an FP32 `tl.dot` (FMA) is many times slower at one token, and under TRITON_INTERPRET=1 it is
 numpy's matmul, whose row bits moved with the row's place in the tile (`invariant_triton.interpreter_dot`).
 
 Padding rows (`trainer.padding`, the engine's): with a `live` mask the top-k kernel reads row 0's partials for
@@ -41,8 +41,8 @@ from rl4bit.kernels.rmsnorm_triton import FLOAT_TL, round_to, to_compute
 
 BLOCK_T = 1
 """Token rows a partial-sum program takes: a constant, never chosen from T (the products' tile shape). With
-CHUNK, block_k and one warp: the fastest of `scripts/sweep_router.py` on the H200 at 1 and 16 tokens (H 2048,
-32 experts: 2.2 / 2.5 µs, against 10-11 µs for 4 rows, 256 columns, four warps)."""
+CHUNK, block_k and one warp: the fastest of `scripts/sweep_router.py` at 1 and 16 tokens (H 2048, 32 experts);
+figures in docs/performance.md."""
 
 CHUNK = 128
 """Hidden columns a partial sum covers: logits add the partials of chunks 0, 1, ... in order."""

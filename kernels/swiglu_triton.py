@@ -40,7 +40,7 @@ def swiglu_values(g, u, T: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["R"])  # see formats_triton.NO_SPECIALIZE
-def _swiglu_kernel(h_ptr, y_ptr, R, I, s_h, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):
+def _swiglu_kernel(h_ptr, y_ptr, R, I, s_h, BLOCK_R: tl.constexpr, BLOCK_I: tl.constexpr):  # noqa: E741 (I: width)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
     ok = (rows < R)[:, None] & (cols < I)[None, :]

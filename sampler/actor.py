@@ -9,33 +9,12 @@
     sampler.update_weights(WeightUpdate(version=1, tensors=state_dict))   # dense tensors by name (tests, tools)
     sampler.health()  # {"version", "tokens_generated", "tokens_per_s", "ok", "last_error", "errors", ...}
 
-The model's quantized modules (a model converted by the recipe, e.g.
-`rl4bit.models.build_policy_model`) are switched to serving mode at start:
-they hold QTensors, no master weights, and run the trainer's quantized forward
-bit for bit (`rl4bit.trainer.modules`). Updates overwrite those QTensors in place.
+The model's quantized modules are switched to serving mode at start (QTensors, no masters; the trainer's
+quantized forward bit for bit); updates overwrite them in place, and a rejected one raises WeightSyncError
+with the previous version still serving. `backend: vllm` serves an exported checkpoint (`vllm_engine`) and takes
+bucket updates only. Nothing here imports Ray.
 
-Two ways in for the RL loop's update, one set of checks (`rl4bit.weight_sync`):
-checksummed buckets (`begin_update` / `receive_bucket` / `commit_update`:
-across processes, and every backend), or, with the trainer in this process
-and the embedded engine (`accepts_tensors()`), `apply_tensors(update,
-quantized)`: the trainer's device tensors themselves (`Trainer.weight_tensors`),
-cast to the live dtype as a bucket's are, checked whole, copied in place, then
-the version switches; a rejected update raises WeightSyncError and the previous
-version keeps serving.
-
-`local` mode builds it in-process (pdb and pytest work); `ray` mode wraps this
-same class with `ray.remote` in one place. Nothing here imports Ray.
-
-`backend: vllm` (`rl4bit.sampler.vllm_engine.VLLMEngine`): the model is exported
-once (`rl4bit.checkpoint_format.write_checkpoint`, its own QTensors) to a work
-directory that vLLM serves; the model itself stays in serving mode only as the
-name/shape reference of the weight-sync receiver. Updates take the bucket path
-only (`accepts_tensors()` is False).
-
-Leaves out: replica management (the driver holds N of these); a vLLM sampler
-holding no host copy of the model (it keeps the reference model and the
-serving-form tensors in host memory).
-"""
+Leaves out: replica management (the driver holds N of these)."""
 
 from __future__ import annotations
 
@@ -135,7 +114,8 @@ class Sampler:
             return self.receiver.commit(version)
 
     def accepts_tensors(self) -> bool:
-        """Whether `apply_tensors` may be used: the embedded engine yes; vLLM (its own copy of the weights) takes buckets."""
+        """Whether `apply_tensors` may be used: the embedded engine yes; vLLM (its own copy of the weights) takes
+        buckets."""
         return isinstance(self.engine, EmbeddedEngine)
 
     def apply_tensors(self, update: WeightUpdate, quantized: dict) -> int:

@@ -1,56 +1,18 @@
 """The embedded engine's decode step as static-shape forwards, captured as CUDA graphs.
 
-A decode step (every active sequence feeds exactly one token) is launch-bound
-when run op by op: ~2,000 kernel launches a step for a 16-layer MoE. Here it
-runs at a fixed row count P (the next bucket >= the batch, at least the
-engine's min_rows) from static device buffers:
+A decode step (every active sequence feeds one token) is launch-bound when run op by op (thousands of launches a
+step for a 16-layer MoE). Here it runs at a fixed row count P (the next bucket >= the batch) from static device
+buffers (`inputs` int64 [4, P]: tokens, positions, slots, liveness; `logits` float32 [P, V]); padding rows
+write the cache's scratch slot and route onto row 0's experts (`trainer.padding`). The forward is the engine's
+own with a `DecodeLayout` computed on the device, so nothing reads the host: on CUDA each bucket is captured
+once and replayed; on the CPU (mode "static") the same static forward runs eagerly, which is how the tests
+check it. Numerics: the eager step's ops on the same rows, padded to P; rows never mix, so tokens and logprobs
+are the eager path's bitwise (tested on CPU and, for the tiny test model, on CUDA; at real sizes cuBLAS may
+pick another kernel for M = P, which is not checked). A forward that cannot be captured falls back to op by
+op with a warning (`error` says why). `DecodeGraphs` lists what a graph may read and when it is dropped.
 
-- `inputs` int64 [4, P]: token ids, cache positions, cache slots and liveness
-  (1 for a row of the batch, 0 for padding) of the rows; rows past the batch
-  are padding (token 0, position 0, the cache's scratch slot, which no
-  sequence ever holds, so their K/V writes land nowhere that is read), and
-  the fused router routes them onto row 0's experts (`trainer.padding`);
-- `logits` float32 [P, V]: the rows' next-token logits (the first P rows of
-  one buffer all buckets share: a step's logits are read before the next step).
-
-The forward is the engine's own (HF module tree, the engine's attention and
-experts, the model's quantized modules) with a `DecodeLayout` whose attention
-index tensors are computed on the device from `inputs`, so nothing in it reads
-the host. On CUDA each bucket's forward is captured once in a CUDA graph
-(shared memory pool) and replayed per step; on the CPU (mode "static") the
-same static forward runs eagerly, which is how the CPU tests check it.
-
-Numerics: the same ops on the same rows as the eager step, with the batch
-padded to P instead of min_rows rows. Rows never mix, and on the CPU every
-GEMM's row results do not depend on the row count above min_rows (kv_cache.py),
-so a request's tokens and logprobs are the eager path's bitwise (tested). On
-CUDA the same holds for the tiny test model (tests/sampler/test_decode_graph.py,
-run on the H200); at real sizes cuBLAS may pick another kernel for M = P than
-for M = max(B, min_rows), which is not checked.
-
-Every tensor a graph reads is owned by the model, the cache, this object's
-buffers, the graph's pool or the quantize kernels' per-device NaN flag (never
-freed): quantized serving modules pass their row counts as device tensors
-(their tile maps are built inside the graph), never a cached map that could be
-freed behind the graph's back.
-
-A forward that cannot be captured (a host read inside it, e.g. an FP32 model's
-experts on CUDA, which have no grouped kernel) fails the first capture; the
-engine then decodes op by op, with a warning, and `error` says why.
-
-A change of the fused-kernels setting (`rl4bit.kernels.fused`) drops the
-captured graphs (they hold the kernels chosen at capture), so graphed decode
-steps and eager prefill always run the same kernels.
-
-Graphs read the model's weights and the KV cache by address: weight updates
-copy in place (`EmbeddedEngine.update_weights`), and anything that replaces a
-tensor (a module put into serving mode) must call `reset()`. Autocast's
-weight-cast cache is off inside the graphed forward: a cast cached outside the
-capture would be frozen into the graph.
-
-Leaves out: graphs for prefill or mixed prefill/decode steps (those run eagerly),
-sampling (eager after the replay: per-row parameters vary), multiple streams.
-"""
+Leaves out: graphs for prefill or mixed steps (those run eagerly), sampling (eager after the replay: per-row
+parameters vary), multiple streams."""
 
 from __future__ import annotations
 
@@ -68,12 +30,8 @@ from rl4bit.trainer.transfer import to_device
 MODES = ("off", "static", "cuda")
 SPLIT_MAX_ROWS = 16
 """Decode steps of at most this many rows split their attention over key chunks (`DecodeLayout.key_chunks`);
-the bits do not depend on it. `scripts/sweep_attention.py` (seventeenth session, H100, 16 query / 4 kv heads of
-128, a 2176-position slot, in-kernel merge), split / unsplit time at contexts 128 / 512 / 2048: batch 1 1.13 /
-0.64 / 0.32, batch 16 1.27 / 0.97 / 0.84, batch 64 1.93 / 1.52 / 1.33 (64 was the earlier, untimed bound).
-Eighteenth session, the same sweep on an H100 with batch 8 added: 1.16 / 0.78 / 0.54 (0.94 at 256), the other
-rows within 0.02. At 16 rows the split loses up to 27% at contexts under ~512 and wins 11-16% from 1024: the
-bound stays at 16, which favours long rollouts (the choice is static for a bucket's graph, not per context)."""
+the bits do not depend on it. At 16 rows the split loses at contexts under ~512 and wins from ~1024
+(`scripts/sweep_attention.py`): 16 favours long rollouts (the choice is static for a bucket's graph)."""
 
 
 @dataclass
@@ -135,7 +93,16 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    """Per-bucket static decode forwards of one EmbeddedEngine; `logits(...)` runs one step."""
+    """Per-bucket static decode forwards of one EmbeddedEngine; `logits(...)` runs one step.
+
+    Every tensor a graph reads is owned by the model, the cache, these buffers, the graph's pool or the quantize
+    kernels' per-device NaN flag (never freed): quantized serving modules pass their row counts as device
+    tensors (tile maps built inside the graph), never a cached map that could be freed behind the graph's back.
+    Graphs read weights and the KV cache by address: weight updates copy in place, and anything that replaces a
+    tensor (a module put into serving mode) must call `reset()`. A change of the fused-kernels setting drops the
+    graphs (they hold the kernels chosen at capture). Autocast's weight-cast cache is off inside the graphed
+    forward: a cast cached outside the capture would be frozen into the graph.
+    """
 
     def __init__(self, engine, mode: str):
         if mode not in MODES:

@@ -1,65 +1,17 @@
 """The embedded rollout engine: batched prefill + decode over a Hugging Face causal LM.
 
-`EmbeddedEngine(model, tokenizer).generate(requests) -> list[Rollout]` runs a
-continuous-batching loop. Each step packs every active sequence's pending
-tokens (the whole prompt for a newly admitted one, the last sampled token for
-the others) end to end into one [1, T] row with explicit position ids, runs
-the model's own forward with the attention/experts plug-ins of kv_cache.py
-(per-sequence attention over a preallocated KV slot, GEMMs padded to
-MIN_ROWS; the padding rows marked so the fused MoE router puts them on row
-0's experts, `trainer.padding`), computes the logits of each sequence's last token (padded to
-MIN_ROWS rows for lm_head) and samples every row at once, each with its own
-noise key (sampling.py, noise.py). Finished sequences leave the batch and free
-their slot; waiting ones are admitted as slots free up.
+`EmbeddedEngine(model, tokenizer).generate(requests) -> list[Rollout]` runs a continuous-batching loop: each step
+packs every active sequence's pending tokens end to end into one [1, T] row with explicit position ids, runs the
+model's own forward with the attention/experts plug-ins of kv_cache.py (a KV slot per sequence, GEMMs padded to
+MIN_ROWS, padding rows marked: `trainer.padding`) and samples every row with its own noise key (sampling.py).
+Every op is row-local with shapes from the sequence alone, so a request's tokens and logprobs do not depend on
+the rest of the batch (tested bitwise on CPU); `score` rescores through the same path. Pure decode steps run as
+CUDA graphs per batch bucket (decode_graph.py), one step ahead of the host (`_decode_ahead`); a request's n
+samples prefill the prompt once (`share_prefix`). Quantized serving modules (`surgery.load_quantized`) swap their
+QTensors in `update_weights`, all-or-nothing with the dense tensors. Text and stop strings: detokenizer.py. Bad
+input fails only its own request (finish_reason "error").
 
-Batch invariance: every operation is row-local with shapes that depend only on
-the sequence itself, so a request's tokens and logprobs do not depend on what
-else is in the batch or in which order requests arrive (tested bitwise on CPU
-for fp32 and bf16 in tests/sampler/test_batch_invariance.py). A model holding
-FP32 masters that the trainer runs under BF16 autocast (`model.dtype: bfloat16`)
-is served under the same autocast (`autocast=`), so the two compute the same
-ops on the same values (tests/rl/test_bf16_compute.py). The same path
-scores a given token sequence (`score`), so sampled logprobs equal a
-full-sequence rescoring through the engine bitwise. Against the stock HF
-forward (SDPA attention, unpadded GEMMs) they agree to fp tolerance only.
-
-A completion's text and its stop strings come from detokenizer.py (decoded after the prompt, token by token,
-as vLLM writes them). Bad input fails only its own request (finish_reason "error", `error` says why).
-`update_weights` is all-or-nothing and pointer-stable.
-
-Under autocast the weights the forward only reads through a cast (linears,
-the bf16 recipe's experts) are held in the autocast dtype, cast once
-(serving_dtype.py; same bits, no cast kernels per step, half the bytes).
-
-Quantized weights: the engine runs whatever modules the model holds, e.g. the
-trainer's NVFP4 modules frozen by `rl4bit.trainer.surgery.load_quantized`
-(serving mode: QTensors, no master weights); `update_weights(update, quantized)`
-swaps their QTensors in the same all-or-nothing step as the dense tensors
-(what `rl4bit.weight_sync.WeightReceiver` calls).
-
-Pure decode steps (one new token per sequence) run as CUDA graphs on a CUDA
-device, one per bucket of batch sizes, from static buffers (decode_graph.py);
-prefill and mixed steps run op by op. Graphed decode steps run one ahead
-(`_decode_ahead`): step i + 1 is launched from step i's sampled tokens still on
-the device, before the host reads them, so the graph launch and the host's
-bookkeeping overlap the GPU's work instead of following it. A sequence that
-stops at step i (a stop token or string) has its row of step i + 1 dropped;
-the other rows of step i + 1 are kept. Each row's ops and values are the
-step-by-step loop's; step i + 1 still holds the stopped row, so it may run
-at a larger row bucket than that loop would, which changes no bits where rows
-do not depend on the row count (the engine's batch invariance; tested bitwise
-on the CPU in "static" mode with stops mid-decode, and on CUDA for the
-tests' models).
-
-The n samples of a request prefill the prompt once (`share_prefix`): the
-others copy the first one's prompt KV into their slots and draw their first
-token from its logits row: what their own prefill would give, as long as
-each row's results do not depend on the other rows (batch invariance: tested
-bitwise on the CPU, tests/sampler/test_shared_prefix.py).
-
-Leaves out: prefix sharing across requests (a prompt cache), chunked prefill,
-graphs for prefill steps.
-"""
+Leaves out: prefix sharing across requests (a prompt cache), chunked prefill, graphs for prefill steps."""
 
 from __future__ import annotations
 
@@ -80,8 +32,15 @@ from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_impleme
 from rl4bit.sampler.rope_table import rope_tables
 from rl4bit.sampler.sampling import policy_logprobs, rows_to_lists, sample_rows, sample_rows_tensors
 from rl4bit.sampler.serving_dtype import precast
-from rl4bit.sampler.types import (Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts,
-                                  nonfinite_logprob_error, request_error)
+from rl4bit.sampler.types import (
+    Request,
+    Rollout,
+    SamplingParams,
+    WeightUpdate,
+    failed_rollouts,
+    nonfinite_logprob_error,
+    request_error,
+)
 from rl4bit.trainer import padding
 from rl4bit.trainer.fused_attention import pack_qkv
 
@@ -127,7 +86,15 @@ class _Launched:
 
 
 class EmbeddedEngine:
-    """Batched, batch-invariant generation over `model` (a HF causal LM), in-process."""
+    """Batched, batch-invariant generation over `model` (a HF causal LM), in-process.
+
+    A model holding FP32 masters that the trainer runs under BF16 autocast is served under the same autocast
+    (`autocast=`), so both compute the same ops on the same values (tests/rl/test_bf16_compute.py); weights the
+    forward only reads through a cast are held in the autocast dtype (serving_dtype.py: same bits, no cast
+    kernels per step). Against the stock HF forward (SDPA, unpadded GEMMs) logprobs agree to fp tolerance only.
+    The n samples of a request copy the first one's prompt KV and draw their first token from its logits row:
+    what their own prefill would give, rows being independent (tests/sampler/test_shared_prefix.py).
+    """
 
     def __init__(self, model, tokenizer, *, max_batch_size: int = 64, device="cpu", max_seq_len: int | None = None,
                  max_prefill_tokens: int = 4096, min_rows: int = MIN_ROWS, autocast: torch.dtype | None = None,
@@ -331,7 +298,10 @@ class EmbeddedEngine:
         Step i + 1 runs from step i's sampled tokens on the device, at positions and noise indices one past
         the host's (step i is not read yet). It is launched only when no row of step i can end by length;
         a row whose step i ends on a stop token or string is dropped from step i + 1, whose other rows are
-        kept, and the loop returns so that the caller retires it and admits waiting requests.
+        kept, and the loop returns so that the caller retires it and admits waiting requests. Step i + 1 still
+        holds the stopped row, so it may run at a larger row bucket than a step-by-step loop would, which changes
+        no bits where rows do not depend on the row count (tested bitwise on the CPU in "static" mode with stops
+        mid-decode, and on CUDA for the tests' models).
         """
         seqs = [s for s in active if s.finish is None]
         if (self.graphs is None or self.graphs.error is not None or not seqs

@@ -1,43 +1,17 @@
 """Preallocated KV cache and the batch-invariant pieces of the engine's forward.
 
-The engine runs Hugging Face's own model forward on a *packed* batch: every
-active sequence's new tokens laid end to end in one row [1, T] (vLLM-style),
-with explicit position ids. Two plug-ins, registered through transformers'
-public interfaces, make that forward batch-invariant:
+The engine runs Hugging Face's own model forward on a packed batch (every active sequence's new tokens end to
+end in one row [1, T], explicit position ids). Two plug-ins registered through transformers' public interfaces
+make that forward batch-invariant:
+- attention (`AttentionInterface`, "rl4bit_engine"): writes the new keys and values into this cache (one slot
+  per sequence, [slots, kv_heads, max_len, head_dim] per layer), then attends per sequence with shapes from that
+  sequence alone: its query rows (padded to `min_rows`) against all `max_len` positions, later ones masked. With
+  the fused kernels on, `rl4bit.kernels.attention` instead (the kernel the trainer's `train_attention` runs).
+- experts (`ExpertsInterface`, "rl4bit_engine"): HF's eager loop over experts in index order, each expert's
+  rows padded to `min_rows` (MIN_ROWS says why).
 
-- attention (`AttentionInterface`, name "rl4bit_engine"): writes the new keys
-  and values into this cache (one slot per sequence, preallocated
-  [slots, kv_heads, max_len, head_dim] per layer), then attends *per
-  sequence* (sequences with equal token counts stacked in one batched
-  matmul, one matrix per sequence and kv head) with shapes that depend only
-  on that sequence: the query rows
-  (padded to `min_rows`) against ALL `max_len` cache positions, later ones
-  masked to -inf. The reduction length is therefore the same in prefill,
-  decode and a full-sequence scoring pass, and a neighbour cannot change it.
-- experts (`ExpertsInterface`, name "rl4bit_engine"): HF's eager loop over
-  experts in index order, with each expert's token rows padded to `min_rows`.
-
-With the fused kernels on (CUDA by default, `rl4bit.kernels.fused`), attention
-instead takes `rl4bit.kernels.attention`: one launch writes the step's keys and
-values into their slots, and one Triton kernel attends every sequence reading
-its keys in place, in blocks of a fixed size from position 0 (no padding to
-`max_len`, no gathers); the trainer's `train_attention` runs the same kernel
-on the packed row, so the bits still agree (`attention_triton`'s docstring).
-
-Why `min_rows`: on CPU (torch 2.13, measured) an fp32 GEMM row's bits depend
-on M for M in {1,2,3,5,6,7,9,10,11} (small-M kernels) and are identical for
-every other M; BF16 mostly none, but M=1 (a GEMV path) differed on one
-4096x2048 weight, and with min_rows=1 neither the fp32 nor the bf16 tiny
-Qwen3-MoE engine was batch-invariant (logprobs differ in the last bits).
-Padding every GEMM to >= 16 rows makes each row's result independent of how
-many other rows there are: measured, not guaranteed by any BLAS contract
-(test_gemm_rows_do_not_depend_on_row_count_above_min_rows guards it). Rows
-never mix in a GEMM, softmax or norm, so with fixed per-row shapes the whole
-forward is row-local.
-
-Leaves out: paged blocks (one contiguous slot per sequence: a shared prompt is
-copied, not referenced), sliding-window attention.
-"""
+Leaves out: paged blocks (one contiguous slot per sequence: a shared prompt is copied, not referenced),
+sliding-window attention."""
 
 from __future__ import annotations
 
@@ -55,7 +29,12 @@ from rl4bit.trainer.qgemm import bf16_grouped, expert_grouping
 
 ENGINE_IMPL = "rl4bit_engine"
 MIN_ROWS = 16
-"""GEMMs are padded to at least this many rows (see module docstring)."""
+"""GEMMs are padded to at least this many rows. Why: on CPU (torch 2.13) an fp32 GEMM row's bits depend on M for
+M in {1,2,3,5,6,7,9,10,11} (small-M kernels) and are identical for every other M; in BF16 M=1 (a GEMV path)
+differed on one 4096x2048 weight; with 1 neither the fp32 nor the bf16 tiny Qwen3-MoE engine was batch-invariant.
+Padding to >= 16 rows makes each row's result independent of the other rows: observed, not guaranteed by any
+BLAS contract (test_gemm_rows_do_not_depend_on_row_count_above_min_rows guards it). Rows never mix in a GEMM,
+softmax or norm, so with fixed per-row shapes the whole forward is row-local."""
 
 
 class KVCache:

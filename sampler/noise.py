@@ -13,8 +13,8 @@ would round the top value to 1.0 and give infinite noise). g = -log(-log(u))
 is standard Gumbel (the exponential race argmax(p / E), E = -log u, in log form).
 
 Why not one torch.Generator per sequence: a generator draws for one row per
-kernel, so a decode step at batch 256 cost ~770 launches in sampling alone
-(measured on the H200, `scripts/profile_decode.py`); here it is one kernel for
+kernel, so a decode step at batch 256 would cost hundreds of launches in sampling
+alone (`scripts/profile_decode.py` shows them); here it is one kernel for
 the bits (Triton on CUDA, the PyTorch reference on CPU: the same bits, tested
 under TRITON_INTERPRET) and two elementwise torch ops for the logs.
 

@@ -60,14 +60,16 @@ class SamplingParams:
     """Stop strings: a completion ends as soon as its text, decoded after the prompt as vLLM does, contains one (kept
     in the text, cut right after it; of several completed by one token, the one ending first; finish_reason "stop")."""
     stop_token_ids: list[int] = field(default_factory=list)
-    """Token ids that end a completion (kept in completion_ids, finish_reason "stop"); the engine adds the tokenizer's eos."""
+    """Token ids that end a completion (kept in completion_ids, finish_reason "stop"); the engine adds the tokenizer's
+    eos."""
     n: int = 1
     """Completions sampled per prompt (sample_index 0..n-1)."""
     seed: Optional[int] = None
     """Seed of this request's randomness (embedded engine: sample i draws its noise from a Philox key derived from
     (seed, i), at its token index, `rl4bit.sampler.noise`; vLLM: its per-request seed); None: drawn by the engine."""
     ignore_eos: bool = False
-    """Do not stop at the tokenizer's eos (stop_token_ids still stop): fixed-length rollouts for throughput benchmarks (vLLM's `ignore_eos`)."""
+    """Do not stop at the tokenizer's eos (stop_token_ids still stop): fixed-length rollouts for throughput benchmarks
+    (vLLM's `ignore_eos`)."""
     processed_logprobs: bool = False
     """Also return logprobs under the truncated distribution actually sampled from (Rollout.processed_logprobs)."""
 
@@ -133,7 +135,8 @@ class Rollout:
     SentencePiece tokenizer's leading space kept, an unfinished UTF-8 character held back); includes the stop
     string if one ended it."""
     logprobs: list[float]
-    """Per completion token: log-prob at the sampling temperature BEFORE top-p/top-k/min-p truncation (what the trainer recomputes)."""
+    """Per completion token: log-prob at the sampling temperature BEFORE top-p/top-k/min-p truncation (what the trainer
+    recomputes)."""
     finish_reason: str
     """"stop" (stop string or stop token), "length" (max_new_tokens or the context end) or "error" (see `error`)."""
     policy_version: int

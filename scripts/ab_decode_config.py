@@ -1,23 +1,17 @@
-"""The NVFP4 engine's rollout with the default decode tile beside a swept one, side by side (GPU).
+"""Does a swept decode tile speed up the whole NVFP4 rollout, not one GEMM? The default beside the sweep's pick (GPU).
 
     source scripts/device_env.sh
     python3 -P scripts/sweep_decode_gemm.py --one-token --rollout --out DIR
     python3 -P scripts/ab_decode_config.py --sweep DIR/sweep_decode_gemm.json [--batches 1,16,64] [--new 512]
 
-`sweep_decode_gemm.py` times tile configs one GEMM at a time; this says what a candidate does to the whole
-decode step. The candidate is the config with the least summed µs over the sweep's shapes at the rollout's
-batches (1 / 16 / 64 tokens: a layer's gate_up and down projection each), among the configs bitwise equal to
-TRAIN on every one of them. Run A uses `qgemm_triton`'s defaults; run B sets both decode-family configs
-(`DECODE`, `DECODE_WIDE`) to the candidate, so every decode call runs the tile the sweep timed. `bench
-rollout`'s 1B model and prompts, NVFP4 experts, greedy; per batch the order is A, B, A, B (drift shows as
-A-to-A spread), and B's completions must equal A's token for token (the tiles give the same bits, so a
-difference is a bug: exit status 1).
+The candidate is the config with the least summed µs over the sweep's shapes at the rollout's batches, among
+the configs bitwise equal to TRAIN on all of them. Run A uses `qgemm_triton`'s defaults; run B sets DECODE and
+DECODE_WIDE to the candidate. `bench rollout`'s 1B model and prompts, NVFP4 experts, greedy; per batch the
+order is A, B, A, B (drift shows as A-to-A spread), and B's completions must equal A's token for token (exit
+status 1 otherwise). Prints per batch generated tok/s and ms a decode step for each run and B / A; writes
+ab_decode.json under `--out`.
 
-Prints, per batch, generated tok/s and ms a decode step for each run and B / A; writes ab_decode.json
-under `--out`. The choice of a default is made by hand from this table (`qgemm_triton.DECODE`'s docstring).
-
-Leaves out: the BF16 engine (unchanged by the tile), prefill (TRAIN / MID tiles), batches above 64.
-"""
+Leaves out: the BF16 engine (unchanged by the tile), prefill (TRAIN / MID tiles), batches above 64."""
 
 from __future__ import annotations
 

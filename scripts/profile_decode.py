@@ -1,10 +1,9 @@
-"""Profile the embedded engine's generate on the bench's 1B Qwen3-MoE (BF16 and NVFP4 weights): top ops by time.
+"""Where does a decode step's time go? Profiles the embedded engine's generate (bench 1B Qwen3-MoE, BF16 and NVFP4).
 
     python -P scripts/profile_decode.py --device cuda --batch 64 --new 16 [--temperature 1.0]
 
 Prints per recipe the decode ms/step, the number of kernel launches and host syncs per decode step, and the
-top ops by device time and by host time.
-"""
+top ops by device time and by host time."""
 
 import argparse
 
@@ -47,12 +46,15 @@ def main() -> None:
     a.add_argument("--prompt", type=int, default=128)
     a.add_argument("--new", type=int, default=16)
     a.add_argument("--rows", type=int, default=25)
-    a.add_argument("--graphs", default="auto", help="decode steps: auto (cuda on a CUDA device), cuda (CUDA graphs), static, off")
+    a.add_argument("--graphs", default="auto",
+                   help="decode steps: auto (cuda on a CUDA device), cuda (CUDA graphs), static, off")
     a.add_argument("--temperature", type=float, default=0.0, help="0: greedy; RL samples at 1.0")
     args = a.parse_args()
     model = build_model(args.model, args.prompt + args.new + 1, torch.bfloat16, args.device)
-    prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0))
-    reqs = [Request(str(i), r.tolist(), SamplingParams(temperature=args.temperature, max_new_tokens=args.new, seed=i)) for i, r in enumerate(prompts)]
+    prompts = torch.randint(1, model.config.vocab_size, (args.batch, args.prompt),
+                            generator=torch.Generator().manual_seed(0))
+    reqs = [Request(str(i), r.tolist(), SamplingParams(temperature=args.temperature, max_new_tokens=args.new, seed=i))
+            for i, r in enumerate(prompts)]
     for name, m in (("bf16", served_model(model, "bf16")), ("nvfp4", served_model(model, "nvfp4"))):
         eng = EmbeddedEngine(m, None, max_batch_size=args.batch, device=args.device,
                              max_seq_len=args.prompt + args.new + 1, max_prefill_tokens=args.batch * args.prompt,

@@ -1,19 +1,14 @@
-"""Profile one RL train step of the bench job (`configs/gpu-h200.yaml`) per recipe: device time by kernel family.
+"""Where does an RL train step's time go, per recipe? Device time by kernel family, and the host side.
 
     source scripts/device_env.sh && python3 -P scripts/profile_train.py [--recipes nvfp4,bf16] [--new 64]
 
-Builds the job's Trainer (random init, no warm start), a synthetic TrainBatch of
-`--seqs` rollouts (prompt 12 tokens, `--new` completion tokens), runs two
-untimed train steps (compiles, allocator), then one under torch.profiler. Prints
-per recipe the step's wall time, its device time split into kernel families
-(NVFP4 GEMM, MXFP8 GEMMs, format kernels, cuBLAS/cutlass GEMMs, attention
-softmax, elementwise/other), the top kernels, and the host side (sync-like
-calls, top ops by self host time: the step is host-bound; `--cprofile`: the
-Python functions by host time), so the train
-phase's overhead of nvfp4 over bf16 can be put on named kernels and calls.
+Builds the bench job's Trainer (`configs/gpu-h200.yaml`, random init), a synthetic TrainBatch of `--seqs`
+rollouts (prompt 12 tokens, `--new` completion tokens), runs two untimed train steps (compiles, allocator),
+then one under torch.profiler. Prints per recipe the step's wall time, its device time by kernel family (NVFP4
+GEMM, MXFP8 GEMMs, format kernels, cuBLAS/cutlass GEMMs, attention, elementwise/other), the top kernels, and the
+host side (sync-like calls, top ops by self host time; `--cprofile`: Python functions by host time).
 
-Leaves out: the sampler and weight sync (`profile_decode.py`, `bench step`).
-"""
+Leaves out: the sampler and weight sync (`profile_decode.py`, `bench step`)."""
 
 from __future__ import annotations
 
@@ -92,7 +87,8 @@ def main() -> None:
             print(f"  {e.self_device_time_total / 1e3:>10.1f} ms  {e.count:>6}x  {e.key[:90]}")
         ops = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
         syncs = sum(e.count for e in ops if "Synchronize" in e.key or e.key == "aten::_local_scalar_dense")
-        print(f"  host: {syncs} sync-like calls (synchronize / host reads of a value); top {args.rows} ops by self host time:")
+        print(f"  host: {syncs} sync-like calls (synchronize / host reads of a value); "
+              f"top {args.rows} ops by self host time:")
         for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[: args.rows]:
             print(f"  {e.self_cpu_time_total / 1e3:>10.1f} ms  {e.count:>6}x  {e.key[:90]}")
         if args.cprofile:

@@ -1,25 +1,13 @@
-"""Decode attention split over key chunks against unsplit (GPU): µs a call in CUDA graphs, and whether the bits agree.
+"""Up to how many rows does splitting decode attention over key chunks pay (`decode_graph.SPLIT_MAX_ROWS`)?
 
     source scripts/device_env.sh && python3 -P scripts/sweep_attention.py [--out DIR]
     TRITON_INTERPRET=1 python3 -P scripts/sweep_attention.py --device cpu --quick   # tiny sizes: the bits only
 
-Decode steps of B rows (B sequences, one token each, all at context L) over a BF16 cache of `--max-len`
-positions, bench rollout's 1B attention shape (16 query heads, 4 kv heads, head dim 128). The split call passes
-cdiv(max_len, KEY_CHUNK) key chunks, as the engine's decode graphs do (`DecodeLayout.key_chunks`), with one
-set of chunk counters for all its calls (`DecodeLayout.split_counters`), so its time includes the in-kernel
-merge by each tile's last chunk (a row says when the chunk states would pass `SPLIT_MAX_BYTES`, where
-`attention` runs unsplit). Each case first checks split and unsplit outputs bitwise (they are one compiled
-kernel: `attention_triton`'s docstring), then times each over rotating slots of one cache, as many as keep the
-bytes the calls read past the L2 (a step's 16 layers are), CUDA graphs, median; then checks the split's bits
-again on `--recheck` more calls and that the counters are back at zero (the chunks' hand-off under load).
-
-What it is for: `sampler/decode_graph.SPLIT_MAX_ROWS` (rows up to which a decode step splits) and whether a
-split pays at short contexts. The H200 profile of the fourteenth session measured the merge, then a kernel of
-its own, at 4.7 µs a layer at batch 1 for contexts up to 256. The choice is made by hand from the table; it
-cannot change a bit.
-
-Exit status 1 if any case's split and unsplit outputs differ.
-"""
+Decode steps of B rows at context L over a BF16 cache (bench rollout's 1B attention shape), split as the
+engine's decode graphs do (`DecodeLayout.key_chunks`, shared chunk counters) against unsplit. Each case checks
+split and unsplit outputs bitwise, times each in CUDA graphs over rotating cache slots (past the L2; median),
+then rechecks the split's bits on `--recheck` more calls and that the counters are back at zero. The choice is
+made by hand from the table; it cannot change a bit. Exit status 1 if any case's outputs differ."""
 
 from __future__ import annotations
 

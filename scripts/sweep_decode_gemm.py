@@ -1,4 +1,4 @@
-"""Tile sweep of the NVFP4 grouped GEMM at decode shapes (GPU): µs per config, and whether its bits equal TRAIN's.
+"""Which tile configs of the NVFP4 grouped GEMM are fastest at decode (or training) shapes, among those bitwise equal?
 
     source scripts/device_env.sh && python3 -P scripts/sweep_decode_gemm.py [--out DIR]
     python3 -P scripts/sweep_decode_gemm.py --train     # the training-shape (TRAIN) tiles instead
@@ -6,23 +6,14 @@
     python3 -P scripts/sweep_decode_gemm.py --one-token --rollout --out DIR   # both; then scripts/ab_decode_config.py
     python3 -P scripts/sweep_decode_gemm.py --large-grid   # 128-expert models' decode shapes around SMALL_GRID programs
 
-Why a sweep and not autotuning: the bits of the kernel do not depend on the
-tile config (each output is one k16 MMA chain in K order), but a config is
-only safe to pick if that holds on the GPU at hand, so every candidate is
-checked bitwise against TRAIN on the same operands before it is timed. The
-winner is written into ``kernels/qgemm_triton.py::DECODE`` by hand, and
-``tests/kernels/test_qgemm_triton.py`` re-checks it.
+Why a sweep and not autotuning: the kernel's bits do not depend on the tile config (each output is one k16 MMA
+chain in K order), but a config is only safe to pick if that holds on the GPU at hand, so every candidate is
+checked bitwise against TRAIN on the same operands before it is timed. The winner is written into
+``kernels/qgemm_triton.py`` by hand, and ``tests/kernels/test_qgemm_triton.py`` re-checks it. Shapes: a dense
+K=4096 N=14336 layer at 1 / 4 / 16 rows, Qwen3-30B-A3B's and the bench model's experts; timing as ``rl4bit bench
+gemm`` (CUDA graph of rotating weight copies beyond the L2, median).
 
-Shapes: the issue-6 decode targets (dense K=4096 N=14336 at M = 1, 4, 16;
-Qwen3-30B-A3B experts gate_up / down at 1 and 16 tokens, top-8 of 128) and
-the bench model's experts (16 x 1536 x 2048, top-4). Timing as ``rl4bit
-bench gemm``: CUDA graph of rotating weight copies (beyond the L2), median.
-
-``--train`` sweeps the training tiles on Qwen3-30B-A3B micro-batch shapes the
-same way (not yet run on the H200).
-
-Leaves out: the activation quantize (timed by bench gemm).
-"""
+Leaves out: the activation quantize (timed by bench gemm)."""
 
 from __future__ import annotations
 
@@ -36,7 +27,8 @@ import statistics
 import torch
 
 from rl4bit.bench_gemm import _copies, _routing, _time_us, _weights, copy_gbps
-from rl4bit.kernels import quantize, qgemm_triton as qg
+from rl4bit.kernels import qgemm_triton as qg
+from rl4bit.kernels import quantize
 from rl4bit.trainer.qgemm import GemmSpec, quantize_activation
 
 SHAPES = [("dense", 1, 4096, 14336, 1), ("dense", 1, 4096, 14336, 4), ("dense", 1, 4096, 14336, 16),
@@ -53,7 +45,7 @@ and its down projection at 2 / 4 / 8 tokens: where the 256-wide K step stops win
 ROLLOUT_SHAPES = [("1b gate_up", 32, 2048, 1536, 16), ("1b down", 32, 768, 2048, 16),
                   ("1b gate_up", 32, 2048, 1536, 64), ("1b down", 32, 768, 2048, 64)]
 """(name, E, K, N, tokens): `bench rollout`'s 1B model at batch 16 and 64, where its NVFP4 / BF16 targets are
-(2.5x and 1.8x) and the grouped GEMMs are issue-bound rather than latency-bound (`--rollout`)."""
+and the grouped GEMMs are issue-bound rather than latency-bound (`--rollout`)."""
 MID_SHAPES = [("bench gate_up", 16, 2048, 1536, 256), ("bench down", 16, 768, 2048, 256)]
 """(name, E, K, N, tokens): the GPU job's batch-256 decode step (configs/gpu-h200.yaml: 16 experts, top-4)."""
 LARGE_GRID_SHAPES = [("a3b down", 128, 768, 2048, 4), ("a3b down", 128, 768, 2048, 8),
@@ -62,9 +54,8 @@ LARGE_GRID_SHAPES = [("a3b down", 128, 768, 2048, 4), ("a3b down", 128, 768, 204
                      ("a3b gate_up", 128, 2048, 1536, 1), ("a3b gate_up", 128, 2048, 1536, 4),
                      ("a3b gate_up", 128, 2048, 1536, 16)]
 """(name, E, K, N, tokens): Qwen3-30B-A3B's down (K 768) and Qwen3-235B-A22B's down (K 1536, N 4096), top-8 of
-128, at token counts on both sides of SMALL_GRID programs, where the previous DECODE_SHORT_K was picked from one
-shape (A3B down at 16 tokens, twenty-third session); and A3B's gate_up (K 2048) at 1 / 4 / 16 tokens, where two
-other tiles were faster that day (`--large-grid`). The sweep behind DECODE_WIDE (twenty-fourth session)."""
+128, at token counts on both sides of SMALL_GRID programs, and A3B's gate_up (K 2048) at 1 / 4 / 16 tokens
+(`--large-grid`): the sweep behind DECODE_WIDE."""
 
 
 def candidates() -> list[qg.Config]:

@@ -1,31 +1,16 @@
-"""Tile sweep of the invariant mode's dense product (`invariant_triton.bmm`, `model.invariant_kernels`) on a GPU.
+"""Which tiles make the invariant mode's product (`invariant_triton.bmm`) fastest, and what does it cost beside cuBLAS?
 
     source scripts/device_env.sh && python3 -P scripts/sweep_invariant_gemm.py [--quick] [--only-current]
-        [--against OLD.py]     # e.g. git show e21b409:kernels/invariant_triton.py > /tmp/old.py: before and after
+        [--against OLD.py]     # another version of kernels/invariant_triton.py: bits and time before and after
 
-The mode sends every BF16 product of the trainer and the sampler through one Triton kernel whose configuration
-comes from (K, N, dtype) alone (`invariant_triton.tiles`), so a row's bits never depend on the row count. Until
-the twenty-sixth session it took 2.8-5.8x cuBLAS's time on the GPU job's products at 8,192 rows, whatever the
-configuration (an operand loaded element by element: `_bmm_kernel`'s BATCHED; `probe_invariant_alignment.py`).
-This times candidate configurations on the products a job in the mode runs, in the layouts the mode passes them
-(`F.linear`: x @ wᵀ with w row-major, so b is column-major; the input gradient g @ w; the weight gradient gᵀ @ x,
-a transposed), beside cuBLAS on the same operands, and checks bits:
-- every candidate's output against the current `tiles()` configuration's, element by element (equal or not: a
-  configuration whose bits differ is still batch-invariant, but it changes what a job in the mode computes);
-- each candidate's calls of 1, 7 and 16 rows against the same rows of the shape's call (the row invariance the mode
-  exists for: must hold for every candidate; 1, a multiple of 16 and neither are separately compiled variants).
+Times candidate configurations (`invariant_triton.tiles` picks from K, N and the dtype alone) on the products a
+job in the mode runs, in its layouts (`F.linear`'s x @ wᵀ, the input gradient g @ w, the weight gradient gᵀ @ x),
+beside cuBLAS on the same operands, and checks bits: each candidate against the current configuration (a
+difference changes what a job computes), and calls of 1, 7 and 16 rows against the same rows of the full call
+(row invariance: must hold for every candidate). Shapes: configs/gpu-h200.yaml's model and Qwen3's 151,936-token
+LM head at 16, 64 and 8,192 rows, and a micro-batch's backward. Timing: CUDA events, median of 5.
 
-Shapes: configs/gpu-h200.yaml's model (hidden 2048; q/k/v fused 3072; 16 router logits; 85-token LM head),
-Qwen3's 151,936-token LM head, at 16 and 64 rows (decode) and 8,192 (a micro-batch), and the backward's products
-of a micro-batch. Timing: CUDA events, median of 5 repeats of enough calls for about 2 ms.
-
-`--against OLD.py` loads another version of `invariant_triton.py` and, per shape, times it (at the current
-configuration where its `bmm` takes one, else at its own) and counts the elements where its output differs from
-this version's (a kernel change that should not move a bit).
-
-Leaves out: FP32 operands (the `tiles` rule keeps 32 x 32 x 32 there), the grouped product (it takes the same
-`tiles`), CUDA graphs, and a choice per row count (the mode's configuration must not depend on it).
-"""
+Leaves out: FP32 operands, the grouped product (same `tiles`), CUDA graphs, a choice per row count."""
 
 from __future__ import annotations
 

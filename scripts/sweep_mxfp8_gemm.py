@@ -1,22 +1,15 @@
-"""Tile sweep of the MXFP8 backward GEMMs (dgrad and wgrad, BF16-dequantize path) at training shapes (GPU).
+"""Which tiles of the MXFP8 backward GEMMs (dgrad, wgrad; BF16-dequantize path) are fastest at training shapes?
 
     source scripts/device_env.sh && python3 -P scripts/sweep_mxfp8_gemm.py [--out DIR] [--reps 10]
 
-Like ``sweep_decode_gemm.py --train``: every config is first compared bitwise
-with the default of its kernel (``MX_TRAIN[False]`` / ``WGRAD[False]``) on the same
-operands, then timed (CUDA graph over rotating operand copies, median). The
-K order of both kernels is fixed by their K step (``BF16_BLOCK_K``), not by the
-tile, so equal bits are expected; a config that differs is reported and must
-not be picked. The winner goes into ``kernels/mxfp8_gemm_triton.py`` by hand.
+Like ``sweep_decode_gemm.py --train``: every config is first compared bitwise with its kernel's default
+(``MX_TRAIN[False]`` / ``WGRAD[False]``) on the same operands, then timed (CUDA graph over rotating operand
+copies, median). The K order is fixed by the K step (``BF16_BLOCK_K``), not the tile, so equal bits are
+expected; a config that differs is reported and must not be picked. The winner goes into
+``kernels/mxfp8_gemm_triton.py`` by hand. Shapes: the backward of the bench model's experts and of
+Qwen3-30B-A3B's (dgrad and wgrad of gate_up and down).
 
-Shapes: the backward of the bench model's experts (16 experts, hidden 2048,
-width 768, 16384 tokens x top-4) and of Qwen3-30B-A3B (128 experts, 4096
-tokens x top-8): dgrad of gate_up (A = dY [R, 2I], B = W [E, H, 2I]) and down
-(A = dY [R, H], B = W [E, I, H]); wgrad of gate_up (A = dYᵀ [2I, R_pad],
-B = xᵀ [H, R_pad]) and down.
-
-Leaves out: the FP8-core path (slower on the H200, README), the quantize kernels.
-"""
+Leaves out: the FP8-core path, the quantize kernels."""
 
 from __future__ import annotations
 
@@ -28,7 +21,8 @@ import os
 import torch
 
 from rl4bit.bench_gemm import _routing, _time_us, _weights
-from rl4bit.kernels import mxfp8_gemm_triton as mg, quantize
+from rl4bit.kernels import mxfp8_gemm_triton as mg
+from rl4bit.kernels import quantize
 from rl4bit.kernels.qgemm_triton import Config
 
 MODELS = [("bench", 16, 4, 2048, 768, 16384), ("a3b", 128, 8, 2048, 768, 4096)]

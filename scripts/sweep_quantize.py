@@ -1,26 +1,15 @@
-"""Time the experts' activation quantize at decode sizes over its warps and rows a program (GPU).
+"""How many warps and rows a program should the experts' activation quantize take at decode sizes?
 
     source scripts/device_env.sh && python3 -P scripts/sweep_quantize.py [--hidden 2048 --inter 768 --top-k 4]
     TRITON_INTERPRET=1 python3 -P scripts/sweep_quantize.py --device cpu --quick    # the equality checks only
 
 The two NVFP4 quantizes a served MoE layer runs a decode step (`qgemm_triton.quantize_and_multiply`): the
-gate-up input (the tokens' BF16 rows gathered to expert order inside the kernel, 4/6 scales, per-row outer
-scale, the GEMM's pre-decoded operand written beside the codes) and the down input (the SwiGLU of the gate-up
-product, computed inside the kernel). At 1, 16 and 64 tokens (top-k rows each) the default launch holds whole
-rows, `nvfp4_triton`'s 16 elements a thread for 4/6 (4 warps for a 2048-wide row): at one token that is four
-programs on four SMs with one warp a scheduler, and the eighteenth session's H100 profile put the quantize at
-4.1 µs a call (133 µs of a 1407 µs NVFP4 batch-1 step). Variants: 1-16 warps a program, and one row a program
-where the default packs two (the 768-wide down input). A row's codes come from its amax (a max), per-block
-pairwise sums and elementwise rounding, so no variant may change a bit: each is checked against the default on
-every output (codes, scales, outer scales, pre-decoded operand) before it is timed (CUDA graphs, median over
-rotating inputs).
-
-What it is for: whether `nvfp4_triton.quantize_nvfp4`'s launch should give decode-size rows more warps. The
-choice is made by hand from the table; it cannot change a bit. Exit status 1 if any variant's outputs differ.
-The nineteenth session's run (H100) moved the SwiGLU input to one row a program and 8 warps
-(`nvfp4_triton.SWIGLU_PER_THREAD`: 5.15 -> 3.07 µs at one token) and left the gate-up input's 4 warps (2.36 µs,
-no variant faster by more than 0.1 µs); the paragraph above describes the launch before that change.
-"""
+gate-up input (rows gathered to expert order in the kernel, 4/6, per-row outer scale, the pre-decoded operand)
+and the down input (the SwiGLU of the gate-up product, computed in the kernel), at 1, 16 and 64 tokens, over
+1-16 warps and one or two rows a program. No variant may change a bit (a row's codes come from its amax,
+per-block pairwise sums and elementwise rounding): each is checked against the default on every output before
+it is timed (CUDA graphs, median over rotating inputs). The choice is made by hand from the table
+(`nvfp4_triton.SWIGLU_PER_THREAD`). Exit status 1 if any variant's outputs differ."""
 
 from __future__ import annotations
 

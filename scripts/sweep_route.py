@@ -1,20 +1,13 @@
-"""Time the MoE routing kernel over its warp count, with and without the tile map, beside the map's own kernel (GPU).
+"""How many warps should the MoE routing kernel take (`route_triton.route_warps`), and does the tile map belong in it?
 
     source scripts/device_env.sh && python3 -P scripts/sweep_route.py [--experts 32 --top-k 4]
     TRITON_INTERPRET=1 python3 -P scripts/sweep_route.py --device cpu --quick     # the equality checks only
 
 For each decode batch (1, 16, 64, 256 tokens, top-k entries each), random routings: `route_triton.expert_order`
-with the tile map inside (what the serving experts run, DECODE's 16-row tiles) at 1, 2, 4 and 8 warps, without
-the map, and without the map followed by the map's own kernel (`qgemm_triton.tile_map` of device counts: the
-launch layout before the thirteenth session, today's map code). µs a call in CUDA graphs, median, over rotating
-routings. Every variant's outputs are first checked against torch's (`argsort`, `// k`, `bincount`) and the
-host-built map (`tile_map` of the counts as a list); integers, so no warp count may change them.
-
-What it is for: `route_triton.route_warps`, and whether the map belongs in the routing kernel (the fourteenth
-session's profile: 4.96 µs a call with the map, 1.52 without it, at batch 1).
-
-Exit status 1 if any variant's outputs differ.
-"""
+with the tile map inside (DECODE's 16-row tiles) at 1, 2, 4 and 8 warps, without the map, and without the map
+followed by the map's own kernel (`qgemm_triton.tile_map` of device counts). µs a call in CUDA graphs, median,
+over rotating routings. Every variant's outputs are first checked against torch's (`argsort`, `// k`,
+`bincount`) and the host-built map; integers, so no warp count may change them. Exit status 1 if any differ."""
 
 from __future__ import annotations
 

@@ -1,13 +1,11 @@
-"""Time the fused router's partial-sum kernel over tile shapes, beside torch's router ops (H200).
+"""Which tile shape should the fused router's partial-sum kernel take (`router_triton.BLOCK_T`, CHUNK, warps)?
 
     python -P scripts/sweep_router.py [--hidden 2048 --experts 32 --top-k 4]
 
 Prints µs a call (50 calls in one CUDA graph, median of 20 replays) of `router_triton._partial_kernel` for each
 (BLOCK_T, BLOCK_K, CHUNK, warps) at 1, 16 and 128 tokens, FP32 (rl4bit's router) and BF16, then
-`route_topk` as shipped and torch's ops (`fused_router.reference`: `F.linear`, softmax, top-k, renormalize)
-as the baseline. Tile shapes change the bits (the sum order), not the results' meaning: pick one, then every
-pass uses it.
-"""
+`route_topk` as shipped and torch's ops (`fused_router.reference`) as the baseline. Tile shapes change the bits
+(the sum order), not the results' meaning: pick one, then every pass uses it."""
 
 from __future__ import annotations
 

@@ -10,64 +10,11 @@ A plain class (Ray wraps it in `rl4bit.actors`; `local` mode calls it directly):
     bucket = trainer.weight_bucket(i)                  #   bucket i of 0..count-1, for the samplers
     update, quantized = trainer.weight_tensors()       # or, samplers in this process: the same values as tensors
 
-Numerics. Logprobs are recomputed through the embedded sampler's own
-batch-invariant forward (`sequence_logprobs`: sequences packed end to end in
-one [1, T] row, per-sequence attention over a fixed `max_seq_len` of key
-positions, every GEMM padded to >= MIN_ROWS rows; `rl4bit.sampler.kv_cache`),
-with gradients, `rl4bit.trainer.logprobs`; its `train_attention` is the engine's attention minus the KV cache. Every
-row's bits then depend only on its own sequence, so on the same weights the
-trainer's logprobs equal the sampler's bitwise and `mismatch/k3` is exactly 0
-(on CPU; with another sampler it measures the real mismatch). The recipe's
-quantized modules (`rl4bit.trainer.surgery`) hold FP32 master weights; AdamW
-updates them in place. The weight sync ships what the forward computes with:
-the quantized modules' QTensors and every other tensor as its FP32 master
-(see `weight_bucket`; `weight_tensors` hands the same values over as device
-tensors to samplers in this process). With `model.dtype: bfloat16` the forward
-runs under bf16 autocast, and so do the embedded samplers' forwards
-(`rl4bit.models.autocast_dtype`, one function for both sides).
-
-Per RL step: `ppo_epochs` optimizer steps over all rollouts, each accumulating
-micro-batches of at most `trainer.tokens_per_microbatch` tokens; epoch 0's
-forward also yields the "old" logprobs of the PPO ratio (same weights, same
-bits). A step whose loss or gradient norm is not finite, or whose quantized
-GEMMs met NaN/Inf (read once per micro-batch: `deferred_checks`), is skipped,
-by every rank of a sharded trainer at the same micro-batch (one flag
-all-reduce a micro-batch); the job stops after `trainer.max_nonfinite_steps`
-in a row.
-
-Sharded (`Trainer(cfg, rank, world)` inside a torch.distributed group of
-`world` processes, built by `rl4bit.trainer_group`): the model is sharded
-with FSDP2 (`rl4bit.trainer.sharding`) after the recipe conversion; each
-micro-batch is split across ranks (rank r takes its sequences r, r+world,
-...; a rank left without one runs a zero-weight dummy so every rank makes the
-same FSDP collectives); the loss keeps the global token/sequence
-normalisation and gradients are summed, so the step equals the one-process
-step up to reduction order and the stochastic rounding of the backward
-(keyed by call, so a different split draws different bits); loss, statistics
-and the grad norm are reduced over the group, so every rank takes the same
-skip decision; `state()` holds this rank's pieces (see sharding.save_shard);
-`weight_bucket` all-gathers the bucket's layers on every rank and returns the
-bucket on rank 0 (None elsewhere). The warm start runs replicated on every
-rank before sharding. world == 1 runs exactly the one-process code.
-Stochastic rounding keys fold in the rank (`sharding.sr_step`: step * world +
-rank), so data-parallel ranks do not share random streams; one process keeps
-its keys.
-
-Expert parallelism (`trainer.expert_parallel` = `trainer.world_size`: the EP
-group is the whole group; other values are refused): after the recipe
-conversion `shard_experts` leaves each rank experts [r*E/N, (r+1)*E/N) of
-every MoE layer (rl4bit.trainer.expert_parallel); FSDP2 shards the rest and
-ignores those slices, whose gradients are already complete (the all-to-alls
-brought every rank's tokens to them) and are not reduced again. The grad
-norm and clip span both kinds (`sharding.clip_grad_norm_`). Each step
-returns the group's wire bytes (`comm/*`, summed over ranks). Weight sync
-all-gathers the experts' QTensors along dim 0 in rank order (bitwise the
-one-process QTensors for the same masters); checkpoints store each slice as
-its rank's Shard(0) piece of the global [E, ...] tensor.
-
-Leaves out: minibatches within an epoch, learning-rate schedules, EP groups
-smaller than the trainer group.
-"""
+Logprobs are recomputed through the embedded sampler's batch-invariant forward (`rl4bit.trainer.logprobs`), so
+on the same weights they equal the sampler's bitwise and `mismatch/k3` is 0 on CPU. Sharded (`Trainer(cfg, rank,
+world)`, built by `rl4bit.trainer_group`): FSDP2 after the recipe conversion, expert parallelism over the whole
+group; the `Trainer` class docstring says what each changes. Leaves out: minibatches within an epoch,
+learning-rate schedules, EP groups smaller than the trainer group."""
 
 from __future__ import annotations
 
@@ -79,8 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from rl4bit.config import JobConfig
-from rl4bit.kernels import NonFiniteInputError, deferred_checks
-from rl4bit.kernels import invariant
+from rl4bit.kernels import NonFiniteInputError, deferred_checks, invariant
 from rl4bit.models import autocast_dtype, build_model
 from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer import grpo
@@ -138,14 +84,37 @@ def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 class Trainer:
-    """Policy + AdamW; one `train_step` per RL step (see module docstring)."""
+    """Policy + AdamW; one `train_step` per RL step.
+
+    The recipe's quantized modules (`rl4bit.trainer.surgery`) hold FP32 master weights; AdamW updates them in
+    place. The weight sync ships what the forward computes with: the quantized modules' QTensors and every other
+    tensor as its FP32 master. With `model.dtype: bfloat16` the forward runs under bf16 autocast, as do the
+    embedded samplers' (`rl4bit.models.autocast_dtype`, one function for both sides).
+
+    Per RL step: `ppo_epochs` optimizer steps over all rollouts, each accumulating micro-batches of at most
+    `trainer.tokens_per_microbatch` tokens; epoch 0's forward also yields the "old" logprobs of the PPO ratio. A
+    step whose loss or gradient norm is not finite, or whose quantized GEMMs met NaN/Inf (`deferred_checks`), is
+    skipped by every rank at the same micro-batch; the job stops after `trainer.max_nonfinite_steps` in a row.
+
+    Sharded (world > 1; world == 1 runs exactly the one-process code): each micro-batch is split across ranks
+    (rank r takes sequences r, r+world, ...; a rank without one runs a zero-weight dummy so every rank makes the
+    same FSDP collectives); the loss keeps the global normalisation and gradients are summed, so the step equals
+    the one-process step up to reduction order and stochastic rounding, whose keys fold in the rank
+    (`sharding.sr_step`). Loss, statistics and the grad norm are reduced over the group; `state()` holds this
+    rank's pieces; `weight_bucket` all-gathers a bucket's layers and returns it on rank 0 (None elsewhere). The
+    warm start runs replicated before sharding. Expert parallelism (`trainer.expert_parallel` =
+    `trainer.world_size`): `shard_experts` leaves each rank its slice of every MoE layer's experts, FSDP2 shards
+    the rest; the grad norm and clip span both (`sharding.clip_grad_norm_`); steps return the group's wire bytes
+    (`comm/*`).
+    """
 
     def __init__(self, cfg: JobConfig, rank: int = 0, world: int = 1):
         self.rank, self.world = int(rank), int(world)
         if cfg.run.cpu_threads:
             torch.set_num_threads(cfg.run.cpu_threads)
         self.cfg = cfg
-        self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.trainer.device == "auto" else cfg.trainer.device)
+        auto = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(auto if cfg.trainer.device == "auto" else cfg.trainer.device)
         if self.device.type == "cuda" and cfg.model.invariant_kernels:  # the samplers too (sampler/actor.py);
             invariant.set_mode(True)  # the driver turns it off when the job ends
         self.tokenizer = build_tokenizer(cfg.model)
@@ -215,7 +184,8 @@ class Trainer:
             raise ValueError(
                 f"trainer.expert_parallel={ep} with trainer.world_size={self.world}: expert parallelism shards the "
                 f"experts over the whole trainer group; set trainer.world_size={ep} or trainer.expert_parallel="
-                f"{self.world if self.world > 1 else 1} (EP groups smaller than the group, 2D meshes, are not supported)")
+                f"{self.world if self.world > 1 else 1} "
+                "(EP groups smaller than the group, 2D meshes, are not supported)")
         from rl4bit.trainer.modules import QuantExperts
 
         if not any(isinstance(m, QuantExperts) for m in self.model.modules()):
@@ -304,7 +274,8 @@ class Trainer:
             if self.world > 1:
                 from rl4bit.trainer.sharding import clip_grad_norm_
 
-                norm = clip_grad_norm_(self.params, max_norm)  # the group's norm: every rank takes the same skip decision
+                # the group's norm: every rank takes the same skip decision
+                norm = clip_grad_norm_(self.params, max_norm)
             else:
                 norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             norms.append(norm)
@@ -414,7 +385,8 @@ class Trainer:
                                    "call trainer.setup_rl() (or load_state after it) first")
             from rl4bit.weight_sync import WeightSender
 
-            self._sender = WeightSender(self.model, self.plan, dense_dtype=None)  # dense: FP32 masters, as computed with
+            # dense: FP32 masters, as computed with
+            self._sender = WeightSender(self.model, self.plan, dense_dtype=None)
         return self.version, self._sender.num_buckets, self._sender.layout()
 
     def weight_bucket(self, index: int):
@@ -486,7 +458,9 @@ class Trainer:
 
             ep_shapes = {}  # the expert slices and their AdamW moments are Shard(0) pieces of the global [E, ...]
             for n, (p, shape) in expert_params(self.model).items():
-                ep_shapes[f"model.{n}"] = ep_shapes[f"optim.{n}.exp_avg"] = ep_shapes[f"optim.{n}.exp_avg_sq"] = list(shape)
+                global_shape = list(shape)
+                ep_shapes[f"model.{n}"] = ep_shapes[f"optim.{n}.exp_avg"] = global_shape
+                ep_shapes[f"optim.{n}.exp_avg_sq"] = global_shape
             if self.ref_model is not None:
                 for n, (p, shape) in expert_params(self.ref_model).items():
                     ep_shapes[f"ref.{n}"] = list(shape)
@@ -548,7 +522,8 @@ class Trainer:
             else:
                 self._load_local_pieces(self.ref_model, ref_sd)
         for name, p in self.model.named_parameters():
-            st = {k.rsplit(".", 1)[1]: v for k, v in tensors.items() if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
+            st = {k.rsplit(".", 1)[1]: v for k, v in tensors.items()
+                  if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
             if st:
                 self.optimizer.state[p] = {k: self._like(p, v) if k != "step" else v.clone() for k, v in st.items()}
         torch.set_rng_state(tensors["rng.torch_cpu"])

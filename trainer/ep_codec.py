@@ -52,7 +52,8 @@ S2F6_REL_BOUND = math.sqrt(32) / 127
 
 def check_format(name: str, fmt: str, valid) -> None:
     if fmt not in valid:
-        raise ValueError(f"{name} {fmt!r} is not one of {valid}; set it to one of them (cfg.trainer.combine for the combine)")
+        raise ValueError(f"{name} {fmt!r} is not one of {valid}; set it to one of them "
+                         "(cfg.trainer.combine for the combine)")
 
 
 def _check_hidden(hidden: int, block: int, what: str) -> None:
@@ -69,7 +70,8 @@ def _check_hidden(hidden: int, block: int, what: str) -> None:
 def pack_rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """Tensors with the same leading dim R -> uint8 [R, sum of their row bytes] (bytes concatenated per row)."""
     rows = parts[0].shape[0]
-    flat = [p.contiguous().reshape(rows, p[0].numel() if rows else math.prod(p.shape[1:])).view(torch.uint8) for p in parts]
+    flat = [p.contiguous().reshape(rows, p[0].numel() if rows else math.prod(p.shape[1:])).view(torch.uint8)
+            for p in parts]
     return torch.cat(flat, dim=1) if len(flat) > 1 else flat[0]
 
 

@@ -1,78 +1,19 @@
-"""Expert parallelism: a converted MoE experts module sharded over a torch.distributed group, tokens moved by all-to-all.
+"""Expert parallelism: a converted MoE experts module sharded over a process group, tokens moved by all-to-all.
 
-    group = dist.new_group(...)                    # the EP ranks (size cfg.trainer.expert_parallel); None = default group
+    group = dist.new_group(...)                    # the EP ranks (size cfg.trainer.expert_parallel); None = default
+    group
     shard_experts(model, group, combine=cfg.trainer.combine)   # after surgery.convert_model, before the optimizer
     loss.backward(); metrics.update(comm_metrics(model))        # {"comm/dispatch_bytes": ..., ...}
 
-Every rank holds its own tokens and experts [r*E/N, (r+1)*E/N) of each MoE
-layer (parameters `gate_up_proj` / `down_proj` become those local slices,
-names kept). One forward of `ExpertParallelExperts` (same signature as
-`QuantExperts`: hidden [T, H], top_k_index [T, k], top_k_weights [T, k]):
+Every rank holds its own tokens and experts [r*E/N, (r+1)*E/N) of each MoE layer (`gate_up_proj` / `down_proj`
+become those local slices, names kept). A forward routes, dispatches the tokens to their experts' owners (NVFP4
+layers as their NVFP4 QTensor, quantized once), runs the grouped GEMMs there and combines the outputs back
+(`ExpertParallelExperts` has the steps). Forward bitwise one process's with a bf16 combine; backward too
+without stochastic rounding (with it: the same distribution, other draws). Readers of the full model use
+`full_experts` / `full_expert_state`; `expert_params` gives the global shapes for sharded checkpoints.
 
-1. route: every rank states its layer's settings and whether its tokens
-   hold NaN/Inf (`HEADER`, one small all-gather): a disagreement is a
-   ValueError naming it, and NaN/Inf on any rank stops the micro-batch on every
-   rank at this point, before any payload moves (a rank that raised alone
-   would leave the others waiting in the next all-to-all). The (token, k)
-   pairs are sorted by expert exactly as in QuantExperts (stable argsort),
-   which also groups them by owner rank; the per-expert counts go out in a
-   small int64 all-to-all.
-2. dispatch (source -> owner): NVFP4 layers send the tokens' NVFP4 QTensor
-   (packed codes, E4M3 scales, per-token fp32 outer; 4/6 as in the recipe),
-   quantized once per token; the owner's gate_up GEMM consumes exactly that
-   QTensor and saves it for the backward, so nothing is quantized twice.
-   MXFP8 / BF16 layers (the tail, or recipe bf16) send the compute-dtype rows,
-   because their backward needs a columnwise MXFP8 x quantized from high precision.
-3. the owner reorders received rows expert-major (source rank order inside
-   an expert, i.e. the order of one process running the concatenated batch)
-   and runs the grouped GEMMs of rl4bit.trainer.qgemm.
-4. combine (owner -> source): `bf16`, `mxfp8` or `rht_s2f6` (ep_codec).
-   Before it moves, the ranks exchange one flag (an int64 all-gather): NaN/Inf
-   in a rank's expert outputs, or an error of its GEMMs or its encoding (a NaN
-   weight, an overflow), stops every rank there. (Inside the Trainer's
-   micro-batch, `deferred_checks(host=True)`, quantizes on the CPU record NaN/Inf
-   instead of raising: a NaN output still stops every rank here; garbage that
-   stays finite fails the micro-batch at its exit, on every rank.) The source decodes,
-   multiplies by the routing weights, sums per token and, for rht_s2f6,
-   applies the inverse RHT once after the sum.
-
-Backward all-to-alls (`backward=`, default "bf16"): the combine's gradient
-(source -> owner) feeds the down GEMM, whose wgrad needs dY quantized to
-MXFP8 columnwise FROM HIGH PRECISION (TE mxfp8.rst), so it travels as BF16
-(lossless under bf16 autocast); the dispatch's gradient (owner -> source,
-the gradient into the residual stream) travels as BF16 too, so that EP is
-bitwise equal to one process with a bf16 combine. "mxfp8" sends both as
-MXFP8 rows (8.25 bits, half the bytes; an ablation). Measured (tests): the
-mxfp8 combine gradient left the down GEMM's grads bitwise unchanged (E4M3
-rounding commutes with the power-of-two block scales, so re-quantizing
-columnwise only differs where a value is E4M3-subnormal in its row block),
-while the mxfp8 dispatch gradient costs ~31 dB SQNR on d hidden.
-The rht_s2f6 combine's gradient is straight-through (ep_codec): autograd
-through the one inverse RHT gives dout @ R per token, the source multiplies
-by w_k and maps it back with Rᵀ before sending (= w_k dout up to fp32
-rounding); d w_k = <dout, Rᵀ z_k>, the decoded (quantized) expert output.
-
-Equality with one process (tests/distributed): forward bitwise with any
-dispatch (row-local quantization) and a bf16 combine; backward bitwise when
-no stochastic rounding is used. Stochastic re-quantization draws its bits by
-flat position in the local tensors (kernels/stochastic.py), so under EP the
-bits differ from one process: same distribution, other draws. The call key
-becomes calls * world + rank so that ranks do not share random streams.
-
-In the Trainer (`trainer.expert_parallel` = `trainer.world_size`, rl4bit.trainer.actor):
-the EP group is the whole FSDP group; the local expert slices are FSDP2's
-`ignored_params` (already sharded here) and their gradients are complete as
-autograd leaves them (every rank's tokens reached them through the
-all-to-alls), so nothing reduces them again. Readers of the full model use
-`full_experts` (weight sync: the local QTensors all-gathered along dim 0 in
-rank order, bitwise one process's QTensors) and `full_expert_state`;
-sharded checkpoints store each rank's slice as its Shard(0) piece
-(`expert_params` gives the global shapes).
-
-Leaves out: capacity limits / token dropping, overlapping communication
-with compute, de-duplicating a token sent twice to one rank, serving mode
-(load_quantized), EP groups smaller than the data-parallel group (2D meshes).
-"""
+Leaves out: capacity limits / token dropping, overlapping communication with compute, de-duplicating a token
+sent twice to one rank, serving mode (load_quantized), EP groups smaller than the data-parallel group (2D meshes)."""
 
 from __future__ import annotations
 
@@ -124,7 +65,8 @@ class CommMeter:
         self.values[phase] += rows * hidden
 
     def metrics(self) -> dict:
-        """{"comm/<phase>_bytes": payload bytes sent to other ranks, "..._bits_per_value", "..._bf16_bytes": BF16 baseline}."""
+        """{"comm/<phase>_bytes": payload bytes sent to other ranks, "..._bits_per_value", "..._bf16_bytes": BF16
+        baseline}."""
         out = {}
         for p in PHASES:
             out[f"comm/{p}_bytes"] = self.remote[p]
@@ -157,7 +99,8 @@ def _a2a(buf: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Te
 
 
 class _Dispatch(torch.autograd.Function):
-    """x rows (source order) -> the owner's rows (expert-major). NVFP4: returns a placeholder and puts the QTensor in `box`."""
+    """x rows (source order) -> the owner's rows (expert-major). NVFP4: returns a placeholder and puts the QTensor in
+    `box`."""
 
     @staticmethod
     def forward(ctx, x, q_rows, layer, route, box):
@@ -190,7 +133,8 @@ class _Dispatch(torch.autograd.Function):
 
 
 class _Combine(torch.autograd.Function):
-    """Owner's expert outputs (expert-major) -> decoded rows on the source (its sorted order; RHT domain for rht_s2f6)."""
+    """Owner's expert outputs (expert-major) -> decoded rows on the source (its sorted order; RHT domain for
+    rht_s2f6)."""
 
     @staticmethod
     def forward(ctx, o, layer, route, seed, out_dtype):
@@ -220,7 +164,34 @@ class _Combine(torch.autograd.Function):
 
 
 class ExpertParallelExperts(QuantExperts):
-    """A QuantExperts whose experts live on the ranks of `group`; forward moves tokens with all-to-all."""
+    """A QuantExperts whose experts live on the ranks of `group`; forward moves tokens with all-to-all.
+
+    One forward (same signature as `QuantExperts`: hidden [T, H], top_k_index [T, k], top_k_weights [T, k]):
+
+    1. route: every rank states its layer's settings and whether its tokens hold NaN/Inf (`HEADER`, one small
+       all-gather): a disagreement is a ValueError naming it, and NaN/Inf on any rank stops the micro-batch on
+       every rank before any payload moves (a rank that raised alone would leave the others waiting in the next
+       all-to-all). The (token, k) pairs are sorted by expert as in QuantExperts (stable argsort), which groups
+       them by owner rank; the per-expert counts go out in a small int64 all-to-all.
+    2. dispatch (source -> owner): NVFP4 layers send the tokens' NVFP4 QTensor, quantized once per token; the
+       owner's gate_up GEMM consumes and saves exactly that QTensor. MXFP8 / BF16 layers send compute-dtype rows
+       (their backward needs a columnwise MXFP8 x quantized from high precision).
+    3. the owner reorders received rows expert-major (source rank order inside an expert: the order of one
+       process running the concatenated batch) and runs the grouped GEMMs of rl4bit.trainer.qgemm.
+    4. combine (owner -> source): `bf16`, `mxfp8` or `rht_s2f6` (ep_codec). First the ranks exchange one flag:
+       NaN/Inf in a rank's expert outputs, or an error of its GEMMs or encoding, stops every rank there. The
+       source decodes, multiplies by the routing weights, sums per token and, for rht_s2f6, applies the inverse
+       RHT once after the sum.
+
+    Backward (`backward=`, default "bf16"): the combine's gradient feeds the down GEMM, whose wgrad needs dY
+    quantized to MXFP8 columnwise from high precision (TE mxfp8.rst), so it travels as BF16; the dispatch's
+    gradient travels as BF16 too, so EP is bitwise one process with a bf16 combine. "mxfp8" sends both as MXFP8
+    rows (half the bytes; an ablation): the combine gradient leaves the down GEMM's grads bitwise unchanged
+    (E4M3 rounding commutes with power-of-two block scales), the dispatch gradient costs ~31 dB SQNR on d hidden.
+    The rht_s2f6 combine's gradient is straight-through (ep_codec). Stochastic re-quantization draws its bits by
+    flat position in the local tensors, with call key calls * world + rank so ranks do not share streams.
+    The local expert slices are FSDP2's `ignored_params`; their gradients are complete as autograd leaves them.
+    """
 
     def __init__(self, src: QuantExperts, group=None, combine: str = "rht_s2f6", backward: str = "bf16"):
         nn.Module.__init__(self)
@@ -239,7 +210,8 @@ class ExpertParallelExperts(QuantExperts):
         n_local = e // self.world
         self.first_expert, self.global_num_experts = self.rank * n_local, e
         sl = slice(self.first_expert, self.first_expert + n_local)
-        self.gate_up_proj = nn.Parameter(src.gate_up_proj.detach()[sl].clone(), requires_grad=src.gate_up_proj.requires_grad)
+        self.gate_up_proj = nn.Parameter(src.gate_up_proj.detach()[sl].clone(),
+                                         requires_grad=src.gate_up_proj.requires_grad)
         self.down_proj = nn.Parameter(src.down_proj.detach()[sl].clone(), requires_grad=src.down_proj.requires_grad)
         self.act_fn = src.act_fn
         self.num_experts = n_local

@@ -177,8 +177,8 @@ def _packed(tensors, base: torch.Tensor | None) -> bool:
 def projections(module: nn.Module, x: torch.Tensor):
     """q, k, v of x: one GEMM over the three projections stacked along N, when they are plain linears of one dtype.
 
-    A decode step's three small GEMMs are mostly launch and latency (5.5 µs each at batch 1 on the H200 for
-    the bench's 1B model); one GEMM over the stacked [Nq + Nk + Nv, K] weight reads the same bytes in one
+    A decode step's three small GEMMs are mostly launch and latency; one GEMM over the stacked [Nq + Nk + Nv, K]
+    weight reads the same bytes in one
     launch. The stacked weight is the tensor `pack_qkv` made the three weights views of (serving: no copy),
     else a `torch.cat` of them (training: the gradients reach each weight through it). Every path of this
     forward (training, the trainer's recompute, the samplers) takes it, so they share the GEMM and its shape;

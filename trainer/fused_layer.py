@@ -2,44 +2,16 @@
 
     fuse_layer(layer)     # by `trainer.surgery.convert_model`, after the norms are fused; trainer and samplers alike
 
-HF's pre-norm decoder layer (Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE, Llama...) runs
+HF's pre-norm decoder layer (Qwen3-MoE, OLMoE, Mixtral, Qwen2-MoE, Llama...) computes h = x + attn(norm1(x)),
+then h + mlp(norm2(h)), each `+` a launch of its own. The replacement forward computes the first sum and its norm
+in one kernel (`rmsnorm.add_rms_norm`: the same bits as the add followed by the fused norm), and for a sparse MoE
+block of `QuantExperts` the MoE combine adds the residual (`trainer.combine`, the same bits). Gradients run the
+kernels too, so trainer, logprob recompute and samplers take one path; a layer in training mode runs HF's
+forward. `fuse_layer` installs it only where it reproduces the layer's own forward bitwise on a probe
+(`reproduces`); at run time it runs when the fused kernels are on and the call passes only the hidden states
+positionally, else HF's forward.
 
-    h = x + self_attn(input_layernorm(x))[0]
-    return h + mlp(post_attention_layernorm(h))
-
-where each `+` is a launch of its own and the norm reads back the sum the add
-just wrote. The replacement forward computes the first sum and its norm in one
-kernel (`rmsnorm.add_rms_norm`: the plain norm's kernel with the residual
-operand on, so the sum and the norm are the same bits as the add followed by
-the fused norm when the dtypes agree), and where the MLP is a sparse MoE block
-of `QuantExperts` (`residual_block`) it calls the block's gate and experts
-itself and the MoE combine adds the residual (`trainer.combine`, the same bits
-as the add apart). Two launches fewer a layer: 32 a decode step of a 16-layer
-MoE model. A forward that needs gradients runs the kernels too (their
-backwards differentiate the torch ops), so trainer, logprob recompute and
-samplers take the same path.
-
-`trainer.recompute` checkpoints the installed forward (`layer_forward`). A
-layer in training mode runs HF's forward: dropout, router jitter and
-transformers' own gradient checkpointing (which wraps the class's forward in
-5.24) live there; rl4bit's trainer and samplers run their models in eval mode.
-
-`fuse_layer` installs it only where the replacement reproduces the layer's own
-forward bitwise on a probe: a shallow copy of the layer whose attention and
-MLP are stand-ins (the norms are copies of the layer's own with distinct
-random weights), every kernel off, called with each named argument of the
-original forward set to a marker, and with none of them (HF's defaults). The
-replacement must give the same output and hand the attention the same
-arguments; a layer of another shape (parallel attention and MLP, norms after
-the sublayers, an extra output) keeps its forward. The post-attention norm
-must be a fused HF RMSNorm (`rmsnorm.fuse_norm` checked its formula). At run
-time the replacement runs when the fused kernels are on for the input's device
-and the call passes only the hidden states positionally; else HF's forward.
-
-Leaves out: the MLP's residual add of dense MLPs and of other MoE blocks (a
-launch of its own, as in HF); fusing that add with the next layer's input norm
-instead (it would need the model's layer loop).
-"""
+Leaves out: the residual add of dense MLPs and other MoE blocks; fusing it with the next layer's input norm."""
 
 from __future__ import annotations
 
@@ -114,7 +86,13 @@ class _ProbeMLP(nn.Module):
 
 
 def reproduces(layer: nn.Module) -> bool:
-    """True when `_forward` equals the layer's own forward bitwise on a probe (see module doc)."""
+    """True when `_forward` equals the layer's own forward bitwise on a probe.
+
+    The probe: a shallow copy of the layer whose attention and MLP are stand-ins (the norms copies of its own with
+    distinct random weights), every kernel off, called with each named argument of the original forward set to a
+    marker, and with none of them (HF's defaults); the replacement must give the same output and hand the
+    attention the same arguments. A layer of another shape (parallel attention and MLP, norms after the
+    sublayers, an extra output) keeps its forward. The post-attention norm must be a fused HF RMSNorm."""
     if not all(isinstance(getattr(layer, p, None), nn.Module) for p in _PARTS):
         return False
     post = layer.post_attention_layernorm

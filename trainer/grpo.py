@@ -36,7 +36,8 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, valid: torch.Ten
     over its valid samples alone and the others get advantage 0 (their values are never read). A group with
     fewer than two valid samples has no spread: advantage 0 throughout."""
     if rewards.numel() % group_size:
-        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}; pass prompts x samples_per_prompt rewards")
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}; "
+                         "pass prompts x samples_per_prompt rewards")
     r = rewards.float().view(-1, group_size)
     ok = torch.ones_like(r, dtype=torch.bool) if valid is None else valid.view(-1, group_size).bool()
     r = torch.where(ok, r, 0.0)

@@ -26,7 +26,6 @@ from rl4bit.sampler.kv_cache import MIN_ROWS, model_implementations, pad_rows
 from rl4bit.sampler.sampling import temperature_scaled
 from rl4bit.trainer.transfer import to_device
 
-
 TRAIN_IMPL = "rl4bit_train"
 
 

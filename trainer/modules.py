@@ -25,8 +25,16 @@ from torch import nn
 from rl4bit.kernels.checks import qtensor_problems
 from rl4bit.trainer.combine import combine
 from rl4bit.trainer.fused_swiglu import swiglu
-from rl4bit.trainer.qgemm import GemmSpec, bf16_grouped, compute_dtype, expert_grouping, grouped_gemm
-from rl4bit.trainer.qgemm import quantize_weight, served_product, swiglu_served
+from rl4bit.trainer.qgemm import (
+    GemmSpec,
+    bf16_grouped,
+    compute_dtype,
+    expert_grouping,
+    grouped_gemm,
+    quantize_weight,
+    served_product,
+    swiglu_served,
+)
 
 
 class _QuantMixin:
@@ -90,7 +98,8 @@ class QuantExperts(_QuantMixin, nn.Module):
         self.down_proj = src.down_proj
         self.act_fn = src.act_fn
         self.num_experts = int(self.gate_up_proj.shape[0])
-        self.expert_weight_shapes = {"gate_up_proj": tuple(self.gate_up_proj.shape), "down_proj": tuple(self.down_proj.shape)}
+        self.expert_weight_shapes = {"gate_up_proj": tuple(self.gate_up_proj.shape),
+                                     "down_proj": tuple(self.down_proj.shape)}
         self._init_quant(spec, seed, layer_id)
 
     def _weights3d(self) -> dict:

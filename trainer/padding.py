@@ -3,24 +3,16 @@
     with padding.live_rows(live):      # live: int [rows] on the model's device, 0 where a row is padding
         model(...)
 
-The engine pads every forward to at least `kv_cache.MIN_ROWS` rows (16) and each decode graph to its bucket's
-row count. Padding rows are real computations on a dummy token (0 at position 0, in a scratch cache slot), and
-in an MoE layer the router sends them to experts of their own: at batch 1 the padding picks about top-k experts
-beside the real row's, so the step's expert GEMMs read twice the weights the one real token needs. Under
-`live_rows` the fused router (`trainer/fused_router.py`, `kernels/router_triton.py`) gives every padding row
-row 0's logits, weights and experts, so padding rows land on experts a real row already reads. A real row's outputs do not change: its
-routing is its own, and every expert kernel computes a row from that row alone (their batch invariance).
-Padding rows' outputs stay finite values that nothing reads. Measured (twentieth session, H100, `bench_rollout
---compare-unmarked`): the batch-1 decode step 1.17x faster in the BF16 engine, 1.04x in the NVFP4 engine (its
-grouped GEMM 13.0 -> 10.9 µs a call; the rest of its gap to a 4-row call is the grid, `qgemm_triton.tile_first`).
+The engine pads every forward to at least `kv_cache.MIN_ROWS` rows and each decode graph to its bucket's row
+count. Padding rows run on a dummy token, and in an MoE layer the router would send them to experts of their
+own (at batch 1 the step's expert GEMMs would read twice the weights the real token needs). Under `live_rows`
+the fused router gives every padding row row 0's logits, weights and experts. A real row's outputs do not
+change (its routing is its own, every expert kernel is batch-invariant); padding outputs stay finite and unread.
+The mask is a device tensor, so a CUDA graph captured under it reads each replay's mask. Outside the context
+every row is live; the router's torch path does the same (`fused_router.padding_on_row_0`). The gain:
+`bench rollout --compare-unmarked`.
 
-The mask is a device tensor so that a CUDA graph captured under it reads each replay's mask (the decode graphs
-keep it as row 3 of their static input buffer, which the host rewrites before each replay). Outside the context
-(the trainer, the other backends) every row is live.
-
-The fused router's torch path (kernels off, the CPU engine) does the same with three `torch.where`s on HF's
-outputs (`fused_router.padding_on_row_0`). Leaves out: routers rl4bit does not fuse (other formulas keep HF's
-forward), which route padding rows as any row: the same real outputs, only slower.
+Leaves out: routers rl4bit does not fuse, which route padding rows as any row (same outputs, only slower).
 """
 
 from __future__ import annotations

@@ -1,51 +1,22 @@
 """Quantized grouped GEMM (a group of experts; a linear layer is a group of one) as an autograd Function.
 
-y[rows of expert e] = x[rows of e] @ W[e]ᵀ, with x [R, K] holding the tokens
-routed to each expert contiguously (`counts[e]` rows each) and W [E, N, K].
+y[rows of expert e] = x[rows of e] @ W[e]ᵀ, x [R, K] holding each expert's tokens contiguously (`counts[e]` rows)
+and W [E, N, K]. Numerics per recipe (shared/docs/numerics.md):
+- nvfp4 forward: x -> NVFP4 per-row outer scale (4/6 optional), W -> NVFP4 per-expert outer; operands
+  dequantized without their outer scale (exact), FP32 accumulation, then (acc * outer_x[m]) * outer_w[e] in
+  FP32. The forward's QTensors are what backward saves (4.5 bits/value).
+- backward: MXFP8 GEMMs. nvfp4 `requantize`s the saved x and W (stochastic rounding: E[requant] is the forward's
+  dequantized tensor); output gradients go to MXFP8 (RCEIL), rowwise for dgrad, columnwise from the
+  high-precision dY for wgrad; random bits from derive_seed(seed, step, layer, tensor_id, call). mxfp8 quantizes
+  every columnwise operand from high precision (TE mxfp8.rst). bf16: plain matmuls. Each expert's rows are
+  zero-padded to a multiple of 32 inside the backward, so MXFP8 blocks never straddle two experts.
+Batch invariance: the quantized forward is a torch.bmm over fixed [N, K] x [K, ROW_BLOCK] items, never one matmul
+over all rows (plain torch.mm is not row-invariant on CPU: M=1 takes a gemv path). On CUDA the same products run
+as the Triton kernels of kernels/qgemm_triton.py and kernels/mxfp8_gemm_triton.py, equal to this code up to the
+order of the FP32 sum over K; `counts` may be a device tensor there (CUDA-graph capturable).
 
-Numerics (shared/docs/numerics.md, recipe table):
-- nvfp4 forward: x -> NVFP4, per-row (= per-token) outer scale, 4/6 optional;
-  W -> NVFP4, per-expert outer ("group"), no 4/6. The product is emulated
-  exactly: operands dequantized WITHOUT their outer scale (E2M1 x E4M3 is
-  exact in BF16/FP32), multiplied with FP32 accumulation, then the outer
-  scales applied in FP32 in the epilogue: (acc * outer_x[m]) * outer_w[e].
-- saved for backward (nvfp4): the forward's QTensors themselves (packed codes
-  + scales, 4.5 bits/value), not BF16 copies.
-- backward (dgrad, wgrad): MXFP8 GEMMs. nvfp4: the saved NVFP4 x and W are
-  `requantize`d (dequantize, transpose, MXFP8 with stochastic rounding) so
-  E[requant] equals the forward's own dequantized tensor. Output gradients
-  are quantized to MXFP8 (RCEIL; nearest by default, stochastic as an option),
-  rowwise for dgrad and from the high-precision dY columnwise for wgrad.
-  Random bits: derive_seed(seed, step, layer, tensor_id, call).
-- mxfp8: both operands MXFP8 forward; the backward's columnwise (along M, along
-  N) operands are quantized from high precision (x saved as MXFP8 columnwise,
-  W re-read from the master weight), never derived from the rowwise ones
-  (TransformerEngine mxfp8.rst).
-- bf16: plain matmuls in the compute dtype.
-- The token dimension of every expert is padded with zero rows to a multiple
-  of 32 inside the backward, so the MXFP8 blocks along M never straddle two
-  experts; padding rows contribute exactly zero.
-
-Batch invariance (the sampler must reproduce this forward bitwise whatever the
-batch): the quantized forward computes every product as a torch.bmm over
-fixed [N, K] x [K, ROW_BLOCK] items (a block of rows zero-padded to ROW_BLOCK), never
-one matmul over all M rows. What this relies on: the backend computes a bmm
-item of a given shape and layout with the same kernel and K-order whatever
-the batch count and the item's position (true for the CPU BLAS, checked by
-tests/trainer/test_qgemm.py::test_forward_is_batch_invariant; plain torch.mm
-is NOT row-invariant on CPU: M=1 takes a gemv path).
-
-On CUDA (unless env RL4BIT_KERNELS=reference) the same products run as Triton
-kernels with the same contract: `grouped_forward` -> kernels/qgemm_triton.py
-(NVFP4 tiles decoded in registers; one fixed K order, so rows are
-batch-invariant) or kernels/mxfp8_gemm_triton.py (mxfp8 recipe), and the
-backward's dgrad/wgrad -> kernels/mxfp8_gemm_triton.py. They equal the code
-below up to the order of the FP32 sum over K (tests/kernels/test_qgemm_triton.py).
-`counts` may be a device int tensor there (no host sync: CUDA-graph capturable).
-
-Leaves out: RHT on wgrad, activation recomputation. The code below is the
-exact reference the GPU kernels are tested against.
-"""
+Leaves out: RHT on wgrad, activation recomputation. The code below is the exact reference the kernels are tested
+against."""
 
 from __future__ import annotations
 
@@ -218,7 +189,8 @@ _METERS: list[dict] = []
 
 @contextmanager
 def count_saved_bytes():
-    """Within the block, sum the activation bytes the GEMMs save for backward: `with count_saved_bytes() as m: ...; m["bytes"]`."""
+    """Within the block, sum the activation bytes the GEMMs save for backward: `with count_saved_bytes() as m: ...;
+    m["bytes"]`."""
     meter = {"bytes": 0, "rows": 0}
     _METERS.append(meter)
     try:
@@ -287,7 +259,8 @@ def _check_finite(t: torch.Tensor, what: str) -> None:
         checks.defer_host(not bool(torch.isfinite(t).all()))
         return
     if not bool(torch.isfinite(t).all()):
-        raise FloatingPointError(f"non-finite values in {what}; MXFP8 cannot encode them (lower the learning rate or check the loss)")
+        raise FloatingPointError(f"non-finite values in {what}; MXFP8 cannot encode them "
+                                 "(lower the learning rate or check the loss)")
 
 
 def _mxfp8_backward(dy, xt: QTensor, wt: QTensor, lay: _Layout, spec: GemmSpec, seeds):

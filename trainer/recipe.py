@@ -33,22 +33,26 @@ class RecipeConfig:
     """nvfp4: pick the 4- or 6-scaled block encoding by MSE for activations (Cook et al.); weights never use it."""
 
     stochastic_requant: bool = True
-    """nvfp4: the backward re-quantizes saved NVFP4 tensors to MXFP8 with stochastic rounding (unbiased); False = nearest (biased; ablation)."""
+    """nvfp4: the backward re-quantizes saved NVFP4 tensors to MXFP8 with stochastic rounding (unbiased); False =
+    nearest (biased; ablation)."""
 
     weight_tiles_16x16: bool = False
     """nvfp4: weight block scales per 16x16 tile (NVIDIA's W/Wᵀ-consistent variant) instead of 1x16 (ablation)."""
 
     high_precision_tail: float = 1 / 6
-    """nvfp4: fraction of the LAST decoder layers whose quantized GEMMs run MXFP8 instead; floor(n_layers * fraction + 1/2) layers (half rounds up), in [0, 1]."""
+    """nvfp4: fraction of the LAST decoder layers whose quantized GEMMs run MXFP8 instead; floor(n_layers * fraction +
+    1/2) layers (half rounds up), in [0, 1]."""
 
     scope: str = "experts"
-    """Which GEMMs are quantized: "experts" (MoE expert GEMMs only) or "all_linear" (also attention and dense MLP projections). Router, embeddings, norms and lm_head always stay in the compute dtype."""
+    """Which GEMMs are quantized: "experts" (MoE expert GEMMs only) or "all_linear" (also attention and dense MLP
+    projections). Router, embeddings, norms and lm_head always stay in the compute dtype."""
 
     grad_rounding: str = "nearest"
     """Rounding of output gradients to MXFP8 in the backward: "nearest" (default) or "stochastic"."""
 
     seed: int = 0
-    """Root seed of every stochastic rounding; the random bits are keyed by (seed, step, layer, tensor, call), so runs reproduce."""
+    """Root seed of every stochastic rounding; the random bits are keyed by (seed, step, layer, tensor, call), so runs
+    reproduce."""
 
     def validate(self) -> "RecipeConfig":
         """Raise ValueError naming the field, its value and the valid choices; return self."""

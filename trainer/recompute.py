@@ -1,39 +1,18 @@
 """Activation recomputation per decoder layer (`trainer.recompute`), bit for bit the plain backward.
 
-    enable_recompute(model)   # after the recipe conversion; the Trainer does it when trainer.recompute is true
+    enable_recompute(model)   # after the recipe conversion (and after any deepcopy of the model)
 
-Each decoder layer (every transformers ``GradientCheckpointingLayer``) runs
-under ``torch.utils.checkpoint`` (non-reentrant) when gradients are on; it is
-wrapped here rather than through transformers' ``gradient_checkpointing_enable``,
-which needs the model in training mode (the trainer keeps it in eval mode) and
-whose name changes across transformers 5.x releases. The forward keeps
-only the layer's inputs, the backward re-runs the layer's forward and
-differentiates that. Activation memory per micro-batch drops from every
-layer's saved tensors to one layer's plus the layer inputs, for a second
-forward's worth of compute.
+Each decoder layer (every transformers ``GradientCheckpointingLayer``) runs under ``torch.utils.checkpoint``
+(non-reentrant) when gradients are on, wrapped here rather than through ``gradient_checkpointing_enable``, which
+needs training mode (the trainer keeps eval mode). Activation memory drops to one layer's saved tensors plus the
+layer inputs, for a second forward's compute. The gradients keep their bits: the forward is deterministic, the
+original autograd graph is kept (so each quantized GEMM's backward reads the stochastic-rounding keys its
+original forward stored), and checkpoint's ``context_fn`` restores, for the re-run, the two pieces of state that
+could differ: the attention/experts implementation choice (``model_implementations``) and the quantized modules'
+call counters (a re-run would advance them, shifting later micro-batches' keys). tests/rl/test_recompute.py
+checks parameters bitwise with and without it.
 
-Why the gradients keep their bits: the forward is deterministic (nearest
-rounding, fixed reduction orders), and non-reentrant checkpointing keeps the
-original forward's autograd graph and only re-creates its saved tensors, so
-each quantized GEMM's backward still reads the stochastic-rounding keys its
-original forward stored (``qgemm.GroupedQGemm``: seed, step, layer, call).
-Two pieces of state could still differ on the re-run, and checkpoint's
-``context_fn`` sets both to their original-forward values for its duration
-(live values back after): the config's attention/experts implementation
-choice, which the trainer sets only around its forward
-(``model_implementations``; the re-run runs in the backward, outside it), and
-the quantized modules' call counters, which a re-run that goes to the end of
-the layer (checkpoint early stop off) would advance, shifting every later
-micro-batch's keys. tests/rl/test_recompute.py: parameters after a step are
-bitwise equal with and without recomputation (nvfp4, stochastic
-requantization, several micro-batches and epochs, early stop on and off).
-
-Enable it after any deepcopy of the model (the trainer copies its reference
-model first): the rewind acts on the modules of the model it was enabled on.
-
-Leaves out: selective recomputation (attention only, experts only), CPU
-offload of the layer inputs.
-"""
+Leaves out: selective recomputation (attention only, experts only), CPU offload of the layer inputs."""
 
 from __future__ import annotations
 

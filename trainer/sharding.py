@@ -8,37 +8,13 @@
     files, index = merge_shards(infos)            # the driver: manifest entries (rl4bit.checkpoint.commit_checkpoint)
     tensors, meta = load_shard(ckpt_dir, rank, world)                       # every rank: its own piece, verified
 
-Sharding (PyTorch FSDP2, `torch.distributed.fsdp.fully_shard`): every
-parameter is a DTensor sharded along dim 0 over the group (torch.chunk
-rule), so master weights, gradients (reduce-scattered) and the AdamW moments
-(created like the params) are 1/world per rank. The units: each decoder
-layer (attention, router, the QuantExperts' 3D [E, N, K] masters and any
-QuantLinear), `lm_head`, and the base model (embeddings, final norm) last.
-The base model and lm_head are separate units because the Trainer's forward
-calls them separately (`sequence_logprobs`: base, then lm_head on the
-selected rows). FSDP all-gathers a unit before its forward, so the quantized
-modules see plain full tensors, quantize them exactly as in one process,
-and autograd reduce-scatters their gradients. Gradients are SUMMED over
-ranks (divide factor 1): the loss is normalised by the global token /
-sequence count (the Trainer's `total_tokens`), so the sum equals the
-one-process gradient up to the reduction order. `clip_grad_norm_` clips by
-the group's norm; `sr_step` folds the rank into the stochastic-rounding key.
-With expert parallelism (rl4bit.trainer.expert_parallel) the local expert
-slices are `ignored_params`: FSDP neither shards nor reduces them.
+Every parameter is a DTensor sharded along dim 0 (masters, gradients and AdamW moments 1/world per rank); FSDP
+all-gathers a unit before its forward, so the quantized modules quantize full tensors exactly as one process
+does. Gradients are summed over ranks against a globally normalised loss: the one-process gradient up to
+reduction order. Checkpoints use rl4bit.checkpoint's format, one `shard_RRRRR.safetensors` per rank.
 
-Checkpoint: rl4bit.checkpoint's one format (directory, manifest.json with
-SHA-256 and size per file, latest.json, atomic swap, the same errors). Each
-rank writes `shard_RRRRR.safetensors` holding its local pieces
-(`DTensor.to_local()`: model params, AdamW moments; replicated tensors such
-as the AdamW step count and its own RNG state as they are) and its JSON
-metadata; the manifest adds `world` and `tensors`: per tensor its global
-shape, dtype and the dim-0 row range every rank holds. Nothing pickled; not
-torch.distributed.checkpoint (its default metadata file is pickled).
-
-Leaves out: resuming on another world size (the index has what a reshard
-needs; load_shard refuses with the fix), multi-node rendezvous (MASTER_ADDR
-is 127.0.0.1 unless given), HSDP / 2D meshes, mixed-precision all-gathers.
-"""
+Leaves out: resuming on another world size (load_shard refuses with the fix), multi-node rendezvous, HSDP / 2D
+meshes, mixed-precision all-gathers."""
 
 from __future__ import annotations
 
@@ -56,14 +32,14 @@ from safetensors.torch import save
 
 from rl4bit.checkpoint import CheckpointError, read_manifest, read_verified, shard_file
 
-
 # --------------------------------------------------------------------------- group and units
 
 
 def init_group(rank: int, world: int, addr: str, port: int, device: torch.device) -> None:
     """Join the trainer group (gloo on CPU, nccl on CUDA); CUDA ranks use the device they were given."""
     if dist.is_initialized():
-        raise RuntimeError("a torch.distributed group is already initialised in this process; one trainer rank per process")
+        raise RuntimeError("a torch.distributed group is already initialised in this process; "
+                           "one trainer rank per process")
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -100,7 +76,14 @@ def decoder_layers(model: torch.nn.Module):
 
 
 def shard_model(model: torch.nn.Module, device: torch.device, ignored_params=None) -> torch.nn.Module:
-    """Apply FSDP2 in place (see module docstring); gradients are summed over ranks.
+    """Apply FSDP2 in place; gradients are summed over ranks.
+
+    Units: each decoder layer (attention, router, the QuantExperts' [E, N, K] masters, any QuantLinear),
+    `lm_head`, then the base model (embeddings, final norm): the base model and lm_head are separate units
+    because `sequence_logprobs` calls them separately. Gradients are reduce-scattered with divide factor 1: the
+    loss is normalised by the global token / sequence count, so the sum is the one-process gradient up to the
+    reduction order. `clip_grad_norm_` clips by the group's norm; `sr_step` folds the rank into the
+    stochastic-rounding key.
 
     `ignored_params`: parameters FSDP leaves alone (the expert-parallel slices, already sharded).
     """
@@ -215,7 +198,12 @@ def shard_rows(n: int, rank: int, world: int) -> tuple[int, int]:
 
 def save_shard(dir_: str | Path, rank: int, world: int, tensors: dict[str, torch.Tensor],
                global_shapes: dict[str, tuple], meta: dict) -> dict:
-    """Write this rank's tensors and JSON meta; returns its index info. `global_shapes`: the DTensors' full shapes."""
+    """Write this rank's tensors and JSON meta; returns its index info. `global_shapes`: the DTensors' full shapes.
+
+    The file holds the rank's local pieces (`DTensor.to_local()`: params, AdamW moments; replicated tensors such
+    as the step count and its own RNG state as they are); the manifest adds `world` and, per tensor, its global
+    shape, dtype and the dim-0 row range every rank holds. Nothing pickled (hence not torch.distributed.checkpoint,
+    whose metadata file is pickled)."""
     info = {}
     for k, v in tensors.items():
         shape = tuple(global_shapes.get(k, tuple(v.shape)))
@@ -223,7 +211,8 @@ def save_shard(dir_: str | Path, rank: int, world: int, tensors: dict[str, torch
         rows = shard_rows(shape[0], rank, world) if sharded else None
         if sharded and (rows[1], *shape[1:]) != tuple(v.shape):
             raise ValueError(f"{k}: local shape {tuple(v.shape)} is not rank {rank}'s Shard(0) piece of {shape}")
-        info[k] = {"shape": list(shape), "dtype": str(v.dtype).removeprefix("torch."), "rows": list(rows) if rows else None}
+        info[k] = {"shape": list(shape), "dtype": str(v.dtype).removeprefix("torch."),
+                   "rows": list(rows) if rows else None}
     data = save({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
                 metadata={"meta": json.dumps(meta), "rank": str(rank), "world": str(world)})
     path = Path(dir_) / shard_file(rank)

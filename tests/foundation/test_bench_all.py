@@ -76,12 +76,13 @@ def test_bench_all_summarizes_the_gemm_section(tmp_path):
 
 def test_gemm_summary_rows_of_a_gpu_run_carry_the_targets():
     gpu = dict(case="decode nvfp4", device="cuda", shape="dense M=1 K=4096 N=14336", us=21.0, us_with_quantize=23.0,
-               baseline="cuBLAS bf16 F.linear", baseline_us=42.2, speedup=42.2 / 21.0, floor_us=13.7, of_hbm=13.7 / 21.0)
+               baseline="cuBLAS bf16 F.linear", baseline_us=42.2, speedup=42.2 / 21.0, floor_us=13.7,
+               of_hbm=13.7 / 21.0)
     train = dict(case="nvfp4 fwd", shape="gate_up: 256 rows", us=10.0, baseline="bf16 torch.bmm (fwd)", baseline_us=5.0,
                  speedup=0.5)
     assert bench_all._rows_gemm([gpu, train]) == [
-        ("gemm decode nvfp4 dense M=1 K=4096 N=14336", "21.0 µs", "cuBLAS bf16 F.linear 42.2 µs; HBM floor 13.7 µs (65%)",
-         42.2 / 21.0, ">= 3.5x, >= 85% HBM"),
+        ("gemm decode nvfp4 dense M=1 K=4096 N=14336", "21.0 µs",
+         "cuBLAS bf16 F.linear 42.2 µs; HBM floor 13.7 µs (65%)", 42.2 / 21.0, ">= 3.5x, >= 85% HBM"),
         ("gemm nvfp4 fwd gate_up: 256 rows", "10.0 µs", "bf16 torch.bmm (fwd) 5.0 µs", 0.5, None)]
 
 

@@ -33,7 +33,8 @@ def test_defaults_validate():
 
 
 def test_overrides_parse_yaml_values(tmp_path):
-    cfg = load_config(None, ["trainer.lr=1e-6", "sampler.backend=embedded", "rl.samples_per_prompt=4", 'sampler.stop=["\\n"]'])
+    cfg = load_config(None, ["trainer.lr=1e-6", "sampler.backend=embedded", "rl.samples_per_prompt=4",
+                             'sampler.stop=["\\n"]'])
     assert cfg.trainer.lr == 1e-6 and cfg.rl.samples_per_prompt == 4 and cfg.sampler.stop == ["\n"]
 
 
@@ -92,7 +93,8 @@ def test_bad_configs_name_the_key_and_the_fix(tmp_path, text, needles):
         assert needle in str(err.value), str(err.value)
 
 
-@pytest.mark.parametrize("item, needle", [("trainer.lr", "key.path=value"), ("trainer..lr=1", "empty key"), ("rl.steps.x=1", "rl.steps: expected an integer")])
+@pytest.mark.parametrize("item, needle", [("trainer.lr", "key.path=value"), ("trainer..lr=1", "empty key"),
+                                          ("rl.steps.x=1", "rl.steps: expected an integer")])
 def test_bad_overrides(item, needle):
     with pytest.raises(ConfigError, match=needle.replace(".", r"\.")):
         load_config(None, [item])

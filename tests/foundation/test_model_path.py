@@ -90,7 +90,8 @@ def test_a_local_checkpoint_trains_end_to_end_with_its_own_tokenizer(tmp_path):
 
 
 @pytest.mark.parametrize("extra, hf, match", [
-    (["model.max_seq_len=64"], {"max_position_embeddings": 32}, r"max_seq_len=64 is past its max_position_embeddings 32"),
+    (["model.max_seq_len=64"], {"max_position_embeddings": 32},
+     r"max_seq_len=64 is past its max_position_embeddings 32"),
     ([], {"vocab_size": 40}, r"vocab_size 40 is smaller than its tokenizer's \d+ ids"),
 ])
 def test_a_checkpoint_that_cannot_run_the_job_is_refused_by_name(tmp_path, extra, hf, match):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from triton_setup import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
+# isort: split
+
 import pytest
 import torch
 
@@ -222,7 +224,8 @@ def test_cache_write_is_torchs_index_write():
         cache_write(key, value, kc, vc, slot, pos)
         nan = want_k.isnan()
         assert nan.sum() == 1 and torch.equal(kc.isnan(), nan)
-        assert torch.equal(kc.view(bits)[~nan], want_k.view(bits)[~nan]) and torch.equal(vc.view(bits), want_v.view(bits))
+        assert torch.equal(kc.view(bits)[~nan], want_k.view(bits)[~nan])
+        assert torch.equal(vc.view(bits), want_v.view(bits))
 
 
 @pytest.mark.parametrize("g", [4, 16, 20, 33])  # above BLOCK_M query heads a kv head: several tiles a token

@@ -12,7 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from rl4bit.kernels import e2m1
-from rl4bit.kernels.e4m3 import cast_rn, round_stochastic as e4m3_sr
+from rl4bit.kernels.e4m3 import cast_rn
+from rl4bit.kernels.e4m3 import round_stochastic as e4m3_sr
 from rl4bit.kernels.e8m0 import floor_biased, rceil_biased
 
 f32s = st.floats(width=32, allow_nan=False, allow_infinity=False)

@@ -1,9 +1,11 @@
 """The embedded engine with the fused kernels on (norms, residual add + norm, q/k norm + RoPE, attention, router, MoE
-combine): still batch-invariant, its scoring pass, its static decode forward (the CUDA graphs' tables) and the trainer's logprob
+combine): still batch-invariant, its scoring pass, its static decode forward (the CUDA graphs' tables) and the
+trainer's logprob
 recompute (with and without gradients) give the sampled logprobs bitwise, and the kernels are in effect.
 
 CPU: TRITON_INTERPRET=1 (triton_setup) with the fused kernels enabled for CPU tensors; with CUDA the compiled
-kernels on the GPU in the invariant mode (static decode there is the graphs' forward run eagerly). A converted model (bf16 recipe under
+kernels on the GPU in the invariant mode (static decode there is the graphs' forward run eagerly). A converted model
+(bf16 recipe under
 BF16 autocast with FP32 masters, as the trainer holds it), so every fused path of `convert_model` runs.
 """
 
@@ -11,13 +13,23 @@ from __future__ import annotations
 
 from triton_setup import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
+# isort: split
+
 import contextlib
 from unittest import mock
 
 import torch
 
-from rl4bit.kernels import (attention, attention_triton, combine_triton, fused, invariant, qk_rope_triton,
-                            rmsnorm_triton, router_triton)
+from rl4bit.kernels import (
+    attention,
+    attention_triton,
+    combine_triton,
+    fused,
+    invariant,
+    qk_rope_triton,
+    rmsnorm_triton,
+    router_triton,
+)
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, SamplingParams
 
@@ -30,8 +42,8 @@ def _model(max_positions: int = 64):
 
     cfg = Qwen3MoeConfig(vocab_size=48, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                         num_experts_per_tok=2, max_position_embeddings=max_positions, pad_token_id=0, eos_token_id=None,
-                         bos_token_id=None, tie_word_embeddings=False)
+                         num_experts_per_tok=2, max_position_embeddings=max_positions, pad_token_id=0,
+                         eos_token_id=None, bos_token_id=None, tie_word_embeddings=False)
     torch.manual_seed(0)
     model = Qwen3MoeForCausalLM(cfg)
     with torch.no_grad():

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from triton_setup import DEVICE, HAS_CUDA  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
+# isort: split
+
 from unittest import mock
 
 import pytest

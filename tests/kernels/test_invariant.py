@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from triton_setup import DEVICE, HAS_CUDA  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
+# isort: split
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -195,6 +197,6 @@ def test_grouped_rows_equal_each_experts_own_product(dtype):
                 alone = bmm(x[None, start:start + m], w[e].t()[None])[0]
                 assert_bitwise_equal(y[start:start + m], alone, f"{dtype} counts {counts} expert {e}")
             start += m
-        torch.testing.assert_close(y.float(), torch.cat([x[s:s + m].double() @ w[e].double().t() for e, (s, m) in
-                                                          enumerate(zip([0, *torch.tensor(counts).cumsum(0).tolist()[:-1]],
-                                                                        counts))]).float(), **_tol(dtype))
+        starts = [0, *torch.tensor(counts).cumsum(0).tolist()[:-1]]
+        want = torch.cat([x[s:s + m].double() @ w[e].double().t() for e, (s, m) in enumerate(zip(starts, counts))])
+        torch.testing.assert_close(y.float(), want.float(), **_tol(dtype))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from triton_setup import DEVICE  # first: sets TRITON_INTERPRET on CPU
 
+# isort: split
+
 import torch
 
 from rl4bit.sampler.noise import uniform_reference

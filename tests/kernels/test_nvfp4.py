@@ -140,7 +140,8 @@ def test_outer_row_and_group_match_slices():
         one = q(x[e])
         assert_bitwise_equal(grp.data[e], one.data, "group data")
         assert_bitwise_equal(grp.scale[e], one.scale, "group scale")
-    assert_bitwise_equal(dequantize(rows).reshape(24, 64), dequantize(q(x.reshape(24, 64), outer="row")), "row on 3D == 2D")
+    assert_bitwise_equal(dequantize(rows).reshape(24, 64), dequantize(q(x.reshape(24, 64), outer="row")),
+                         "row on 3D == 2D")
     with pytest.raises(ValueError, match=r"3D \[E, N, K\]"):
         q(x[0], outer="group")
 

@@ -66,15 +66,18 @@ def test_nvfp4_vs_torchao_per_tensor(k):
     )
     assert under_floor.sum() > 20 and (~predicted).sum() > 500, "test data should exercise both cases"
     assert torch.equal(differs, predicted), (
-        f"{int((differs != predicted).sum())} blocks differ from torchao other than by the documented floor/double rounding"
+        f"{int((differs != predicted).sum())} blocks differ from torchao other than by the documented "
+        "floor/double rounding"
     )
     keep = ~predicted
     assert_bitwise_equal(ours.scale[keep], ta.scale[keep], "nvfp4 block scale vs torchao")
     codes_keep = keep.repeat_interleave(16, dim=-1)
-    assert_bitwise_equal(e2m1.unpack(ours.data)[codes_keep], e2m1.unpack(ta.qdata)[codes_keep], "nvfp4 codes vs torchao")
+    assert_bitwise_equal(e2m1.unpack(ours.data)[codes_keep], e2m1.unpack(ta.qdata)[codes_keep],
+                         "nvfp4 codes vs torchao")
     from rl4bit.kernels import dequantize
 
-    assert_bitwise_equal(dequantize(ours)[codes_keep], ta.dequantize(torch.float32)[codes_keep], "nvfp4 dequantize vs torchao")
+    assert_bitwise_equal(dequantize(ours)[codes_keep], ta.dequantize(torch.float32)[codes_keep],
+                         "nvfp4 dequantize vs torchao")
 
 
 def test_nvfp4_group_vs_torchao_per_expert():

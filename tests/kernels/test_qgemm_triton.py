@@ -21,13 +21,17 @@ from __future__ import annotations
 
 from triton_setup import DEVICE, HAS_CUDA  # first: sets TRITON_INTERPRET on CPU
 
+# isort: split
+
 import pytest
 import torch
 import triton
 import triton.language as tl
 from bitwise import assert_bitwise_equal
 
-from rl4bit.kernels import dequantize, mxfp8_gemm_triton as mg, qgemm_triton as qg, quantize
+from rl4bit.kernels import dequantize, quantize
+from rl4bit.kernels import mxfp8_gemm_triton as mg
+from rl4bit.kernels import qgemm_triton as qg
 from rl4bit.kernels import triton_dispatch as td
 from rl4bit.trainer import qgemm
 
@@ -65,12 +69,14 @@ def _assert_close(got, exact, mag, k, tol, what):
     bound = (tol if tol < 1 else tol * k * 2.0**-24) * mag + 1e-300
     bad = err > bound
     assert not bool(bad.any()), (f"{what}: {int(bad.sum())} of {bad.numel()} outputs beyond the bound, worst "
-                                 f"err/bound {float((err / bound).max()):.3g} at {tuple(torch.nonzero(bad)[0].tolist())}")
+                                 f"err/bound {float((err / bound).max()):.3g} "
+                                 f"at {tuple(torch.nonzero(bad)[0].tolist())}")
 
 
 def _nvfp4_operands(rows, k, n, experts, seed):
     g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(rows, k, generator=g) * torch.exp2(torch.randint(-6, 7, (rows, 1), generator=g).float())).to(DEVICE)
+    row_scale = torch.exp2(torch.randint(-6, 7, (rows, 1), generator=g).float())
+    x = (torch.randn(rows, k, generator=g) * row_scale).to(DEVICE)
     w = (torch.randn(experts, n, k, generator=g) * 0.05).to(DEVICE)
     w[0, :, :16] = 0.0  # all-zero blocks: scale code 0
     return quantize(x, "nvfp4", outer="row", four_over_six=True), quantize(w, "nvfp4", outer="group")
@@ -458,7 +464,8 @@ def _cat(a, b):
 
 def _mx(shape, seed, spread=4):
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=g) * torch.exp2(torch.randint(-spread, spread + 1, (*shape[:-1], 1), generator=g).float())
+    row_scale = torch.exp2(torch.randint(-spread, spread + 1, (*shape[:-1], 1), generator=g).float())
+    x = torch.randn(shape, generator=g) * row_scale
     return quantize(x.to(DEVICE), "mxfp8")
 
 
@@ -583,7 +590,8 @@ def _routing(rows, experts, seed):
 @pytest.mark.gpu
 @gpu
 def test_gpu_configs_and_decodes_bitwise_equal():
-    """DECODE vs MID vs TRAIN tiles (x pre-decoded or not), PTX / Triton-ops / FP32 decodes: the same bits (TWO_CONFIGS relies on it)."""
+    """DECODE vs MID vs TRAIN tiles (x pre-decoded or not), PTX / Triton-ops / FP32 decodes: the same bits (TWO_CONFIGS
+    relies on it)."""
     for k in (2048, 2112):  # 2112: DECODE's 256-wide K step ends on a partial tile
         _configs_bitwise_equal(*_nvfp4_operands(200, k, 1536, 8, seed=13), _routing(200, 8, seed=14))
 
@@ -753,20 +761,3 @@ def test_gpu_decode_step_captures_in_cuda_graph():
     graph.replay()
     td.check_deferred()
     assert_bitwise_equal(y, step(), "graph replay vs eager on new inputs and routing")
-
-
-def test_check_k16_script_runs_and_finds_the_forms_right_here():
-    """`scripts/check_k16.py --quick` (the diagnostic for the 16-wide K step that is wrong on an H100) runs every
-    16- and 32-wide-step config against the exact product, each decode at 16, and the decode kernel at 16 / 32
-    against its 64-wide tile; under the interpreter nothing is wrong (on a GPU its tables say where it goes)."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[2]
-    run = subprocess.run([sys.executable, "-P", str(root / "scripts" / "check_k16.py"), "--quick"],
-                         capture_output=True, text=True, timeout=300, cwd=root)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stdout.count(" True ") + run.stdout.count(" False ") > 0
-    if DEVICE == "cpu":
-        assert "\n0 checks wrong" in run.stdout, run.stdout

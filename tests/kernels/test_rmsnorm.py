@@ -1,4 +1,5 @@
-"""Fused RMSNorm: the kernel is HF's RMSNorm to rounding, with the residual add it is the add followed by the norm, and (interpreter) bitwise HF's forward in the invariant mode,
+"""Fused RMSNorm: the kernel is HF's RMSNorm to rounding, with the residual add it is the add followed by the norm, and
+(interpreter) bitwise HF's forward in the invariant mode,
 its rows do not depend on the row count, `fuse_norm` fuses HF's norms and only them, and the fused
 forward and backward follow HF's.
 
@@ -10,16 +11,17 @@ from __future__ import annotations
 
 from triton_setup import DEVICE, HAS_CUDA  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
+# isort: split
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 from bitwise import assert_bitwise_equal
 from torch import nn
 
 from rl4bit.kernels import fused as fused_switch
 from rl4bit.kernels import invariant, rmsnorm
-import triton
-import triton.language as tl
-
 from rl4bit.kernels.rmsnorm_triton import add_rms_norm, rms_norm, round_to
 
 DEV_TYPE = torch.device(DEVICE).type
@@ -127,9 +129,10 @@ def test_convert_model_fuses_every_norm_and_backward_follows_hf(fused):
     from rl4bit.trainer.recipe import RecipeConfig
     from rl4bit.trainer.surgery import convert_model
 
-    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                               num_hidden_layers=2, head_dim=16, intermediate_size=128, moe_intermediate_size=32,
-                               num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=128, hidden_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, num_hidden_layers=2, head_dim=16, intermediate_size=128,
+                               moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                               max_position_embeddings=64)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg)
     convert_model(model, RecipeConfig(name="bf16"))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from triton_setup import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
+# isort: split
+
 import pytest
 import torch
 

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 from triton_setup import DEVICE, HAS_CUDA  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
+# isort: split
+
 import pytest
 import torch
 import torch.nn.functional as F
 from bitwise import assert_bitwise_equal
 
-from rl4bit.kernels import fused, nvfp4_triton, qgemm_triton as qg, quantize
+from rl4bit.kernels import fused, nvfp4_triton, quantize
+from rl4bit.kernels import qgemm_triton as qg
 from rl4bit.kernels.swiglu_triton import swiglu as kernel
 from rl4bit.trainer import fused_swiglu
 

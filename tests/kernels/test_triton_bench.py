@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from triton_setup import DEVICE
 
+# isort: split
+
 import json
 
 from rl4bit import bench_kernels

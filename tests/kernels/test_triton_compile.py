@@ -133,8 +133,8 @@ def _kernels():
 
     strides = ("s_qt", "s_qh", "s_kh", "s_kp", "s_vh", "s_vp", "s_ot", "s_oh")
     att_sig = dict(q_ptr="*fp32", k_ptr="*bf16", v_ptr="*bf16", o_ptr="*fp32", st_m_ptr="*fp32", st_l_ptr="*fp32",
-                   st_a_ptr="*fp32", cnt_ptr="*i32", seq_ptr="*i64", tile_ptr="*i64", n_seqs="i32", n_tiles="i32", split="i32",
-                   n_chunks="i32", **{s: "i32" for s in strides}, D="i32", scaling="fp32")
+                   st_a_ptr="*fp32", cnt_ptr="*i32", seq_ptr="*i64", tile_ptr="*i64", n_seqs="i32", n_tiles="i32",
+                   split="i32", n_chunks="i32", **{s: "i32" for s in strides}, D="i32", scaling="fp32")
     yield ("fused attention (bf16 cache, fp32 q)", at._attention_kernel, att_sig,
            dict(G=4, C=tl.bfloat16, KV_IS_C=True, IEEE=False, UPCAST=False, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128,
                 CHUNK=at.KEY_CHUNK), 4)
@@ -245,7 +245,8 @@ def compile_all(count: bool = False) -> list[str]:
                  and a not in consts
                  and a not in (fn.do_not_specialize or ())}
         src = ASTSource(fn=fn, signature=full, constexprs=consts, attrs=attrs)
-        k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "enable_fp_fusion": False})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": warps, "enable_fp_fusion": False})
         ptx = k.asm["ptx"]
         bad = [p for p in (r"\bfma\.", r"div\.(full|approx)", r"\.ftz") if re.search(p, ptx)
                and p not in (allowed[0] if allowed else ())]

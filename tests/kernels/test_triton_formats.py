@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from triton_setup import DEVICE  # noqa: F401  (sets TRITON_INTERPRET before triton loads)
 
+# isort: split
+
 import pytest
 import torch
 import triton
@@ -54,7 +56,8 @@ def _codec_kernel(y_ptr, out_ptr, n, seed_lo, seed_hi, OP: tl.constexpr, B: tl.c
     i = tl.program_id(0) * B + tl.arange(0, B)
     m = i < n
     y = tl.load(y_ptr + i, mask=m, other=0.0)
-    bits = tl.reshape(philox_bits4(seed_lo, seed_hi, (tl.program_id(0) * (B // 4) + tl.arange(0, B // 4)).to(tl.int64)), [B])
+    ctr = (tl.program_id(0) * (B // 4) + tl.arange(0, B // 4)).to(tl.int64)
+    bits = tl.reshape(philox_bits4(seed_lo, seed_hi, ctr), [B])
     if OP == 0:
         c = e4m3_code_rn(tl.minimum(tl.abs(y), 448.0))
     elif OP == 1:

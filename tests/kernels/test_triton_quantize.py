@@ -13,11 +13,14 @@ from __future__ import annotations
 
 from triton_setup import DEVICE, HAS_CUDA, nasty  # first: sets TRITON_INTERPRET on CPU
 
+# isort: split
+
 import pytest
 import torch
 from bitwise import assert_bitwise_equal
 
-from rl4bit.kernels import inverse_rht, quantize, quantize_reference, requantize, rht, triton_dispatch as td
+from rl4bit.kernels import inverse_rht, quantize, quantize_reference, requantize, rht
+from rl4bit.kernels import triton_dispatch as td
 from rl4bit.kernels.mxfp8 import quantize_mxfp8_columnwise
 from rl4bit.kernels.requant import requantize_nvfp4_to_mxfp8
 from rl4bit.kernels.s2f6 import dequantize_s2f6, quantize_s2f6

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 CHARS = list("0123456789+-*= \nabcdefghijklmnopqrstuvwxyz")

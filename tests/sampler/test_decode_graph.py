@@ -160,7 +160,8 @@ def test_graph_modes_are_checked(tokenizer):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
 @pytest.mark.parametrize("recipe", ["plain", "bf16", "nvfp4"])
 def test_cuda_graphs_equal_op_by_op(tokenizer, recipe):
-    """BF16 compute (the GPU jobs' dtype); replayed graphs give op-by-op decode's bits, also after an in-place update."""
+    """BF16 compute (the GPU jobs' dtype); replayed graphs give op-by-op decode's bits, also after an in-place
+    update."""
     reqs = _requests(14, seed=22)
     model = _serving(recipe, torch.bfloat16, device="cuda")
     kw = dict(max_batch_size=24, device="cuda", autocast=torch.bfloat16)  # FP32 masters, BF16 compute: the GPU job

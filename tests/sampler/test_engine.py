@@ -36,7 +36,10 @@ def test_greedy_is_deterministic_and_is_the_argmax_chain(engine):
 
 def test_seed_reproduces_and_different_seeds_differ(engine):
     p = prompts(1, seed=1)[0]
-    run = lambda seed: engine.generate([Request("r", p, SamplingParams(seed=seed, max_new_tokens=12))])[0]
+
+    def run(seed):
+        return engine.generate([Request("r", p, SamplingParams(seed=seed, max_new_tokens=12))])[0]
+
     a, b = run(7), run(7)
     assert a.completion_ids == b.completion_ids and a.logprobs == b.logprobs
     assert len({tuple(run(s).completion_ids) for s in range(5)}) > 1

@@ -15,7 +15,9 @@ LOGITS = PROBS.log()
 
 
 def test_truncation_masks():
-    keep = lambda **kw: truncation_mask(torch.log_softmax(LOGITS, -1), SamplingParams(**kw)).tolist()
+    def keep(**kw):
+        return truncation_mask(torch.log_softmax(LOGITS, -1), SamplingParams(**kw)).tolist()
+
     assert keep(top_k=2) == [True, True, False, False, False]
     assert keep(top_p=0.5) == [True, False, False, False, False]   # mass before token 1 is 0.5: not < 0.5
     assert keep(top_p=0.8) == [True, True, True, False, False]
@@ -45,7 +47,8 @@ def test_rows_are_independent_of_their_neighbours():
     torch.manual_seed(1)
     logits = torch.randn(7, 50) * 3
     params = [SamplingParams(temperature=t, top_p=tp, top_k=k, processed_logprobs=True)
-              for t, tp, k in [(1.0, 1.0, 0), (0.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (1.0, 0.5, 3), (0.0, 1.0, 0), (2.0, 1.0, 0)]]
+              for t, tp, k in [(1.0, 1.0, 0), (0.0, 1.0, 0), (0.7, 0.9, 0), (1.3, 1.0, 5), (1.0, 0.5, 3),
+                               (0.0, 1.0, 0), (2.0, 1.0, 0)]]
     keys = [None if p.temperature == 0 else 10 + i for i, p in enumerate(params)]
     together = sample_rows(logits, params, keys, list(range(7)))
     alone = [sample_token(logits[i], params[i], k, i) for i, k in enumerate(keys)]

@@ -32,7 +32,8 @@ def _sentencepiece_bpe():
     tok.decoder = decoders.Sequence([decoders.Metaspace(), decoders.ByteFallback(), decoders.Fuse()])
     bytes_ = [f"<0x{b:02X}>" for b in range(256)]
     tok.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=700, special_tokens=SPECIALS + ["<unk>"] + bytes_))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[1], unk_token="<unk>")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[1],
+                                   unk_token="<unk>")
 
 
 def _wordpiece():
@@ -41,8 +42,8 @@ def _wordpiece():
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.decoder = decoders.WordPiece()
     tok.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=500, special_tokens=["[UNK]"] + SPECIALS))
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[1], unk_token="[UNK]",
-                                   clean_up_tokenization_spaces=True)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=SPECIALS[0], pad_token=SPECIALS[1],
+                                   unk_token="[UNK]", clean_up_tokenization_spaces=True)
 
 
 TOKENIZERS = {"byte-level BPE": _byte_bpe, "sentencepiece BPE": _sentencepiece_bpe, "wordpiece": _wordpiece,

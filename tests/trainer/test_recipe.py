@@ -54,7 +54,8 @@ def test_plan_all_linear_scope_dense(tiny_model):
 
 def test_plan_rejects_bad_shapes_naming_layer_and_fix(tiny_config):
     cfg = tiny_config("qwen3_moe", hidden_size=72)  # expert K = 72
-    with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj: K = 72 .* multiple of 16 .*pad K to 80"):
+    with pytest.raises(ValueError,
+                       match=r"model\.layers\.0\.mlp\.experts\.gate_up_proj: K = 72 .* multiple of 16 .*pad K to 80"):
         quant_plan(cfg, RecipeConfig(name="nvfp4"))
     cfg = tiny_config("qwen3_moe", moe_intermediate_size=40)  # gate_up N = 80
     with pytest.raises(ValueError, match=r"gate_up_proj: N = 80 .*multiple of 32.*pad N to 96"):

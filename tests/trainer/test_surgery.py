@@ -14,7 +14,8 @@ from rl4bit.trainer.qgemm import count_saved_bytes
 from rl4bit.trainer.recipe import RecipeConfig
 from rl4bit.trainer.surgery import convert_model, load_quantized, quant_modules, quantized_weights, set_step
 
-FAMILIES = [("qwen3_moe", "experts"), ("olmoe", "experts"), ("mixtral", "experts"), ("llama", "all_linear"), ("qwen3", "all_linear")]
+FAMILIES = [("qwen3_moe", "experts"), ("olmoe", "experts"), ("mixtral", "experts"), ("llama", "all_linear"),
+            ("qwen3", "all_linear")]
 RECIPES = ["bf16", "mxfp8", "nvfp4"]
 # |loss - loss of the unconverted BF16-autocast model| at init (vocab 128: loss ~ 4.85)
 LOSS_TOLERANCE = {"bf16": 0.01, "mxfp8": 0.02, "nvfp4": 0.05}
