@@ -17,4 +17,5 @@ def test_versions_in_range_pass(version):
 def test_absent_or_out_of_range_names_range_and_install(version, words):
     with pytest.raises(ImportError, match=words) as err:
         check_vllm_version(version)
-    assert "0.26 to 0.32" in str(err.value) and "vllm==0.26.0" in str(err.value) and "rl4bit wheelhouse" in str(err.value)
+    msg = str(err.value)
+    assert "0.26 to 0.32" in msg and "vllm==0.26.0" in msg and "rl4bit wheelhouse" in msg
