@@ -120,7 +120,7 @@ def test_a_failed_reload_restores_or_retires_the_engine(export_a, new_engine, mo
     the failed version's directory is removed."""
     eng = new_engine(export_a)
     if directories:
-        eng.multiprocess, eng._served_dir = True, eng.model_dir
+        eng.transport, eng._served_dir = "directory", eng.model_dir
     ps = prompts(3, seed=6)
     before = _greedy(eng, ps)
     real, calls = eng._reload, []
@@ -338,7 +338,7 @@ def test_a_failed_version_write_keeps_the_old_version_serving(export_a, new_engi
     from unittest import mock
 
     eng = new_engine(export_a)
-    eng.multiprocess, eng._served_dir = True, eng.model_dir
+    eng.transport, eng._served_dir = "directory", eng.model_dir
     ps = prompts(3, seed=8)
     before = _greedy(eng, ps)
     full = OSError(errno.ENOSPC, "No space left on device")
