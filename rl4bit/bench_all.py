@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.atomic import atomic_write_text
+from rl4bit.common.atomic import atomic_write_text
 
 SECTIONS = ("kernels", "gemm", "train", "rollout", "sync", "step")
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.atomic import atomic_write_bytes, atomic_write_text
+from rl4bit.common.atomic import atomic_write_bytes, atomic_write_text
 
 ALPHABET = "0123456789+=;"
 VOCAB = 32  # ALPHABET padded: lm_head stays BF16, any size works

@@ -240,7 +240,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, repeat
                           sqnr_text(r))
         console.print(table)
     if out is not None:
-        from rl4bit.atomic import atomic_write_text
+        from rl4bit.common.atomic import atomic_write_text
 
         atomic_write_text(Path(out) / "bench_comm.json", json.dumps(result, indent=2) + "\n")
     return result

@@ -118,7 +118,8 @@ def _weights(shape, device, seed, dtype=torch.bfloat16):
 
 def decode_cases(device: str, shapes, ms, experts_shapes, top_k: int, gbps: float, reps: int) -> list[dict]:
     from rl4bit.kernels import quantize
-    from rl4bit.trainer.qgemm import GemmSpec, grouped_forward as fwd, quantize_activation
+    from rl4bit.trainer.qgemm import GemmSpec, quantize_activation
+    from rl4bit.trainer.qgemm import grouped_forward as fwd
 
     spec = GemmSpec("nvfp4")
     rows = []
@@ -188,7 +189,8 @@ def train_cases(device: str, rows: int, experts: int, shapes, reps: int, mxfp8: 
     mxfp8: include the Triton MXFP8 GEMMs (default: on CUDA; tests run them under the interpreter).
     """
     from rl4bit.kernels import quantize, requantize
-    from rl4bit.trainer.qgemm import GemmSpec, grouped_forward as fwd, quantize_activation, quantize_weight
+    from rl4bit.trainer.qgemm import GemmSpec, quantize_activation, quantize_weight
+    from rl4bit.trainer.qgemm import grouped_forward as fwd
 
     m = rows // experts
     counts = [m] * experts
@@ -246,7 +248,7 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, decod
         rows += train_cases(device, train_rows, experts, train_shapes, reps)
     _print_table(rows, device, gbps)
     if out:
-        from rl4bit.atomic import atomic_write_text
+        from rl4bit.common.atomic import atomic_write_text
 
         atomic_write_text(os.path.join(out, "bench_gemm.json"), json.dumps(dict(copy_gbps=gbps, rows=rows), indent=1))
     return rows

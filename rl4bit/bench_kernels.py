@@ -239,7 +239,7 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, sweep
                             target=target, meets_target=None if target is None else copy_us / us >= target))
     _print_table(results, device)
     if out:
-        from rl4bit.atomic import atomic_write_text
+        from rl4bit.common.atomic import atomic_write_text
 
         atomic_write_text(os.path.join(out, "bench_kernels.json"), json.dumps(results, indent=1))
     return results

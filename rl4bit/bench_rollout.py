@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.atomic import atomic_write_text
+from rl4bit.common.atomic import atomic_write_text
 
 MODELS = {
     "small": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,

@@ -34,7 +34,7 @@ from pathlib import Path
 import psutil
 import torch
 
-from rl4bit.atomic import atomic_write_text
+from rl4bit.common.atomic import atomic_write_text
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
 RSS_BOUND_MIB = 64.0

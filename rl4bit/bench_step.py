@@ -51,8 +51,9 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.atomic import atomic_write_text
-from rl4bit.driver import JOB_ERRORS, OutOfMemory as JobOutOfMemory
+from rl4bit.common.atomic import atomic_write_text
+from rl4bit.driver import JOB_ERRORS
+from rl4bit.driver import OutOfMemory as JobOutOfMemory
 from rl4bit.metrics import MEMORY_KEYS
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu-h200.yaml"

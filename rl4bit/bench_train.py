@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.atomic import atomic_write_text
+from rl4bit.common.atomic import atomic_write_text
 
 RECIPES = ("bf16", "mxfp8", "nvfp4")
 

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rl4bit {args.command}: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        ckf = sys.modules.get("rl4bit.checkpoint_format")  # a CheckpointError only once a command loaded it
+        ckf = sys.modules.get("rl4bit.common.checkpoint_format")  # a CheckpointError only once a command loaded it
         known = (ConfigError, FileNotFoundError, FileExistsError) + ((ckf.CheckpointError,) if ckf else ())
         if not isinstance(e, known):
             raise
