@@ -2,7 +2,8 @@
 
 Walks the AST of every module under kernels/, trainer/, sampler/ and rl4bit/ (module-level and function-level
 imports alike, `if TYPE_CHECKING:` ones too) and resolves each import to an rl4bit module. A subpackage of rl4bit/
-(say rl4bit/common/) is the shared lower layer: trainer and sampler may import it, it imports only kernels.
+(say rl4bit/common/) is the shared lower layer: trainer and sampler may import it, it imports only kernels;
+rl4bit/bench/ (the benchmarks, which run whole jobs) belongs to the job layer.
 The test fails on any upward import (KNOWN_VIOLATIONS, now empty, would list tolerated ones: the ratchet only
 tightens).
 
@@ -44,6 +45,8 @@ def layer(module: str) -> int | None:
     for rank, pkg in ((0, "rl4bit.kernels"), (2, "rl4bit.trainer"), (3, "rl4bit.sampler")):
         if module == pkg or module.startswith(pkg + "."):
             return rank
+    if module == "rl4bit.bench" or module.startswith("rl4bit.bench."):
+        return 4  # the benchmarks drive whole jobs: part of the job layer, in their own folder
     parts = module.split(".")
     if len(parts) >= 3 or (len(parts) == 2 and (REPO / "rl4bit" / parts[1]).is_dir()):
         return 1  # a subpackage of rl4bit/ other than the three folders: the shared lower layer
@@ -90,6 +93,7 @@ def test_the_walk_sees_the_layers():
     mods = all_modules()
     assert {layer(m) for m in mods} >= {0, 2, 3, 4}, sorted(mods)[:5]
     assert layer("rl4bit.kernels.qgemm_triton") == 0 and layer("rl4bit.common.config") == 1
+    assert layer("rl4bit.bench.gemm") == 4 and layer("rl4bit.common.checkpoint") == 1
     assert layer("rl4bit.trainer.actor") == 2 and layer("rl4bit.sampler.engine") == 3 and layer("rl4bit.driver") == 4
     # a function-level import counts, as do relative ones
     tree = ast.parse("def f():\n    from rl4bit.sampler.kv_cache import KVCache\n    from ..sampler import engine\n")

@@ -18,7 +18,7 @@ Leaves out: held-out evaluation (each batch is freshly generated, so the
 training loss is an unbiased estimate of the test loss), several seeds,
 learning-rate sweeps. The blog reports ~2% CE cost in pretraining.
 
-    python -m rl4bit.bench_ce --quick --out /tmp/ce
+    python -m rl4bit.bench.ce --quick --out /tmp/ce
 """
 
 from __future__ import annotations
