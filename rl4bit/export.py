@@ -7,14 +7,14 @@ Two forms, one source (the trainer's own tensors):
   run's own (`--eval`; by default when the model is small enough to run on this machine quickly).
 Both say at export, and `inspect` says again, which consumers read them.
 
-export: a YAML config -> the model it builds (`rl4bit.models.build_model`,
+export: a YAML config -> the model it builds (`rl4bit.trainer.models.build_model`,
 seeded), converted by its recipe (`trainer.surgery.convert_model`); a run dir ->
-the same, with the weights of its latest checkpoint (`rl4bit.checkpoint`,
+the same, with the weights of its latest checkpoint (`rl4bit.common.checkpoint`,
 tensors `model.<state-dict name>`) and its policy version; a model or recipe
 setting (from config.yaml or `-o`) other than the checkpoint's job is refused.
 Either way the quantized tensors written are the converted model's own forward
-QTensors (`rl4bit.checkpoint_format.write_checkpoint`), with the job's tokenizer
-(`rl4bit.tokenizer.build_tokenizer`: a `model.path` checkpoint's own, else the
+QTensors (`rl4bit.common.checkpoint_format.write_checkpoint`), with the job's tokenizer
+(`rl4bit.trainer.tokenizer.build_tokenizer`: a `model.path` checkpoint's own, else the
 character one) and the model's generation config (its eos ids).
 
 inspect: per stored module, its format, bits per value, bytes, and the totals
@@ -28,17 +28,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rl4bit.checkpoint_format import INDEX, read_index
-from rl4bit.ct_layout import EXPERT_PROJS
+from rl4bit.common.checkpoint_format import INDEX, read_index
+from rl4bit.common.ct_layout import EXPERT_PROJS
 
 BITS = {"nvfp4": 4.5, "mxfp8": 8.25}
 SUFFIXES = ("weight_packed", "weight_scale", "weight_global_scale", "input_global_scale", "weight")
 
 
 def _build(cfg):
-    from rl4bit.models import build_model
-    from rl4bit.tokenizer import build_tokenizer
+    from rl4bit.trainer.models import build_model
     from rl4bit.trainer.surgery import convert_model
+    from rl4bit.trainer.tokenizer import build_tokenizer
 
     tokenizer = build_tokenizer(cfg.model)
     model = build_model(cfg.model, len(tokenizer), cfg.run.seed)
@@ -50,7 +50,7 @@ def _check_job(run_dir: Path, meta: dict, cfg) -> None:
     """CheckpointError naming each model or recipe setting in which `cfg` differs from the job that wrote the
     checkpoint (`trainer.resume_checks.job_differences`). The FP32 masters have the same shapes under every
     recipe, so a `-o recipe...` override would load and export quantized tensors the trainer's forward never used."""
-    from rl4bit.checkpoint_format import CheckpointError
+    from rl4bit.common.checkpoint_format import CheckpointError
     from rl4bit.trainer.resume_checks import job_differences
 
     diffs = job_differences(meta.get("job"), cfg, label="export")
@@ -71,7 +71,7 @@ CPU for the quickstart's; a large model would take far longer than the export)."
 def main(source: str, out: str, overrides: list[str] | None = None, fmt: str = "compressed-tensors",
          evaluate: bool | None = None) -> int:
     """Export a config's model or a run dir's latest checkpoint; prints where it went and who reads it."""
-    from rl4bit.checkpoint_format import write_checkpoint
+    from rl4bit.common.checkpoint_format import write_checkpoint
     from rl4bit.config import ConfigError, load_config
     from rl4bit.export_hf import CT_CONSUMERS, HF_CONSUMERS, write_hf_checkpoint
 
@@ -86,7 +86,7 @@ def main(source: str, out: str, overrides: list[str] | None = None, fmt: str = "
     if src.is_dir():
         if not (src / "config.yaml").is_file():
             raise FileNotFoundError(f"{src} is a directory without config.yaml: pass a run dir or a YAML config")
-        from rl4bit.checkpoint import load_checkpoint
+        from rl4bit.common.checkpoint import load_checkpoint
 
         cfg = load_config(src / "config.yaml", overrides)
         tensors, meta = load_checkpoint(src)
@@ -141,7 +141,7 @@ def _report_accuracy(run_dir: Path, cfg, path: Path) -> None:
 
 def module_rows(path: str | Path) -> list[dict]:
     """[{module, format, bits, bytes, bf16_bytes}] per stored weight group, from the index and the shard headers."""
-    from rl4bit.checkpoint_format import _header
+    from rl4bit.common.checkpoint_format import _header
 
     path = Path(path)
     index, entries, _ = read_index(path)

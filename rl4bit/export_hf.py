@@ -10,7 +10,7 @@ and `save_pretrained` writes it, so the files use transformers' own names
 (fused experts as it saves them), with no `quantization_config`. config.json
 and generation_config.json carry the tokenizer's eos (and pad) ids. The
 directory is written to a temporary sibling and renamed into place
-(`rl4bit.atomic`), with `rl4bit_export.json` saying what it is and who reads it.
+(`rl4bit.common.atomic`), with `rl4bit_export.json` saying what it is and who reads it.
 
 `greedy_accuracy(path, cfg, samples)`: the exported model loaded back with
 `AutoModelForCausalLM.from_pretrained`, greedy completions of `samples`
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.atomic import fsync_tree, replace_dir, temp_dir
+from rl4bit.common.atomic import fsync_tree, replace_dir, temp_dir
 
 MARKER = "rl4bit_export.json"
 """The file that makes a directory an rl4bit `--format hf` export (what it is, where it came from, who reads it)."""
@@ -45,7 +45,7 @@ CT_CONSUMERS = ("vLLM (compressed-tensors quantization_config) and rl4bit itself
 def hf_state_dict(model, plan: dict[str, str]) -> dict[str, torch.Tensor]:
     """The converted `model`'s weights as a stock transformers state dict in BF16: quantized weights are the
     trainer's QTensors dequantized (fp32) then rounded to BF16; the rest are its masters rounded to BF16."""
-    from rl4bit.checkpoint_format import entry_value, model_layout
+    from rl4bit.common.checkpoint_format import entry_value, model_layout
     from rl4bit.kernels import QTensor, dequantize
 
     sd, cache = {}, {}
@@ -62,7 +62,7 @@ def write_hf_checkpoint(out: str | Path, model, plan: dict[str, str], tokenizer,
     """Write the BF16 checkpoint of the converted `model` to `out` (new, empty or an earlier rl4bit export)."""
     from transformers import AutoModelForCausalLM
 
-    from rl4bit.checkpoint_format import _check_out
+    from rl4bit.common.checkpoint_format import _check_out
 
     out = Path(out).resolve()
     _check_out(out)
@@ -110,7 +110,7 @@ def greedy_accuracy(path: str | Path, cfg, samples: list[dict]) -> float | None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rl4bit.rewards import exact_match
-    from rl4bit.tokenizer import prompt_ids
+    from rl4bit.trainer.tokenizer import prompt_ids
 
     if not samples or any(s.get("answer") is None for s in samples):
         return None

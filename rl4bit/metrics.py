@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.atomic import atomic_write_text
+from rl4bit.common.atomic import atomic_write_text
 
 STEP_KEYS = (
     "reward/mean", "reward/std", "reward/errors", "reward/zero_spread_frac",
@@ -202,7 +202,7 @@ def parse_metrics(path: str | Path) -> tuple[list[dict], str | None]:
             note = (f"{path}, line {n}: dropped {len(line)} bytes that are not a whole record (a write cut short "
                     "by a crash or a full disk)")
         else:
-            from rl4bit.checkpoint_format import CheckpointError
+            from rl4bit.common.checkpoint_format import CheckpointError
 
             raise CheckpointError(f"{path}, line {n}: not a metrics record (damaged inside the file, not a write "
                                   "cut short at its end); delete or repair that line (the other records are "

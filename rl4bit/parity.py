@@ -42,7 +42,7 @@ import numpy as np
 import yaml
 
 from rl4bit import parity_stats as ps
-from rl4bit.atomic import atomic_write_text
+from rl4bit.common.atomic import atomic_write_text
 from rl4bit.config import ConfigError, anchored, dump_yaml, load_config
 from rl4bit.metrics import read_metrics
 from rl4bit.trainer.recipe import RECIPES

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rl4bit.atomic import atomic_write_text
+from rl4bit.common.atomic import atomic_write_text
 from rl4bit.config import JobConfig, dump_yaml
 
 SUBDIRS = ("logs", "plots", "checkpoints", "tensorboard")

@@ -27,7 +27,7 @@ import json
 import os
 from pathlib import Path
 
-from rl4bit.atomic import atomic_write_text
+from rl4bit.common.atomic import atomic_write_text
 
 FILE = "samples.jsonl"
 

@@ -19,7 +19,7 @@ those are the reward signatures' own arguments).
   stored in checkpoints so a resumed run draws the same prompts.
 
 Samples hold the prompt as written; `data.chat_template` wraps it in the
-tokenizer's chat template later, when it is tokenized (`rl4bit.tokenizer`).
+tokenizer's chat template later, when it is tokenized (`rl4bit.trainer.tokenizer`).
 
 Leaves out: other operations than +.
 """
@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rl4bit.config import MAX_DIGITS, ConfigError, DataConfig
-
 
 RESERVED_FIELDS = ("completion", "completions", "prompts")
 """Argument names of the reward signatures (`rl4bit.rewards`), so no prompt-file field may take them."""

@@ -10,7 +10,7 @@
     group.shutdown()
 
 Each rank is a `RankWorker` (one process: it joins the torch.distributed group,
-gloo on CPU / nccl on CUDA, and holds `Trainer(cfg, rank, world)`; see
+gloo on CPU / nccl on CUDA, and holds `Trainer(**trainer_args(cfg, rank, world))`; see
 `rl4bit.trainer.sharding`). Where they run: `cluster=` a `rl4bit.actors.Cluster`
 in ray mode makes them Ray actors (one GPU each on CUDA); otherwise they are
 local processes (`python -m rl4bit.trainer_group RANK PORT`) answering over a
@@ -21,7 +21,7 @@ futures for `rl4bit.actors.get` (rank 0's; the other ranks' results are
 waited for first so any rank's error surfaces), so the driver code is the
 same as for one Trainer.
 
-Checkpoints: rl4bit.checkpoint's format, sharded: `RUN_DIR/checkpoints/step_NNNNNN/`
+Checkpoints: rl4bit.common.checkpoint's format, sharded: `RUN_DIR/checkpoints/step_NNNNNN/`
 holds `shard_RRRRR.safetensors` per rank (written by the ranks themselves into
 the temporary directory: no rank gathers the state), `state.json` and the one
 `manifest.json` (SHA-256 and size per file, plus the per-rank tensor index);
@@ -55,6 +55,8 @@ from pathlib import Path
 import torch
 
 from rl4bit.actors import ActorDiedError, _Done, get
+from rl4bit.config import trainer_args
+from rl4bit.trainer.actor import Trainer
 
 START_TIMEOUT_S = 600.0
 """Most seconds for the local rank processes to start and connect (imports on a loaded machine)."""
@@ -71,7 +73,7 @@ def free_port() -> int:
 
 
 class RankWorker:
-    """One trainer rank: joins the group, holds `Trainer(cfg, rank, world)`."""
+    """One trainer rank: joins the group, holds `Trainer(**trainer_args(cfg, rank, world))`."""
 
     def __init__(self, cfg, rank: int, world: int, addr: str, port: int, local_device: int = 0):
         from rl4bit.trainer.sharding import init_group
@@ -79,13 +81,11 @@ class RankWorker:
         want = cfg.trainer.device if cfg.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device("cuda", local_device) if want.startswith("cuda") else torch.device("cpu")
         init_group(rank, world, addr, port, device)
-        from rl4bit.trainer.actor import Trainer
-
         self.rank, self.world = rank, world
-        self.trainer = Trainer(cfg, rank, world)
+        self.trainer = Trainer(**trainer_args(cfg, rank, world))
 
-    def call(self, name: str, *args):
-        return getattr(self.trainer, name)(*args)
+    def call(self, name: str, *args, **kwargs):
+        return getattr(self.trainer, name)(*args, **kwargs)
 
     def save_shard(self, dir_: str) -> tuple[dict, dict]:
         from rl4bit.trainer.sharding import save_shard
@@ -116,17 +116,17 @@ class RankWorker:
 def _dataclasses() -> dict:
     """The dataclasses that may cross between the driver and a local rank (by name; nothing else is built)."""
     from rl4bit.trainer.actor import TrainBatch
-    from rl4bit.weight_sync import Bucket
+    from rl4bit.trainer.weight_sync import Bucket
 
     return {"TrainBatch": TrainBatch, "Bucket": Bucket}
 
 
 def _errors() -> dict:
     """Exception types a rank's error is rebuilt as on the driver (others arrive as RuntimeError)."""
-    from rl4bit.checkpoint_format import CheckpointError
+    from rl4bit.common.checkpoint_format import CheckpointError
     from rl4bit.config import ConfigError
     from rl4bit.trainer.actor import NonFiniteError
-    from rl4bit.weight_sync import WeightSyncError
+    from rl4bit.trainer.weight_sync import WeightSyncError
 
     builtin = (ValueError, RuntimeError, TypeError, KeyError, IndexError, FileNotFoundError, TimeoutError,
                NotImplementedError, AssertionError, MemoryError)
@@ -247,7 +247,7 @@ def _serve(rank: int, control_port: int) -> None:
     while True:
         msg = recv_msg(sock)
         try:
-            reply = {"ok": getattr(worker, msg["method"])(*msg["args"])}
+            reply = {"ok": getattr(worker, msg["method"])(*msg["args"], **msg["kwargs"])}
         except BaseException as e:  # noqa: BLE001
             reply = {"err": _error(e)}
         send_msg(sock, reply)
@@ -361,29 +361,29 @@ class TrainerGroup:
             _raise(*error)
         return results
 
-    def _all(self, name: str, *args) -> list:
+    def _all(self, name: str, *args, **kwargs) -> list:
         """Call `name` on every rank (in lockstep) and return every rank's result."""
         what = args[0] if name == "call" else name  # the Trainer method, for errors
         if self._actors:
-            futures = [getattr(a, name)(*args) for a in self._actors]
+            futures = [getattr(a, name)(*args, **kwargs) for a in self._actors]
             self._ray_wait(futures, what, self.timeout_s)
             return _ray_results(futures)
         for r, conn in enumerate(self._conns):
             try:
-                send_msg(conn, {"method": name, "args": list(args)})
+                send_msg(conn, {"method": name, "args": list(args), "kwargs": kwargs})
             except OSError as e:  # the rank process is gone (killed, crashed)
                 self._kill()
                 raise ActorDiedError("Trainer", f"trainer rank {r} is unreachable for {what} ({e}); "
                                      "the group was stopped") from None
         return self._collect(what)
 
-    def _rank0(self, name: str, *args):
+    def _rank0(self, name: str, *args, **kwargs):
         if self._actors:
-            futures = [getattr(a, name)(*args) for a in self._actors]
+            futures = [getattr(a, name)(*args, **kwargs) for a in self._actors]
             self._ray_wait(futures, args[0] if name == "call" else name, self.timeout_s)
             _ray_results(futures, fetch_rank0=False)  # surfaces any rank's error; rank 0's future goes on unfetched
             return futures[0]
-        return _Done(self._all(name, *args)[0])
+        return _Done(self._all(name, *args, **kwargs)[0])
 
     def _ray_wait(self, futures: list, what: str, timeout_s: float) -> None:
         """Until every rank's future is ready (not fetched). When some are done and others still run ERROR_GRACE_S
@@ -418,8 +418,8 @@ class TrainerGroup:
                 c.close()
 
     # ------------------------------------------------------------------ the Trainer's methods
-    def warm_start(self, samples):
-        return self._rank0("call", "warm_start", samples)
+    def warm_start(self, samples, **settings):
+        return self._rank0("call", "warm_start", samples, **settings)
 
     def setup_rl(self):
         return self._rank0("call", "setup_rl")
@@ -448,7 +448,7 @@ class TrainerGroup:
         """Every rank writes its shard into the temporary dir; state.json + manifest; swapped in atomically; pruned.
 
         state.json holds `meta`, the step and rank 0's trainer meta (each rank's own is in its shard)."""
-        from rl4bit.checkpoint import begin_checkpoint, commit_checkpoint
+        from rl4bit.common.checkpoint import begin_checkpoint, commit_checkpoint
         from rl4bit.trainer.sharding import merge_shards
 
         tmp = begin_checkpoint(run_dir, step)
@@ -464,7 +464,7 @@ class TrainerGroup:
         """Restore every rank from the latest sharded checkpoint (call after setup_rl); returns its state.json.
 
         FileNotFoundError when the run has none; CheckpointError for a bad file (named) or another world size."""
-        from rl4bit.checkpoint import open_checkpoint
+        from rl4bit.common.checkpoint import open_checkpoint
 
         ckpt, _, meta = open_checkpoint(run_dir, self.world)
         self._all("load_shard", str(ckpt))

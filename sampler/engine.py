@@ -28,7 +28,7 @@ from rl4bit.kernels.checks import all_finite, qtensor_problems
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.sampler.decode_graph import DecodeGraphs
 from rl4bit.sampler.detokenizer import IncrementalDetokenizer
-from rl4bit.sampler.kv_cache import MIN_ROWS, KVCache, StepLayout, model_implementations, pad_rows
+from rl4bit.sampler.kv_cache import ENGINE_IMPL, KVCache, StepLayout
 from rl4bit.sampler.rope_table import rope_tables
 from rl4bit.sampler.sampling import policy_logprobs, rows_to_lists, sample_rows, sample_rows_tensors
 from rl4bit.sampler.serving_dtype import precast
@@ -42,6 +42,7 @@ from rl4bit.sampler.types import (
     request_error,
 )
 from rl4bit.trainer import padding
+from rl4bit.trainer.batch_invariant import MIN_ROWS, model_implementations, pad_rows
 from rl4bit.trainer.fused_attention import pack_qkv
 
 
@@ -100,7 +101,7 @@ class EmbeddedEngine:
                  max_prefill_tokens: int = 4096, min_rows: int = MIN_ROWS, autocast: torch.dtype | None = None,
                  decode_graphs: str = "auto", share_prefix: bool = True):
         """autocast: run every forward under `torch.autocast(device, autocast)`, as the trainer runs its own
-        (`model.dtype: bfloat16`: FP32 master weights, BF16 compute; `rl4bit.models.autocast_dtype`), so the
+        (`model.dtype: bfloat16`: FP32 master weights, BF16 compute; `rl4bit.trainer.models.autocast_dtype`), so the
         two compute the same ops on the same values; the KV cache then holds that dtype. None: the model's
         own parameter dtype, no autocast.
         decode_graphs: how pure decode steps run (decode_graph.py): "cuda" (CUDA graphs, one per bucket of
@@ -198,7 +199,7 @@ class EmbeddedEngine:
         deferred_checks: the quantize kernels' NaN/Inf flag is read once per generate, not once per GEMM (a
         host sync each); a non-finite activation still raises, at the end of the call.
         """
-        with model_implementations(self.model), torch.inference_mode(), deferred_checks():
+        with model_implementations(self.model, ENGINE_IMPL), torch.inference_mode(), deferred_checks():
             while waiting or active:
                 budget = self.max_prefill_tokens
                 room = min(self.max_batch_size - len(active), len(self.cache.free))
@@ -422,7 +423,7 @@ class EmbeddedEngine:
         s = _Seq(-1, Request("score", list(prompt_ids)), 0, SamplingParams(), None, set(), 0, None)
         s.slot = self.cache.acquire()
         try:
-            with model_implementations(self.model), torch.inference_mode():
+            with model_implementations(self.model, ENGINE_IMPL), torch.inference_mode():
                 rows = list(range(len(prompt_ids) - 1, len(ids) - 1))
                 logits = self._forward([s], [ids[:-1]], [0], rows)
         finally:
@@ -480,7 +481,7 @@ class EmbeddedEngine:
             module = modules.get(mname)
             if module is None or not hasattr(module, "load_quantized") or getattr(module.spec, "fmt", None) == "bf16":
                 problems.append(f"{mname!r} is not a quantized module of this model; build the sampler's model "
-                                "with the trainer's recipe (rl4bit.models.build_policy_model)")
+                                "with the trainer's recipe (rl4bit.trainer.models.build_policy_model)")
                 continue
             if module.served is None:
                 problems += module.quantized_problems(qweights, prefix=f"{mname}.")

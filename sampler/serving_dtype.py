@@ -1,7 +1,7 @@
 """Serving copies in the compute dtype: weights the forward only reads through a cast to the autocast dtype.
 
 The policy holds FP32 master weights and runs under BF16 autocast
-(`rl4bit.models.autocast_dtype`), and the embedded sampler runs the same
+(`rl4bit.trainer.models.autocast_dtype`), and the embedded sampler runs the same
 forward so that both compute the same bits. Most weights are only ever read
 through a cast to BF16: an `nn.Linear` under autocast (`F.linear` casts its
 weight and bias), and the `bf16` recipe's experts (`w.to(compute dtype)`).
@@ -22,7 +22,7 @@ FP32 masters; the receiver casts them to the live dtype (`weight_sync`, or
 `EmbeddedEngine.update_weights` for pre-cast names), the same rounding again.
 
 Leaves out: quantized serving modules (they hold QTensors already), plain HF
-experts modules (`engine_experts`), models without autocast.
+experts modules (`invariant_experts`), models without autocast.
 """
 
 from __future__ import annotations

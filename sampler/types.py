@@ -21,7 +21,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-import torch
+# The dense update message lives below the trainer and the samplers (both build or apply it); every engine takes it.
+from rl4bit.common.weight_update import WeightUpdate as WeightUpdate
 
 FINISH_REASONS = ("stop", "length", "error")
 MIN_TEMPERATURE = 0.01
@@ -201,15 +202,3 @@ def failed_rollouts(req, error: str, version: int) -> list[Rollout]:
     ids = list(ids) if isinstance(ids, (list, tuple)) else []
     return [Rollout(getattr(req, "id", None), i, ids, [], "", [], "error", version, error=error)
             for i in range(n if _is_int(n) and 1 <= n <= MAX_N else 1)]
-
-
-@dataclass
-class WeightUpdate:
-    """New policy weights for the sampler."""
-
-    version: int
-    """Policy version these weights are; becomes Rollout.policy_version of later completions."""
-    tensors: dict[str, torch.Tensor]
-    """Names as in model.state_dict(), same shapes and dtypes (FP32 also for weights an engine serves pre-cast
-    in its compute dtype, `rl4bit.sampler.serving_dtype`); applied with copy_ into the existing storage
-    (pointer-stable). A subset of the names is allowed."""

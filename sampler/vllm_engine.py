@@ -68,9 +68,9 @@ from pathlib import Path
 
 import torch
 
-from rl4bit import checkpoint_format as ckf
-from rl4bit import ct_layout
-from rl4bit.atomic import fsync_tree, replace_dir
+from rl4bit.common import checkpoint_format as ckf
+from rl4bit.common import ct_layout
+from rl4bit.common.atomic import fsync_tree, replace_dir
 from rl4bit.kernels import QTensor, dequantize
 from rl4bit.kernels.checks import qtensor_problems
 from rl4bit.kernels.philox import derive_seed

@@ -24,7 +24,7 @@ from collections import defaultdict
 
 import torch
 
-from rl4bit.bench_rollout import MODELS, _figures, bench_engine, build_model, served_model
+from rl4bit.bench.rollout import MODELS, _figures, bench_engine, build_model, served_model
 from rl4bit.kernels import qgemm_triton as qg
 
 ROLLOUT_TOKENS = (1, 16, 64)

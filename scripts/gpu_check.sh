@@ -36,7 +36,7 @@ tests() {
 profile_and_rollout() {
     run profile1 90 python3 -P scripts/profile_decode.py --batch 1 --new 128 --temperature 1.0 --rows 30
     grep -A 20 "GPU kernels" "$out/profile1.txt" | head -44
-    run rollout 300 python3 -P -m rl4bit.bench_rollout --device cuda
+    run rollout 300 python3 -P -m rl4bit.bench.rollout --device cuda
     tail -30 "$out/rollout.txt"
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv > "$out/gpu.txt" 2>&1
@@ -45,7 +45,7 @@ case "$mode" in
     all) tests; profile_and_rollout ;;
     perf)
         profile_and_rollout
-        run gemm 60 python3 -P -m rl4bit.bench_gemm --decode
+        run gemm 60 python3 -P -m rl4bit.bench.gemm --decode
         tail -20 "$out/gemm.txt"
         run sweep 120 python3 -P scripts/sweep_decode_gemm.py --one-token
         grep -E "pick_config|not bitwise" "$out/sweep.txt" | head -20
@@ -66,7 +66,7 @@ case "$mode" in
         run ab 200 python3 -P scripts/ab_decode_config.py --sweep "$out/sweep_decode_gemm.json" --out "$out"
         cat "$out/ab.txt" | tail -20 ;;
     kernels)
-        run gemm 90 python3 -P -m rl4bit.bench_gemm --decode --out "$out"
+        run gemm 90 python3 -P -m rl4bit.bench.gemm --decode --out "$out"
         run attention 120 python3 -P scripts/sweep_attention.py
         tail -40 "$out/attention.txt"
         run profile1 90 python3 -P scripts/profile_decode.py --batch 1 --new 128 --temperature 1.0 --rows 30
@@ -78,7 +78,7 @@ case "$mode" in
         # at batch 1 / 4 / 16 (16: no padding rows, the spread)
         run profile1 90 python3 -P scripts/profile_decode.py --batch 1 --new 128 --temperature 1.0 --rows 30
         grep -A 30 "GPU kernels" "$out/profile1.txt" | head -70
-        run unmarked 300 python3 -P -m rl4bit.bench_rollout --device cuda --batches 1,4,16 --new-tokens 256 \
+        run unmarked 300 python3 -P -m rl4bit.bench.rollout --device cuda --batches 1,4,16 --new-tokens 256 \
             --compare-unmarked --out "$out"
         tail -30 "$out/unmarked.txt" ;;
     rl)
@@ -100,7 +100,7 @@ case "$mode" in
         # the same rollouts in half-size micro-batches
         mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
         small=(); [ "${mib:-0}" -lt 100000 ] && small=(-o trainer.tokens_per_microbatch=8192)
-        run step 540 python3 -P -m rl4bit.bench_step --device cuda --steps 3 --new-tokens 128 --out "$out" "${small[@]}"
+        run step 540 python3 -P -m rl4bit.bench.step --device cuda --steps 3 --new-tokens 128 --out "$out" "${small[@]}"
         tail -30 "$out/step.txt" ;;
     *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | padding | rl | step | all]" >&2
        exit 2 ;;

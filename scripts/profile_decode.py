@@ -10,7 +10,7 @@ import argparse
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rl4bit.bench_rollout import build_model, served_model
+from rl4bit.bench.rollout import build_model, served_model
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, SamplingParams
 

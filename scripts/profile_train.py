@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rl4bit.config import load_config
+from rl4bit.config import load_config, trainer_args
 from rl4bit.trainer.actor import TrainBatch, Trainer
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu-h200.yaml"
@@ -63,7 +63,7 @@ def main() -> None:
     for recipe in args.recipes.split(","):
         cfg = load_config(CONFIG, ["run.warmup_sft_steps=0", "ray.mode=local", f"recipe.name={recipe}",
                                    *args.override])
-        trainer = Trainer(cfg)
+        trainer = Trainer(**trainer_args(cfg))
         trainer.setup_rl()
         b = batch(len(trainer.tokenizer), args.seqs, args.new)
         for _ in range(2):

@@ -18,7 +18,8 @@ import sys
 
 import torch
 
-from rl4bit.bench_gemm import ROTATE_BYTES, _time_us
+from rl4bit.bench.common import time_us
+from rl4bit.bench.gemm import ROTATE_BYTES
 from rl4bit.kernels.attention_triton import KEY_CHUNK, attention, seq_table, split_counters, split_fits, tile_table
 from rl4bit.sampler.decode_graph import SPLIT_MAX_ROWS
 
@@ -59,7 +60,7 @@ def case(b: int, ctx: int, kv, device: str, reps: int, recheck: int, hq: int, hk
     us = {}
     for name, n in (("unsplit", 0), ("split", chunks)):
         out = torch.empty_like(q)
-        us[name] = _time_us([lambda st=st, n=n: run(out, n, st) for st in seqs], device, reps)
+        us[name] = time_us([lambda st=st, n=n: run(out, n, st) for st in seqs], device, reps)
     for _ in range(recheck):
         same &= bool(torch.equal(whole.view(torch.int16), run(split, chunks).view(torch.int16)))
     same &= not bool(counters.any())

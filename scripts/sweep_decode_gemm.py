@@ -26,7 +26,8 @@ import statistics
 
 import torch
 
-from rl4bit.bench_gemm import _copies, _routing, _time_us, _weights, copy_gbps
+from rl4bit.bench.common import copy_gbps, time_us
+from rl4bit.bench.gemm import _copies, _routing, _weights
 from rl4bit.kernels import qgemm_triton as qg
 from rl4bit.kernels import quantize
 from rl4bit.trainer.qgemm import GemmSpec, quantize_activation
@@ -139,7 +140,7 @@ def main() -> int:
         for _ in range(args.rounds):  # rounds interleave the configs, so drift over the run hits them alike
             for cfg in list(times):
                 try:
-                    us = _time_us([lambda q=q: qg.grouped_nvfp4(qx, q, ct, torch.bfloat16, config=cfg) for q in qws],
+                    us = time_us([lambda q=q: qg.grouped_nvfp4(qx, q, ct, torch.bfloat16, config=cfg) for q in qws],
                                   dev, args.reps)
                 except Exception as err:  # a config that does not compile (shared memory) is reported, not fatal
                     shape_rows.append(dict(shape=label, config=repr(cfg), error=f"{type(err).__name__}: {err}"[:200]))

@@ -20,7 +20,8 @@ import os
 
 import torch
 
-from rl4bit.bench_gemm import _routing, _time_us, _weights
+from rl4bit.bench.common import time_us
+from rl4bit.bench.gemm import _routing, _weights
 from rl4bit.kernels import mxfp8_gemm_triton as mg
 from rl4bit.kernels import quantize
 from rl4bit.kernels.qgemm_triton import Config
@@ -49,7 +50,7 @@ def sweep(label: str, run, default: Config, reps: int) -> list[dict]:
         try:
             got = run(cfg)
             same = bool(torch.equal(got.view(torch.int32), ref.view(torch.int32)))
-            us = _time_us([lambda c=cfg: run(c)], DEVICE[0], reps)
+            us = time_us([lambda c=cfg: run(c)], DEVICE[0], reps)
         except Exception as err:  # shared memory or register limits: reported, not fatal
             rows.append(dict(shape=label, config=repr(cfg), error=f"{type(err).__name__}: {err}"[:160]))
             continue

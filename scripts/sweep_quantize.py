@@ -18,7 +18,7 @@ import sys
 
 import torch
 
-from rl4bit.bench_gemm import _time_us
+from rl4bit.bench.common import time_us
 from rl4bit.kernels.nvfp4_triton import quantize_nvfp4
 
 WARPS = (None, 1, 2, 4, 8, 16)
@@ -83,7 +83,7 @@ def main() -> int:
                     cells.append("same" if same else "DIFFERS")
                     continue
                 calls = [lambda i=i: run(kind, i, decode, w, b) for i in inputs]
-                cells.append(f"{_time_us(calls, args.device, args.reps):.2f}")
+                cells.append(f"{time_us(calls, args.device, args.reps):.2f}")
             print(f"{kind:>8} {t:>6} " + " ".join(f"{c:>8}" for c in cells))
     if bad:
         print(f"{bad} variants' outputs differ from the default launch's", file=sys.stderr)

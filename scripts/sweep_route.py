@@ -17,7 +17,7 @@ import sys
 import torch
 import triton
 
-from rl4bit.bench_gemm import _time_us
+from rl4bit.bench.common import time_us
 from rl4bit.kernels.qgemm_triton import DECODE, tile_map
 from rl4bit.kernels.route_triton import expert_order, route_warps
 
@@ -60,10 +60,10 @@ def main() -> int:
         bad += not torch.equal(tile_map(plain[2], flat.numel(), bm).cpu(), host_map)
         if args.quick:
             continue
-        us = [_time_us([lambda f=f, w=w: expert_order(f, e, k, bm, num_warps=w) for f in flats], args.device,
+        us = [time_us([lambda f=f, w=w: expert_order(f, e, k, bm, num_warps=w) for f in flats], args.device,
                        args.reps) for w in (1, 2, 4, 8)]
-        no_map = _time_us([lambda f=f: expert_order(f, e, k) for f in flats], args.device, args.reps)
-        split = _time_us([lambda f=f: tile_map(expert_order(f, e, k)[2], f.numel(), bm) for f in flats],
+        no_map = time_us([lambda f=f: expert_order(f, e, k) for f in flats], args.device, args.reps)
+        split = time_us([lambda f=f: tile_map(expert_order(f, e, k)[2], f.numel(), bm) for f in flats],
                          args.device, args.reps)
         print(f"{t:>6} {route_warps(triton.next_power_of_2(max(t * k, 2)), triton.next_power_of_2(e + 1)):>13} "
               + " ".join(f"{u:>8.2f}" for u in us) + f" {no_map:>8.2f} {split:>12.2f}")

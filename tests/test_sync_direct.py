@@ -11,16 +11,16 @@ import torch
 
 from rl4bit import driver
 from rl4bit.actors import Cluster
-from rl4bit.config import ConfigError, load_config
+from rl4bit.config import ConfigError, load_config, trainer_args
 from rl4bit.metrics import read_metrics
-from rl4bit.models import build_policy_model
 from rl4bit.rundir import create_run_dir
 from rl4bit.sampler.actor import Sampler
 from rl4bit.sampler.types import Request, SamplingParams, WeightUpdate
-from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer.actor import TrainBatch, Trainer
+from rl4bit.trainer.models import build_policy_model
 from rl4bit.trainer.surgery import quant_modules, quantized_weights
-from rl4bit.weight_sync import WeightSyncError, update_bytes
+from rl4bit.trainer.tokenizer import build_tokenizer
+from rl4bit.trainer.weight_sync import WeightSyncError, update_bytes
 
 from .rl.conftest import QUICKSTART, SMALL, deadline_of, learned
 
@@ -43,7 +43,7 @@ def _train_step(trainer: Trainer) -> None:
 
 def _trained(recipe: str) -> Trainer:
     """A trainer one optimizer step past its start (version 2): masters no longer the samplers' built-in weights."""
-    trainer = Trainer(_cfg(recipe))
+    trainer = Trainer(**trainer_args(_cfg(recipe)))
     trainer.setup_rl()
     _train_step(trainer)
     return trainer
@@ -51,8 +51,8 @@ def _trained(recipe: str) -> Trainer:
 
 def _sampler(trainer: Trainer) -> Sampler:
     """An embedded sampler whose own weights (another seed) differ from the trainer's: a sync must change them."""
-    cfg = trainer.cfg
-    return Sampler(lambda: build_policy_model(cfg, seed=cfg.run.seed + 1), trainer.tokenizer, cfg.sampler,
+    cfg = _cfg(trainer.recipe.name)
+    return Sampler(lambda: build_policy_model(cfg.model, cfg.recipe, cfg.run.seed + 1), trainer.tokenizer, cfg.sampler,
                    device="cpu", max_seq_len=cfg.model.max_seq_len)
 
 
@@ -199,14 +199,14 @@ def test_a_backend_without_tensor_updates_takes_buckets(synced, monkeypatch, tmp
     assert not sampler.accepts_tensors()
     with pytest.raises(WeightSyncError, match="buckets only"):
         sampler.apply_tensors(*trainer.weight_tensors())
-    local = Cluster(trainer.cfg, tmp_path)
+    local = Cluster(_cfg(trainer.recipe.name), tmp_path)
     assert local.mode == "local"
     assert not driver.direct_sync(local.actor(lambda: trainer), [local.actor(lambda: sampler)])
 
 
 def test_direct_sync_predicate(synced, monkeypatch, tmp_path):
     trainer, sampler = synced
-    local = Cluster(trainer.cfg, tmp_path)
+    local = Cluster(_cfg(trainer.recipe.name), tmp_path)
     t, s = local.actor(lambda: trainer), local.actor(lambda: sampler)
     assert driver.direct_sync(t, [s])
     assert not driver.direct_sync(trainer, [sampler]), "plain objects are not in-process actors"
@@ -237,8 +237,8 @@ def _spy(monkeypatch) -> dict:
 def test_sync_weights_fails_stop_on_a_bad_direct_update(tmp_path, monkeypatch):
     cfg = _cfg("nvfp4")
     cluster = Cluster(cfg, tmp_path)
-    trainer_p = cluster.actor(Trainer, cfg)
-    sampler_p = cluster.actor(Sampler, lambda: build_policy_model(cfg, seed=cfg.run.seed + 1), build_tokenizer(),
+    trainer_p = cluster.actor(Trainer, **trainer_args(cfg))
+    sampler_p = cluster.actor(Sampler, lambda: build_policy_model(cfg.model, cfg.recipe, cfg.run.seed + 1), build_tokenizer(),
                               cfg.sampler, device="cpu", max_seq_len=cfg.model.max_seq_len)
     trainer, sampler = trainer_p._obj, sampler_p._obj
     trainer.setup_rl()

@@ -2,17 +2,17 @@
 
 A plain class (Ray wraps it in `rl4bit.actors`; `local` mode calls it directly):
 
-    trainer = Trainer(cfg)
-    trainer.warm_start(train_samples)          # optional supervised phase (quickstart)
+    trainer = Trainer(**trainer_args(cfg))     # its sections of the job's config (rl4bit.config.trainer_args)
+    trainer.warm_start(train_samples, **warm)  # optional supervised phase (quickstart)
     trainer.setup_rl()                         # recipe conversion, AdamW, reference model
     metrics = trainer.train_step(batch)        # a TrainBatch of one RL step's rollouts
-    version, count, layout = trainer.weight_header()   # weight sync (rl4bit.weight_sync), then
+    version, count, layout = trainer.weight_header()   # weight sync (rl4bit.trainer.weight_sync), then
     bucket = trainer.weight_bucket(i)                  #   bucket i of 0..count-1, for the samplers
     update, quantized = trainer.weight_tensors()       # or, samplers in this process: the same values as tensors
 
 Logprobs are recomputed through the embedded sampler's batch-invariant forward (`rl4bit.trainer.logprobs`), so
-on the same weights they equal the sampler's bitwise and `mismatch/k3` is 0 on CPU. Sharded (`Trainer(cfg, rank,
-world)`, built by `rl4bit.trainer_group`): FSDP2 after the recipe conversion, expert parallelism over the whole
+on the same weights they equal the sampler's bitwise and `mismatch/k3` is 0 on CPU. Sharded (`rank`,
+`world`), built by `rl4bit.trainer_group`): FSDP2 after the recipe conversion, expert parallelism over the whole
 group; the `Trainer` class docstring says what each changes. Leaves out: minibatches within an epoch,
 learning-rate schedules, EP groups smaller than the trainer group."""
 
@@ -25,13 +25,17 @@ from dataclasses import dataclass
 
 import torch
 
-from rl4bit.config import JobConfig
+from rl4bit.common.checkpoint_format import CheckpointError
 from rl4bit.kernels import NonFiniteInputError, deferred_checks, invariant
-from rl4bit.models import autocast_dtype, build_model
-from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer import grpo
+from rl4bit.trainer.config import ModelConfig, RLConfig, TrainerConfig
 from rl4bit.trainer.logprobs import sequence_logprobs
+from rl4bit.trainer.models import autocast_dtype, build_model
+from rl4bit.trainer.recipe import RecipeConfig
+from rl4bit.trainer.tokenizer import build_tokenizer
 from rl4bit.trainer.transfer import to_device
+from rl4bit.trainer.warmstart import supervised_warm_start
+from rl4bit.trainer.weight_sync import WeightSender
 
 
 class NonFiniteError(RuntimeError):
@@ -89,7 +93,7 @@ class Trainer:
     The recipe's quantized modules (`rl4bit.trainer.surgery`) hold FP32 master weights; AdamW updates them in
     place. The weight sync ships what the forward computes with: the quantized modules' QTensors and every other
     tensor as its FP32 master. With `model.dtype: bfloat16` the forward runs under bf16 autocast, as do the
-    embedded samplers' (`rl4bit.models.autocast_dtype`, one function for both sides).
+    embedded samplers' (`rl4bit.trainer.models.autocast_dtype`, one function for both sides).
 
     Per RL step: `ppo_epochs` optimizer steps over all rollouts, each accumulating micro-batches of at most
     `trainer.tokens_per_microbatch` tokens; epoch 0's forward also yields the "old" logprobs of the PPO ratio. A
@@ -108,18 +112,27 @@ class Trainer:
     (`comm/*`).
     """
 
-    def __init__(self, cfg: JobConfig, rank: int = 0, world: int = 1):
+    def __init__(self, model: ModelConfig, trainer: TrainerConfig, recipe: RecipeConfig, rl: RLConfig, *,
+                 seed: int, temperature: float, bitwise_sampler: bool, cpu_threads: int = 0, rank: int = 0,
+                 world: int = 1):
+        """model, trainer, recipe, rl: the job's sections of those names. seed: `run.seed` (model init, torch
+        RNG). temperature: the samplers' (`sampler.temperature`), which the recomputed logprobs divide by.
+        bitwise_sampler: whether the samplers compute this forward bit for bit (the embedded engine); when not
+        (vLLM), truncated importance sampling is on by default (`rl.tis_cap`). cpu_threads: `run.cpu_threads`
+        (0 = torch's default). rank, world: this rank of a trainer group (`rl4bit.trainer_group`)."""
         self.rank, self.world = int(rank), int(world)
-        if cfg.run.cpu_threads:
-            torch.set_num_threads(cfg.run.cpu_threads)
-        self.cfg = cfg
+        if cpu_threads:
+            torch.set_num_threads(cpu_threads)
+        self.model_cfg, self.trainer_cfg, self.recipe, self.rl = model, trainer, recipe, rl
+        self.temperature = temperature
+        self.tis_cap = rl.tis_cap if rl.tis_cap is not None else (None if bitwise_sampler else 2.0)
         auto = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(auto if cfg.trainer.device == "auto" else cfg.trainer.device)
-        if self.device.type == "cuda" and cfg.model.invariant_kernels:  # the samplers too (sampler/actor.py);
+        self.device = torch.device(auto if trainer.device == "auto" else trainer.device)
+        if self.device.type == "cuda" and model.invariant_kernels:  # the samplers too (sampler/actor.py);
             invariant.set_mode(True)  # the driver turns it off when the job ends
-        self.tokenizer = build_tokenizer(cfg.model)
-        torch.manual_seed(cfg.run.seed)
-        self.model = build_model(cfg.model, len(self.tokenizer), cfg.run.seed).to(self.device)
+        self.tokenizer = build_tokenizer(model)
+        torch.manual_seed(seed)
+        self.model = build_model(model, len(self.tokenizer), seed).to(self.device)
         self.optimizer = None
         self.ref_model = None
         self.opt_steps = 0
@@ -130,28 +143,26 @@ class Trainer:
         self._sender = None
 
     # ------------------------------------------------------------------ phases
-    def warm_start(self, samples: list[dict]) -> dict:
-        """Supervised warm start on (prompt, answer) pairs, before the recipe conversion."""
-        from rl4bit.warmstart import supervised_warm_start
-
-        run = self.cfg.run
-        return supervised_warm_start(self.model, self.tokenizer, samples, steps=run.warmup_sft_steps,
-                                     lr=run.warmup_lr, batch_size=run.warmup_batch_size, seed=run.seed,
-                                     chat=self.cfg.data.chat_template)
+    def warm_start(self, samples: list[dict], *, steps: int, lr: float, batch_size: int, seed: int,
+                   chat: bool) -> dict:
+        """Supervised warm start on (prompt, answer) pairs, before the recipe conversion (`run.warmup_*`,
+        `run.seed`, `data.chat_template`)."""
+        return supervised_warm_start(self.model, self.tokenizer, samples, steps=steps, lr=lr, batch_size=batch_size,
+                                     seed=seed, chat=chat)
 
     def setup_rl(self) -> None:
         """Convert the model by the recipe (FP32 masters), build AdamW and the frozen reference."""
         from rl4bit.trainer.surgery import convert_model
 
-        self.plan = convert_model(self.model, self.cfg.recipe)
+        self.plan = convert_model(self.model, self.recipe)
         self.model.to(self.device).eval()  # eval: no dropout; training-mode switches do not apply here
-        t = self.cfg.trainer
+        t = self.trainer_cfg
         self.ep = ep = self._expert_parallel()
         if ep > 1:
             from rl4bit.trainer.expert_parallel import shard_experts
 
             shard_experts(self.model, None, combine=t.combine)  # the EP group is the whole (default) group
-        if self.cfg.rl.kl_coef > 0:
+        if self.rl.kl_coef > 0:
             self.ref_model = copy.deepcopy(self.model).requires_grad_(False)
         if t.recompute:
             from rl4bit.trainer.recompute import enable_recompute
@@ -177,7 +188,7 @@ class Trainer:
 
     def _expert_parallel(self) -> int:
         """trainer.expert_parallel, checked: 1, or the whole group (= trainer.world_size)."""
-        ep = int(getattr(self.cfg.trainer, "expert_parallel", 1))
+        ep = int(self.trainer_cfg.expert_parallel)
         if ep == 1:
             return 1
         if ep != self.world:
@@ -205,23 +216,23 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
     def _autocast(self):
-        dtype = autocast_dtype(self.cfg.model)
+        dtype = autocast_dtype(self.model_cfg)
         return torch.autocast(self.device.type, dtype or torch.bfloat16, enabled=dtype is not None)
 
     def _logprobs(self, model, batch: TrainBatch, idx: list[int]):
         with self._autocast():
             return sequence_logprobs(model, [batch.prompt_ids[i] for i in idx], [batch.completion_ids[i] for i in idx],
-                                     self.cfg.sampler.temperature, self.cfg.model.max_seq_len)
+                                     self.temperature, self.model_cfg.max_seq_len)
 
     def train_step(self, batch: TrainBatch) -> dict:
         """`ppo_epochs` optimizer steps on one RL step's rollouts; returns the step's metrics."""
-        rl, t = self.cfg.rl, self.cfg.trainer
+        rl, t = self.rl, self.trainer_cfg
         keep = [i for i, c in enumerate(batch.completion_ids) if c]
         lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.prompt_ids))]
         mbs = [[keep[j] for j in mb] for mb in microbatches([lengths[i] for i in keep], t.tokens_per_microbatch)]
         total_tokens = float(sum(len(batch.completion_ids[i]) for i in keep))
         total_seqs = float(len(keep))
-        tis_cap = rl.tis_cap if rl.tis_cap is not None else (2.0 if self.cfg.sampler.backend != "embedded" else None)
+        tis_cap = self.tis_cap
         old: dict[int, torch.Tensor] = {}
         ref: dict[int, torch.Tensor] = {}
         sums = dict(loss=0.0, clipped=0.0, ratio_sum=0.0, tokens=0.0, tis_truncated=0.0, kl_ref_sum=0.0,
@@ -344,7 +355,7 @@ class Trainer:
                          **loss_kw):
         """The PPO loss of micro-batch `mb` (and its stats). Epoch 0 also records the "old" and reference
         logprobs (into `old`, `ref`) and the entropy and sampler-vs-trainer mismatch (into `sums`)."""
-        rl = self.cfg.rl
+        rl = self.rl
         logp_list, entropy = self._logprobs(self.model, batch, mb)
         if epoch == 0:
             for i, lp in zip(mb, logp_list):
@@ -378,13 +389,11 @@ class Trainer:
 
     # ------------------------------------------------------------------ sync and state
     def weight_header(self) -> tuple[int, int, dict]:
-        """(policy version, number of buckets, layout) of the next weight update (`rl4bit.weight_sync`)."""
+        """(policy version, number of buckets, layout) of the next weight update (`rl4bit.trainer.weight_sync`)."""
         if self._sender is None:
             if self.optimizer is None:
                 raise RuntimeError("weight sync before setup_rl(): the samplers serve the recipe-converted model; "
                                    "call trainer.setup_rl() (or load_state after it) first")
-            from rl4bit.weight_sync import WeightSender
-
             # dense: FP32 masters, as computed with
             self._sender = WeightSender(self.model, self.plan, dense_dtype=None)
         return self.version, self._sender.num_buckets, self._sender.layout()
@@ -498,7 +507,6 @@ class Trainer:
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
         """Restore `state()` (call after setup_rl). CheckpointError, before anything changes, when the state
         does not fit this trainer (`resume_checks.state_problems`: dtypes, shapes, NaN/Inf, missing parts)."""
-        from rl4bit.checkpoint_format import CheckpointError
         from rl4bit.trainer.resume_checks import state_problems
 
         model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}

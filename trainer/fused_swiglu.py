@@ -2,7 +2,7 @@
 
     y = swiglu(h, act_fn)        # h = [gate | up] [R, 2I] -> [R, I]
 
-HF's experts (and rl4bit's `QuantExperts`, `engine_experts`, the expert-parallel layer) run two elementwise
+HF's experts (and rl4bit's `QuantExperts`, `invariant_experts`, the expert-parallel layer) run two elementwise
 launches between their GEMMs. `swiglu` runs the kernel when the fused kernels are on for h's device
 (`rl4bit.kernels.fused`), `act_fn` is SiLU (`is_silu`: nn.SiLU, or HF's SiLUActivation equal to F.silu on a
 probe) and h is a 2D float tensor; else HF's two ops, decided the same way in every pass. A forward that

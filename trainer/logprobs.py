@@ -5,7 +5,7 @@
 Sequences are packed end to end in one [1, T] row with their own positions; every layer's attention reads each
 sequence's keys only (`train_attention`: the engine's attention minus the KV cache, registered with transformers'
 AttentionInterface as TRAIN_IMPL), over a fixed `max_seq_len` of key positions, and every GEMM is padded to at
-least MIN_ROWS rows (`rl4bit.sampler.kv_cache`). So every row's bits depend only on its own sequence, and on the
+least MIN_ROWS rows (`rl4bit.trainer.batch_invariant`). So every row's bits depend only on its own sequence, and on the
 same weights the trainer's logprobs equal the sampler's bitwise (`Trainer`'s `mismatch/k3` is exactly 0 on the
 CPU). `TrainLayout` holds the index tensors and masks of one packed forward, built once for all its layers.
 
@@ -22,8 +22,8 @@ import torch
 from transformers import AttentionInterface
 
 from rl4bit.kernels.attention import attend, compute_dtype, fused_attention_ok
-from rl4bit.sampler.kv_cache import MIN_ROWS, model_implementations, pad_rows
-from rl4bit.sampler.sampling import temperature_scaled
+from rl4bit.trainer.batch_invariant import MIN_ROWS, model_implementations, pad_rows
+from rl4bit.trainer.temperature import temperature_scaled
 from rl4bit.trainer.transfer import to_device
 
 TRAIN_IMPL = "rl4bit_train"

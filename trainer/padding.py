@@ -42,7 +42,7 @@ def live_rows(live: torch.Tensor | None):
 @contextlib.contextmanager
 def ignored():
     """Forwards inside route padding rows as any row, marked or not (what the router did before the mark): the
-    A/B of `python -m rl4bit.bench_rollout --compare-unmarked`."""
+    A/B of `python -m rl4bit.bench.rollout --compare-unmarked`."""
     token = _IGNORED.set(True)
     try:
         yield

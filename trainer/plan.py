@@ -28,20 +28,10 @@ import re
 import torch
 from torch import nn
 
+from rl4bit.common.checkpoint_format import expert_weight_shapes
 from rl4bit.trainer.recipe import RecipeConfig
 
 _LAYER_RE = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-
-
-def expert_weight_shapes(module: nn.Module) -> dict[str, tuple[int, ...]] | None:
-    """{param name: 3D shape} for a fused-experts module (HF 5.x layout or converted), else None."""
-    shapes = getattr(module, "expert_weight_shapes", None)  # converted QuantExperts (also in serving mode)
-    if shapes is not None:
-        return dict(shapes)
-    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
-    if isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3:
-        return {"gate_up_proj": tuple(gu.shape), "down_proj": tuple(dn.shape)}
-    return None
 
 
 def _is_router(name: str, module: nn.Module) -> bool:

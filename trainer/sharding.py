@@ -5,13 +5,13 @@
     with gathered(model, ["model.layers.0.mlp.experts", ...]):   # all ranks: all-gather those FSDP units
         ...                                       # the modules hold full, plain tensors here (weight sync)
     info = save_shard(tmp_dir, rank, world, tensors, global_shapes, meta)   # every rank, into the checkpoint's tmp dir
-    files, index = merge_shards(infos)            # the driver: manifest entries (rl4bit.checkpoint.commit_checkpoint)
+    files, index = merge_shards(infos)            # the driver: manifest entries (rl4bit.common.checkpoint.commit_checkpoint)
     tensors, meta = load_shard(ckpt_dir, rank, world)                       # every rank: its own piece, verified
 
 Every parameter is a DTensor sharded along dim 0 (masters, gradients and AdamW moments 1/world per rank); FSDP
 all-gathers a unit before its forward, so the quantized modules quantize full tensors exactly as one process
 does. Gradients are summed over ranks against a globally normalised loss: the one-process gradient up to
-reduction order. Checkpoints use rl4bit.checkpoint's format, one `shard_RRRRR.safetensors` per rank.
+reduction order. Checkpoints use rl4bit.common.checkpoint's format, one `shard_RRRRR.safetensors` per rank.
 
 Leaves out: resuming on another world size (load_shard refuses with the fix), multi-node rendezvous, HSDP / 2D
 meshes, mixed-precision all-gathers."""
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import load as st_load
 from safetensors.torch import save
 
-from rl4bit.checkpoint import CheckpointError, read_manifest, read_verified, shard_file
+from rl4bit.common.checkpoint import CheckpointError, read_manifest, read_verified, shard_file
 
 # --------------------------------------------------------------------------- group and units
 
@@ -238,7 +238,7 @@ def merge_shards(infos: list[dict]) -> tuple[dict, dict]:
 def load_shard(dir_: str | Path, rank: int, world: int) -> tuple[dict[str, torch.Tensor], dict]:
     """(this rank's local tensors, its meta) from a sharded checkpoint written by the same world size, verified.
 
-    CheckpointError (rl4bit.checkpoint's: naming the file and the previous intact
+    CheckpointError (rl4bit.common.checkpoint's: naming the file and the previous intact
     checkpoint) for a missing, truncated or corrupted shard or another world size."""
     dir_ = Path(dir_)
     manifest = read_manifest(dir_)

@@ -34,12 +34,13 @@ import functools
 import torch
 from torch import nn
 
+from rl4bit.common.checkpoint_format import expert_weight_shapes
 from rl4bit.kernels.rmsnorm import fuse_norms
 from rl4bit.trainer.fused_attention import fuse_attentions
 from rl4bit.trainer.fused_layer import fuse_layers
 from rl4bit.trainer.fused_router import fuse_router, kernel_forward
 from rl4bit.trainer.modules import QuantExperts, QuantLinear
-from rl4bit.trainer.plan import _is_router, expert_weight_shapes, quant_plan
+from rl4bit.trainer.plan import _is_router, quant_plan
 from rl4bit.trainer.qgemm import GemmSpec
 from rl4bit.trainer.recipe import RecipeConfig
 

@@ -13,11 +13,10 @@ import dataclasses
 
 import pytest
 import torch
+from ckpt_models import bump_weights, make_sampler_model, make_trainer_model
 
 from rl4bit.trainer.surgery import quantized_weights
-from rl4bit.weight_sync import WeightReceiver, WeightSender, WeightSyncError
-
-from ckpt_models import bump_weights, make_sampler_model, make_trainer_model
+from rl4bit.trainer.weight_sync import WeightReceiver, WeightSender, WeightSyncError
 
 BUCKET_BYTES = 40_000  # several buckets for the tiny model
 STALE_0 = r"expected bucket 0/\d+ of v2, but the payload is bucket 0/\d+ of v1"  # `stale(..., which=0)` into v2
@@ -109,9 +108,9 @@ def broadcast_worker(rank: int, world: int, init_file: str) -> None:
 
     import torch.distributed as dist
 
-    from rl4bit import weight_sync
+    from rl4bit.trainer import weight_sync
     from rl4bit.trainer.sharding import bind_world_defaults_early
-    from rl4bit.weight_sync import broadcast_update
+    from rl4bit.trainer.weight_sync import broadcast_update
 
     bind_world_defaults_early()  # else destroy_process_group frees nothing and gloo can abort at exit
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,

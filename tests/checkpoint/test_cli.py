@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from rl4bit import checkpoint_format as ckf
+from rl4bit.common import checkpoint_format as ckf
 
 OVERRIDES = ["model.num_layers=2", "model.hidden_size=32", "model.expert_intermediate_size=32", "model.num_experts=4"]
 
@@ -16,8 +16,8 @@ def _bits(t):
 
 
 def test_export_config_then_run_dir_then_inspect(tmp_path, capsys):
-    from rl4bit.checkpoint import save_checkpoint
     from rl4bit.cli import main as cli
+    from rl4bit.common.checkpoint import save_checkpoint
     from rl4bit.config import dump_yaml, load_config
     from rl4bit.export import _build
     from rl4bit.trainer.surgery import quantized_weights
@@ -84,8 +84,8 @@ def test_export_of_a_missing_source_names_both_kinds(tmp_path, capsys):
 def test_export_of_a_run_dir_refuses_settings_its_checkpoint_was_not_trained_with(tmp_path, capsys):
     """`-o recipe.name=mxfp8` on an nvfp4 run: the FP32 masters load under any recipe, so without the check the
     export would hold quantized tensors the trainer's forward never used. Refused, naming the setting."""
-    from rl4bit.checkpoint import save_checkpoint
     from rl4bit.cli import main as cli
+    from rl4bit.common.checkpoint import save_checkpoint
     from rl4bit.config import dump_yaml, load_config
     from rl4bit.export import _build
     from rl4bit.trainer.resume_checks import job_settings

@@ -11,19 +11,18 @@ import re
 
 import pytest
 import torch
+from ckpt_models import make_config, make_trainer_model
 from safetensors.torch import save as st_save
 
-from rl4bit import checkpoint_format as ckf
-from rl4bit import ct_layout
+from rl4bit.common import checkpoint_format as ckf
+from rl4bit.common import ct_layout
 from rl4bit.kernels import dequantize
 from rl4bit.trainer.surgery import load_quantized, quantized_weights
-
-from ckpt_models import make_config, make_trainer_model
 
 
 @pytest.fixture(scope="module")
 def exported(trainer_model, tmp_path_factory):
-    from rl4bit.tokenizer import build_tokenizer
+    from rl4bit.trainer.tokenizer import build_tokenizer
 
     model, plan = trainer_model
     out = tmp_path_factory.mktemp("export") / "ckpt"
@@ -296,10 +295,9 @@ def test_a_crash_between_the_swap_renames_keeps_the_previous_export(exported, tr
     moment. The next reader (or export) puts the previous export back, whole."""
     import os
     import shutil
-
     from pathlib import Path
 
-    from rl4bit import atomic
+    from rl4bit.common import atomic
 
     model, plan = trainer_model
     out = tmp_path / "ckpt"
@@ -336,7 +334,7 @@ def test_a_crash_between_the_swap_renames_keeps_the_previous_export(exported, tr
 
 def test_a_step_directory_left_aside_is_restored_on_resume(tmp_path):
     """The checkpoint side: a rewritten step directory caught mid-swap is put back by `latest_dir`."""
-    from rl4bit import checkpoint as ck
+    from rl4bit.common import checkpoint as ck
 
     root = tmp_path / "checkpoints"
     held = root / ".step_000003.old-k3j_9x0a"  # mkdtemp's form

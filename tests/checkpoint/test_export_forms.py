@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rl4bit import checkpoint_format as ckf
-from rl4bit import ct_layout
 from rl4bit.cli import main as cli
+from rl4bit.common import checkpoint_format as ckf
+from rl4bit.common import ct_layout
 from rl4bit.kernels import dequantize
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
@@ -36,7 +36,7 @@ def _ndiff(a: torch.Tensor, b: torch.Tensor) -> int:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """(run dir, the converted model holding the checkpoint's weights, its plan)."""
-    from rl4bit.checkpoint import save_checkpoint
+    from rl4bit.common.checkpoint import save_checkpoint
     from rl4bit.config import dump_yaml, load_config
     from rl4bit.export import _build
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import rl4bit.checkpoint as ck
-from rl4bit.checkpoint_format import CheckpointError
+import rl4bit.common.checkpoint as ck
+from rl4bit.common.checkpoint_format import CheckpointError
 
 T = {"w": torch.ones(2)}
 

@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import rl4bit.checkpoint as ck
-from rl4bit import atomic
-from rl4bit import checkpoint_format as ckf
-from rl4bit.checkpoint_format import CheckpointError
+import rl4bit.common.checkpoint as ck
+from rl4bit.common import atomic
+from rl4bit.common import checkpoint_format as ckf
+from rl4bit.common.checkpoint_format import CheckpointError
 from rl4bit.metrics import MetricsLogger, read_metrics
 
 T = {"w": torch.ones(2)}

@@ -11,13 +11,20 @@ import hashlib
 from pathlib import Path
 
 import pytest
-
-from rl4bit.weight_sync import WeightReceiver, WeightSender, WeightSyncError, sync_ray
-
 from ckpt_models import bump_weights, make_sampler_model, make_trainer_model
+from sync_helpers import (
+    BUCKET_BYTES,
+    MISROUTED_1,
+    STALE_0,
+    assert_serves,
+    broadcast_worker,
+    corrupted,
+    interrupted,
+    misrouted,
+    stale,
+)
 
-from sync_helpers import (BUCKET_BYTES, MISROUTED_1, STALE_0, assert_serves, broadcast_worker, corrupted, interrupted,
-                          misrouted, stale)
+from rl4bit.trainer.weight_sync import WeightReceiver, WeightSender, WeightSyncError, sync_ray
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +115,7 @@ def test_receiver_fail_stop_in_process():
 def test_receiver_rejects_stale_or_misrouted_bucket():
     """A bucket whose payload was built for another (version, index) fails its receive, whatever its labels say;
     the update is dropped and the previous version keeps serving."""
-    from rl4bit.checkpoint_format import pack, unpack
+    from rl4bit.common.checkpoint_format import pack, unpack
 
     trainer, plan = make_trainer_model(0)
     sender = WeightSender(trainer, plan, bucket_bytes=BUCKET_BYTES)
@@ -162,7 +169,7 @@ def test_sync_into_embedded_engine():
     """The sampler engine as a target: served QTensors in place, dense weights via update_weights, version switched."""
     from rl4bit.sampler.engine import EmbeddedEngine
     from rl4bit.sampler.types import Request, SamplingParams
-    from rl4bit.tokenizer import build_tokenizer
+    from rl4bit.trainer.tokenizer import build_tokenizer
 
     trainer, plan = make_trainer_model(0)
     sender = WeightSender(trainer, plan, bucket_bytes=BUCKET_BYTES)

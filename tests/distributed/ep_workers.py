@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.bench_comm import free_port, run_ranks
+from rl4bit.bench.comm import free_port, run_ranks
 
 HIDDEN, INTER, EXPERTS, TOP_K, TOKENS = 64, 32, 8, 2, 24
 """Tiny layer: hidden 64, expert width 32, 8 experts (2 or 4 ranks), top-2, 24 tokens per rank."""

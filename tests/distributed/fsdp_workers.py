@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.config import load_config
+from rl4bit.config import load_config, trainer_args
 from rl4bit.trainer.actor import TrainBatch, Trainer
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
@@ -31,7 +31,7 @@ def tiny_cfg(extra=()):
 
 def batches(cfg, steps: int, n: int = 10, seed: int = 0) -> list[TrainBatch]:
     """`steps` fixed batches of `n` arithmetic prompts with random completions (one empty: a masked sample)."""
-    from rl4bit.tokenizer import build_tokenizer
+    from rl4bit.trainer.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     rng = random.Random(seed)
@@ -50,7 +50,7 @@ def batches(cfg, steps: int, n: int = 10, seed: int = 0) -> list[TrainBatch]:
 
 def run_single(cfg, data: list[TrainBatch]) -> tuple[list[dict], dict[str, torch.Tensor]]:
     """The one-process reference: metrics per step and the final model state."""
-    t = Trainer(cfg)
+    t = Trainer(**trainer_args(cfg))
     t.setup_rl()
     metrics = [t.train_step(b) for b in data]
     return metrics, {k: v.detach().clone() for k, v in t.model.state_dict().items()}

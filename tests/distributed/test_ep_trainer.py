@@ -38,6 +38,7 @@ import pytest
 import torch
 
 from rl4bit.actors import get
+from rl4bit.config import trainer_args
 from rl4bit.trainer.actor import Trainer
 from rl4bit.trainer.ep_codec import S2F6_REL_BOUND, dispatch_row_bytes
 from rl4bit.trainer_group import TrainerGroup
@@ -161,7 +162,7 @@ def test_expert_parallel_must_span_the_trainer_group():
     cfg = tiny_cfg([])
     cfg.trainer.expert_parallel = 2  # a config built in code, past the loader: the Trainer refuses it too
     with pytest.raises(ValueError, match=fix):
-        Trainer(cfg).setup_rl()
+        Trainer(**trainer_args(cfg)).setup_rl()
 
 
 def test_sr_step_keeps_one_process_keys_and_separates_ranks():

@@ -139,7 +139,7 @@ def test_shard_experts_on_converted_qwen3_moe(tmp_path):
 
 
 def test_bench_comm_smoke():
-    from rl4bit import bench_comm
+    from rl4bit.bench import comm as bench_comm
 
     rows = bench_comm._launch(2, "cpu", dict(hidden=64, experts=4, top_k=2, tokens=32), repeats=1, timeout_s=240)
     assert set(rows) == {f"{p}/{f}" for p, f in bench_comm.FORMATS}
@@ -159,7 +159,7 @@ def test_nccl_two_gpus(tmp_path):
             assert all(v == 0 for v in res[name]["diff"].values()), (name, rank, res[name]["diff"])
         assert res["rht_s2f6"]["bound_ratio_max"] <= 1.0
         assert res["rht_s2f6"]["metrics"]["comm/combine_bits_per_value"] == 8.25
-    from rl4bit import bench_comm
+    from rl4bit.bench import comm as bench_comm
 
     rows = bench_comm._launch(2, "cuda", dict(hidden=256, experts=16, top_k=4, tokens=256), repeats=2)
     assert rows["combine/rht_s2f6"]["sqnr_db"] > rows["combine/mxfp8"]["sqnr_db"]

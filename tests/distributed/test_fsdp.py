@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from rl4bit.actors import get
+from rl4bit.config import trainer_args
 from rl4bit.trainer.actor import Trainer
 from rl4bit.trainer_group import TrainerGroup
 
@@ -63,7 +64,7 @@ def _update_err(a: dict, b: dict, init: dict) -> float:
 
 
 def _initial_state(cfg) -> dict:
-    t = Trainer(cfg)
+    t = Trainer(**trainer_args(cfg))
     t.setup_rl()
     return {k: v.detach().clone() for k, v in t.model.state_dict().items()}, t
 
@@ -71,7 +72,7 @@ def _initial_state(cfg) -> dict:
 def _buckets(header, bucket) -> list:
     """Decoded buckets (tensors as bytes, outers): the bytes themselves differ between processes because
     safetensors writes its metadata map in a per-process hash order."""
-    from rl4bit.checkpoint_format import unpack
+    from rl4bit.common.checkpoint_format import unpack
 
     version, count, layout = header
     out = [layout]
@@ -141,7 +142,7 @@ def test_sharded_checkpoint_resumes_exactly_and_sr_run_stays_within_sr_noise(tmp
 
     files = sorted(p.name for p in ckpt.iterdir())
     assert files == ["manifest.json", "shard_00000.safetensors", "shard_00001.safetensors", "state.json"]
-    index = json.loads((ckpt / "manifest.json").read_text())  # rl4bit.checkpoint's manifest + the tensor index
+    index = json.loads((ckpt / "manifest.json").read_text())  # rl4bit.common.checkpoint's manifest + the tensor index
     assert index["world"] == 2 and sorted(index["files"]) == files[1:]
     experts = index["tensors"]["model.model.layers.0.mlp.experts.gate_up_proj"]
     assert experts["sharded"] and experts["rows"] == [[0, 2], [2, 2]]  # 4 experts: 2 per rank
@@ -162,7 +163,7 @@ def test_sharded_checkpoint_resumes_exactly_and_sr_run_stays_within_sr_noise(tmp
 
 
 def test_shard_files_round_trip_and_refuse_a_wrong_world_or_corruption(tmp_path):
-    from rl4bit.checkpoint import CheckpointError, begin_checkpoint, commit_checkpoint
+    from rl4bit.common.checkpoint import CheckpointError, begin_checkpoint, commit_checkpoint
     from rl4bit.trainer.sharding import load_shard, merge_shards, save_shard, shard_rows
 
     full = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3)
@@ -191,8 +192,8 @@ def test_rank_messages_are_json_and_safetensors_and_round_trip():
     import socket
 
     from rl4bit.trainer.actor import TrainBatch
+    from rl4bit.trainer.weight_sync import Bucket
     from rl4bit.trainer_group import recv_msg, send_msg
-    from rl4bit.weight_sync import Bucket
 
     msg = {"args": [TrainBatch([[1, 2]], [[3]], [[-0.5]], [0.25]), 7, "run"], "t": torch.arange(4.0).to(torch.float8_e4m3fn),
            "bucket": Bucket(2, 0, 1, b"\x00payload", "ab"), "header": (3, 1, {"plan": {"a": "nvfp4"}}), "$": None,

@@ -5,7 +5,7 @@ processes `python -m rl4bit.trainer_group`, CPU):
 - the run finishes (3 steps, a checkpoint after each) and logs every step
   metric; the EP run (bf16 autocast, trainer.expert_parallel=2) also logs the
   wire bytes `comm/*` of its all-to-alls, > 0 at every step;
-- the checkpoints are rl4bit.checkpoint's one format, sharded:
+- the checkpoints are rl4bit.common.checkpoint's one format, sharded:
   `shard_00000/1.safetensors` + state.json + manifest.json (format 2, SHA-256
   and size of every file, world 2, the per-rank tensor index), no second index;
 - a flipped byte in a rank's shard stops `--resume` with exit status 1 and an
@@ -92,7 +92,7 @@ def _strip(records):
 
 
 def _check_sharded_checkpoint(ckpt: Path, step: int) -> None:
-    from rl4bit.checkpoint import FORMAT
+    from rl4bit.common.checkpoint import FORMAT
 
     files = sorted(p.name for p in ckpt.iterdir())
     assert files == ["manifest.json", "shard_00000.safetensors", "shard_00001.safetensors", "state.json"], files
@@ -159,7 +159,7 @@ def test_ep_rl_run_logs_comm_bytes_and_resumes_exactly(tmp_path):
 
 def _sharded(run_dir, step, world=2):
     """A sharded checkpoint as TrainerGroup.save_checkpoint writes it (the ranks' save_shard, done here in turn)."""
-    from rl4bit.checkpoint import begin_checkpoint, commit_checkpoint
+    from rl4bit.common.checkpoint import begin_checkpoint, commit_checkpoint
     from rl4bit.trainer.sharding import merge_shards, save_shard, shard_rows
 
     full = torch.arange(5 * 3, dtype=torch.float32).reshape(5, 3) + step
@@ -174,7 +174,7 @@ def _sharded(run_dir, step, world=2):
 
 
 def test_sharded_checkpoint_is_the_one_format(tmp_path):
-    from rl4bit.checkpoint import CheckpointError, load_checkpoint, open_checkpoint
+    from rl4bit.common.checkpoint import CheckpointError, load_checkpoint, open_checkpoint
     from rl4bit.trainer.sharding import load_shard
 
     _sharded(tmp_path, 1)
@@ -208,7 +208,7 @@ def test_a_killed_rank_stops_the_job_naming_the_trainer_and_leaves_no_process(tm
     import signal
     import time
 
-    from rl4bit.checkpoint import open_checkpoint
+    from rl4bit.common.checkpoint import open_checkpoint
 
     run = tmp_path / "run"
     cmd = [str(Path(sys.executable).with_name("rl4bit")), "train", QUICKSTART, "--out", str(run)]

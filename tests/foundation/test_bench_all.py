@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from rl4bit import bench_all
+from rl4bit.bench import all as bench_all
 from rl4bit.cli import main
 
 
@@ -39,7 +39,7 @@ def test_bench_cli_rejects_arguments_a_bench_does_not_take(capsys):
 
 
 def test_bench_gemm_decode_flag_reaches_the_bench(monkeypatch):
-    import rl4bit.bench_gemm as bg
+    import rl4bit.bench.gemm as bg
 
     seen = {}
 

@@ -1,5 +1,5 @@
 """`bench step` when a job runs out of GPU memory: a clear error naming the job, its phase and step and what to
-shrink, the finished job's figures printed and kept in bench_step.json, through `python -m rl4bit.bench_step` and
+shrink, the finished job's figures printed and kept in bench_step.json, through `python -m rl4bit.bench.step` and
 `rl4bit bench step` alike (the eighteenth session's H100 run of configs/gpu-h200.yaml ended in a bare torch
 traceback in the bf16 job)."""
 
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from rl4bit import bench_step, cli
+from rl4bit import cli
+from rl4bit.bench import step as bench_step
 from rl4bit.driver import OutOfMemory
 
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rl4bit.atomic import atomic_write_text
 from rl4bit.cli import main
+from rl4bit.common.atomic import atomic_write_text
 from rl4bit.config import load_config
 from rl4bit.rundir import create_run_dir
 

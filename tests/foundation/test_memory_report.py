@@ -6,7 +6,7 @@ GPU test `tests/sampler/test_decode_graph.py::test_cuda_graphs_equal_op_by_op` c
 
 from __future__ import annotations
 
-from rl4bit.bench_step import memory_sites
+from rl4bit.bench.step import memory_sites
 from rl4bit.metrics import private_pool_bytes
 
 

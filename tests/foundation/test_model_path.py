@@ -11,9 +11,9 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from rl4bit.config import load_config
-from rl4bit.models import build_model, build_policy_model
-from rl4bit.tokenizer import ALPHABET, SPECIAL_TOKENS, build_tokenizer, char_tokenizer
+from rl4bit.config import load_config, trainer_args, warm_start_args
+from rl4bit.trainer.models import build_model, build_policy_model
+from rl4bit.trainer.tokenizer import ALPHABET, SPECIAL_TOKENS, build_tokenizer, char_tokenizer
 
 TINY = ["model.num_layers=2", "model.hidden_size=32", "model.expert_intermediate_size=32", "model.num_experts=4",
         "model.num_heads=2", "model.max_seq_len=32", "model.dtype=float32", "sampler.max_new_tokens=8"]
@@ -55,7 +55,7 @@ def test_a_checkpoint_runs_with_its_own_tokenizer(tmp_path):
     assert tok("12+30=", add_special_tokens=False).input_ids == [order.index(c) for c in "12+30="]
     assert tok("12+30=").input_ids != char_tokenizer()("12+30=").input_ids
     assert tok.pad_token is None and tok.eos_token == "<eos>"  # as saved (the warm start pads with eos)
-    model = build_policy_model(cfg)
+    model = build_policy_model(cfg.model, cfg.recipe, cfg.run.seed)
     with torch.no_grad():
         out = model(input_ids=torch.tensor([tok("1+1=").input_ids]))
     assert out.logits.shape[-1] == len(tok) and torch.isfinite(out.logits).all()
@@ -67,7 +67,7 @@ def test_the_trainer_and_the_export_use_the_checkpoints_tokenizer(tmp_path):
 
     cfg = _save(tmp_path / "ckpt", ["trainer.device=cpu"])
     ids = _reversed_tokenizer()("7+8=", add_special_tokens=False).input_ids
-    assert Trainer(cfg).tokenizer("7+8=", add_special_tokens=False).input_ids == ids
+    assert Trainer(**trainer_args(cfg)).tokenizer("7+8=", add_special_tokens=False).input_ids == ids
     assert _build(cfg)[2]("7+8=", add_special_tokens=False).input_ids == ids
 
 
@@ -98,13 +98,13 @@ def test_a_checkpoint_that_cannot_run_the_job_is_refused_by_name(tmp_path, extra
     cfg = _save(tmp_path, **hf)
     cfg.model.max_seq_len = load_config(None, TINY + extra).model.max_seq_len
     with pytest.raises(ValueError, match=match):
-        build_policy_model(cfg)
+        build_policy_model(cfg.model, cfg.recipe, cfg.run.seed)
 
 
 def test_a_hidden_size_off_the_32_block_is_refused(tmp_path):
     from transformers import AutoConfig
 
-    from rl4bit.models import checkpoint_problems
+    from rl4bit.trainer.models import checkpoint_problems
 
     cfg = _save(tmp_path)
     hf = AutoConfig.from_pretrained(tmp_path)
@@ -124,7 +124,7 @@ def test_chat_template_wraps_every_prompt_the_same_way(tmp_path, monkeypatch):
     prompt; a tokenizer without a template is refused at start, naming the setting."""
     from rl4bit import driver
     from rl4bit.config import ConfigError
-    from rl4bit.tokenizer import prompt_ids
+    from rl4bit.trainer.tokenizer import prompt_ids
 
     cfg = _save(tmp_path / "ckpt", ["data.chat_template=true"], chat=True)
     tok = build_tokenizer(cfg.model)
@@ -133,14 +133,14 @@ def test_chat_template_wraps_every_prompt_the_same_way(tmp_path, monkeypatch):
     req = driver._request(cfg, tok, {"prompt": "3+4=", "answer": "7"}, n=2, seed=1, rid="r")
     assert req.prompt_ids == want and req.prompt == "3+4="
 
-    import rl4bit.warmstart as ws
+    import rl4bit.trainer.warmstart as ws
     from rl4bit.trainer.actor import Trainer
 
     calls = []
     monkeypatch.setattr(ws, "prompt_ids", lambda t, text, chat=False: calls.append(chat) or prompt_ids(t, text, chat))
-    trainer = Trainer(cfg)
-    trainer.cfg.run.warmup_sft_steps, trainer.cfg.run.warmup_batch_size = 1, 2
-    trainer.warm_start([{"prompt": "1+1=", "answer": "2"}])
+    trainer = Trainer(**trainer_args(cfg))
+    cfg.run.warmup_sft_steps, cfg.run.warmup_batch_size = 1, 2
+    trainer.warm_start([{"prompt": "1+1=", "answer": "2"}], **warm_start_args(cfg))
     assert calls == [True, True]  # both samples' prompts, templated
 
     plain = _save(tmp_path / "plain", ["data.chat_template=true"])
@@ -155,7 +155,7 @@ def test_raw_prompts_get_the_tokenizers_own_bos_and_no_eos(template):
     the tokenizer would append is left out (it would end the prompt)."""
     from tokenizers import processors
 
-    from rl4bit.tokenizer import prompt_ids
+    from rl4bit.trainer.tokenizer import prompt_ids
 
     tok = _reversed_tokenizer()
     bos, eos = tok.convert_tokens_to_ids("<bos>"), tok.convert_tokens_to_ids("<eos>")
@@ -169,7 +169,7 @@ def test_the_export_carries_the_checkpoints_generation_config(tmp_path):
     """Its eos ids (a list, beyond config.json's one) reach the export, which vLLM stops on."""
     import json
 
-    from rl4bit.checkpoint_format import write_checkpoint
+    from rl4bit.common.checkpoint_format import write_checkpoint
     from rl4bit.export import _build
 
     cfg = _save(tmp_path / "ckpt")

@@ -51,7 +51,7 @@ def _same_as(reference, run_dir, upto=STEPS):
 
 KILLER = textwrap.dedent('''
     import os, signal, sys
-    import rl4bit.checkpoint as ck
+    import rl4bit.common.checkpoint as ck
     point, out, overrides = sys.argv[1], sys.argv[2], sys.argv[3:]
     write, replace = ck._write, ck.replace_dir
     def torn_write(path, data):  # half of the step-2 safetensors on disk, then SIGKILL
@@ -330,7 +330,7 @@ def test_a_full_disk_while_checkpointing_stops_with_one_line_and_the_run_resumes
     no temporary copy left; the resumed run equals the uninterrupted one."""
     import errno
 
-    import rl4bit.checkpoint as ck
+    import rl4bit.common.checkpoint as ck
 
     real, calls = ck._write, {"n": 0}
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from rl4bit import bench_soak
+from rl4bit.bench import soak as bench_soak
 
 
 def test_verdict_flags_growth_past_the_bound():

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from rl4bit import driver
-from rl4bit.metrics import read_metrics
-from rl4bit.models import autocast_dtype
 from rl4bit.config import load_config
+from rl4bit.metrics import read_metrics
+from rl4bit.trainer.models import autocast_dtype
 
 from .conftest import QUICKSTART, SMALL, deadline_of
 

@@ -155,7 +155,7 @@ def test_eval_scores_a_failed_sample_as_an_empty_completion(monkeypatch):
     from rl4bit.config import load_config
     from rl4bit.rewards import RewardPool
     from rl4bit.sampler.types import Rollout
-    from rl4bit.tokenizer import build_tokenizer
+    from rl4bit.trainer.tokenizer import build_tokenizer
 
     cfg = load_config(QUICKSTART)
     eval_set = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]

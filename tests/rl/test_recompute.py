@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from rl4bit.config import ConfigError, load_config
+from rl4bit.config import ConfigError, load_config, trainer_args
 from rl4bit.trainer import recompute
 from rl4bit.trainer.actor import TrainBatch, Trainer, sequence_logprobs
 
@@ -24,7 +24,7 @@ def _batch(vocab: int, n: int = 8) -> TrainBatch:
 
 def _trained(recipe: str, on: bool, early_stop: bool = True):
     cfg = load_config(QUICKSTART, ARGS + [f"recipe.name={recipe}", f"trainer.recompute={str(on).lower()}"])
-    t = Trainer(cfg)
+    t = Trainer(**trainer_args(cfg))
     t.setup_rl()
     with set_checkpoint_early_stop(early_stop):
         metrics = t.train_step(_batch(len(t.tokenizer)))
@@ -58,7 +58,7 @@ def test_recompute_keeps_fewer_activations():
     for on in (False, True):
         cfg = load_config(QUICKSTART, ARGS + ["recipe.name=nvfp4", f"trainer.recompute={str(on).lower()}",
                                               "model.hidden_size=64", "model.expert_intermediate_size=64"])
-        t = Trainer(cfg)
+        t = Trainer(**trainer_args(cfg))
         t.setup_rl()
         batch = _batch(len(t.tokenizer), n=6)
         total = [0]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rl4bit import driver
-from rl4bit.checkpoint_format import CheckpointError
-from rl4bit.config import ConfigError, load_config
+from rl4bit.common.checkpoint_format import CheckpointError
+from rl4bit.config import ConfigError, load_config, trainer_args
 from rl4bit.metrics import read_metrics
 from rl4bit.trainer.actor import TrainBatch, Trainer
 
@@ -61,7 +61,7 @@ def trained(tmp_path_factory):
     from .conftest import SMALL
 
     cfg = load_config(QUICKSTART, list(SMALL) + ["recipe.name=bf16", "rl.ppo_epochs=1"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(**trainer_args(cfg))
     trainer.setup_rl()
     outs = _rollouts(cfg, trainer)
     trainer.train_step(TrainBatch([o.prompt_ids for o in outs], [o.completion_ids for o in outs],
@@ -74,7 +74,7 @@ def test_bad_trainer_states_are_refused_before_loading(trained, breakage):
     cfg, (tensors, meta) = trained
     tensors, meta = dict(tensors), dict(meta)
     needle = breakage(tensors, meta)
-    trainer = Trainer(cfg)
+    trainer = Trainer(**trainer_args(cfg))
     trainer.setup_rl()
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.raises(CheckpointError, match=re.escape(needle)):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from rl4bit.config import load_config
+from rl4bit.config import load_config, trainer_args
 from rl4bit.trainer.actor import TrainBatch, Trainer
 
 from .conftest import QUICKSTART
@@ -16,7 +16,7 @@ def _three_epoch_trainer(small):
     """A bf16 Trainer of 3 PPO epochs over micro-batches of 12 tokens, its rollouts, and their TrainBatch."""
     cfg = load_config(QUICKSTART, small + ["recipe.name=bf16", "rl.ppo_epochs=3", "trainer.tokens_per_microbatch=12",
                                            "trainer.max_nonfinite_steps=5"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(**trainer_args(cfg))
     trainer.setup_rl()
     outs = _rollouts(cfg, trainer)
     batch = TrainBatch([o.prompt_ids for o in outs], [o.completion_ids for o in outs], [o.logprobs for o in outs],

@@ -5,12 +5,12 @@ import json
 import pytest
 import torch
 
-from rl4bit.checkpoint import load_checkpoint, save_checkpoint
-from rl4bit.config import load_config
-from rl4bit.models import build_policy_model
+from rl4bit.common.checkpoint import load_checkpoint, save_checkpoint
+from rl4bit.config import load_config, trainer_args
 from rl4bit.sampler.actor import Sampler
 from rl4bit.sampler.types import Request, SamplingParams
 from rl4bit.trainer.actor import TrainBatch, Trainer, microbatches
+from rl4bit.trainer.models import build_policy_model
 
 from .conftest import QUICKSTART
 
@@ -30,7 +30,7 @@ def _sync(trainer, sampler) -> int:
 
 
 def _rollouts(cfg, trainer):
-    sampler = Sampler(lambda: build_policy_model(cfg), trainer.tokenizer, cfg.sampler, device="cpu",
+    sampler = Sampler(lambda: build_policy_model(cfg.model, cfg.recipe, cfg.run.seed), trainer.tokenizer, cfg.sampler, device="cpu",
                       max_seq_len=cfg.model.max_seq_len)
     _sync(trainer, sampler)
     reqs = [Request(str(i), trainer.tokenizer(p, add_special_tokens=False).input_ids, SamplingParams(max_new_tokens=6, n=3, seed=i))
@@ -42,7 +42,7 @@ def test_trainer_logprobs_equal_the_samplers_and_microbatching_agrees(small):
     # bf16 recipe, one epoch: no stochastic rounding keyed by call count, so micro-batches change only summation order
     small = small + ["recipe.name=bf16", "rl.ppo_epochs=1"]
     cfg = load_config(QUICKSTART, small)
-    trainer = Trainer(cfg)
+    trainer = Trainer(**trainer_args(cfg))
     trainer.setup_rl()
     outs = _rollouts(cfg, trainer)
     batch = TrainBatch([o.prompt_ids for o in outs], [o.completion_ids for o in outs], [o.logprobs for o in outs],
@@ -53,7 +53,7 @@ def test_trainer_logprobs_equal_the_samplers_and_microbatching_agrees(small):
     assert m_big["loss"] != 0.0
 
     small_mb = load_config(QUICKSTART, small + ["trainer.tokens_per_microbatch=12"])
-    t2 = Trainer(small_mb)
+    t2 = Trainer(**trainer_args(small_mb))
     t2.setup_rl()
     t2.load_state(*state)
     m_small = t2.train_step(batch)
@@ -80,7 +80,7 @@ def test_non_finite_steps_are_skipped_then_stop_the_job(small):
     from rl4bit.trainer.actor import NonFiniteError
 
     cfg = load_config(QUICKSTART, small + ["recipe.name=bf16", "rl.ppo_epochs=1", "trainer.max_nonfinite_steps=2"])
-    trainer = Trainer(cfg)
+    trainer = Trainer(**trainer_args(cfg))
     trainer.setup_rl()
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     bad = TrainBatch([[5, 14, 6, 17]], [[7, 2]], [[-1.0, -1.0]], [float("nan")])

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from rl4bit.config import ConfigError, load_config
-from rl4bit.models import build_model
 from rl4bit.tasks import load_task, warmup_split
-from rl4bit.tokenizer import char_tokenizer
-from rl4bit.warmstart import supervised_warm_start
+from rl4bit.trainer.models import build_model
+from rl4bit.trainer.tokenizer import char_tokenizer
+from rl4bit.trainer.warmstart import supervised_warm_start
 
 from .conftest import QUICKSTART, SMALL
 

@@ -11,15 +11,15 @@ import torch
 from safetensors.torch import load
 
 from rl4bit.actors import Cluster
-from rl4bit.config import load_config
+from rl4bit.config import load_config, trainer_args
 from rl4bit.driver import WEIGHT_SYNC_ENV, sync_weights
-from rl4bit.models import build_policy_model
 from rl4bit.sampler.actor import Sampler
 from rl4bit.sampler.types import Request, SamplingParams
-from rl4bit.tokenizer import build_tokenizer
 from rl4bit.trainer.actor import TrainBatch, Trainer
+from rl4bit.trainer.models import build_policy_model
 from rl4bit.trainer.surgery import quant_modules, quantized_weights
-from rl4bit.weight_sync import WeightSyncError
+from rl4bit.trainer.tokenizer import build_tokenizer
+from rl4bit.trainer.weight_sync import WeightSyncError
 
 from .conftest import QUICKSTART
 
@@ -66,8 +66,8 @@ def test_nvfp4_sync_ships_quantized_tensors_and_k3_stays_zero(tmp_path, small, m
     cfg = load_config(QUICKSTART, small + ["ray.mode=local", "rl.ppo_epochs=1", "model.num_experts=8",
                                            "model.expert_intermediate_size=64"])
     cluster = Cluster(cfg, tmp_path)
-    trainer_p = cluster.actor(Trainer, cfg)
-    sampler_p = cluster.actor(Sampler, lambda: build_policy_model(cfg), build_tokenizer(), cfg.sampler, device="cpu",
+    trainer_p = cluster.actor(Trainer, **trainer_args(cfg))
+    sampler_p = cluster.actor(Sampler, lambda: build_policy_model(cfg.model, cfg.recipe, cfg.run.seed), build_tokenizer(), cfg.sampler, device="cpu",
                               max_seq_len=cfg.model.max_seq_len)
     trainer, sampler = trainer_p._obj, sampler_p._obj  # local mode: the plain objects behind the proxies
     trainer.setup_rl()

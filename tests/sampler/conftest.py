@@ -1,6 +1,6 @@
 """Fixtures for the sampler tests: a tiny Qwen3-MoE (~100k params) and a character-level tokenizer.
 
-Built here (not from rl4bit.models) so the sampler tests stand alone.
+Built here (not from rl4bit.trainer.models) so the sampler tests stand alone.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from rl4bit.sampler.engine import EmbeddedEngine
-from rl4bit.sampler.kv_cache import MIN_ROWS
 from rl4bit.sampler.types import Request, SamplingParams
+from rl4bit.trainer.batch_invariant import MIN_ROWS
 
 from .conftest import make_model, prompts
 

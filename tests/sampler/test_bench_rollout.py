@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl4bit.bench_rollout import MODELS, build_model, read_floor, served_model
+from rl4bit.bench.rollout import MODELS, build_model, read_floor, served_model
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -59,7 +59,7 @@ def test_step_terms():
 def test_samples_above_the_bound_are_refused_before_anything_is_built(capsys):
     """`--samples` sizes the engine (batch x samples rows, their KV cache): above sampler.types.MAX_N it is refused
     up front, as a request's n is, instead of building an engine that large first."""
-    from rl4bit import bench_rollout
+    from rl4bit.bench import rollout as bench_rollout
     from rl4bit.sampler.types import MAX_N
 
     with pytest.raises(SystemExit):

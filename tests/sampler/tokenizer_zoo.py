@@ -11,7 +11,7 @@ import random
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from rl4bit.tokenizer import build_tokenizer
+from rl4bit.trainer.tokenizer import build_tokenizer
 
 CORPUS = [f"Émile said {i} times: the naïve café ☕ serves 中文 text, then 🙂 again; x{i % 7} = y." for i in range(400)]
 SPECIALS = ["<|eos|>", "<|pad|>"]

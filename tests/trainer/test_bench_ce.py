@@ -1,10 +1,10 @@
-"""The CE-gap arithmetic and corpus of rl4bit.bench_ce (the training runs themselves are the bench, not a test)."""
+"""The CE-gap arithmetic and corpus of rl4bit.bench.ce (the training runs themselves are the bench, not a test)."""
 
 from __future__ import annotations
 
 import torch
 
-from rl4bit.bench_ce import ALPHABET, arithmetic_batch, ce_gap, smooth
+from rl4bit.bench.ce import ALPHABET, arithmetic_batch, ce_gap, smooth
 
 
 def test_ce_gap_is_one_minus_s_over_S():

@@ -36,9 +36,9 @@ def make_model(seed: int = 0, equal_qkv_amax: bool = True, recipe: str = "nvfp4"
     """(converted trainer model, plan): the nvfp4 recipe (or `recipe`) on a tiny Qwen3-MoE."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rl4bit.tokenizer import build_tokenizer
     from rl4bit.trainer.recipe import RecipeConfig
     from rl4bit.trainer.surgery import convert_model
+    from rl4bit.trainer.tokenizer import build_tokenizer
 
     cfg = AutoConfig.for_model(
         "qwen3_moe", vocab_size=len(build_tokenizer()), hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
@@ -66,8 +66,8 @@ def make_model(seed: int = 0, equal_qkv_amax: bool = True, recipe: str = "nvfp4"
 
 
 def export(model, plan, out) -> Path:
-    from rl4bit.checkpoint_format import write_checkpoint
-    from rl4bit.tokenizer import build_tokenizer
+    from rl4bit.common.checkpoint_format import write_checkpoint
+    from rl4bit.trainer.tokenizer import build_tokenizer
 
     return write_checkpoint(out, model, plan, tokenizer=build_tokenizer())
 

@@ -1,4 +1,4 @@
-"""The Sampler actor with `backend: vllm`: built from a converted model, synced through rl4bit.weight_sync buckets.
+"""The Sampler actor with `backend: vllm`: built from a converted model, synced through rl4bit.trainer.weight_sync buckets.
 
 Run: bash scripts/test_vllm.sh
 """
@@ -10,8 +10,8 @@ import pytest
 from rl4bit.config import SamplerConfig
 from rl4bit.sampler.actor import Sampler
 from rl4bit.sampler.types import Request, SamplingParams
-from rl4bit.tokenizer import build_tokenizer
-from rl4bit.weight_sync import WeightSender, WeightSyncError
+from rl4bit.trainer.tokenizer import build_tokenizer
+from rl4bit.trainer.weight_sync import WeightSender, WeightSyncError
 
 from .conftest import ALIVE, make_model, prompts
 

@@ -17,6 +17,7 @@ from rl4bit.trainer.surgery import load_quantized, quantized_weights
 
 from .conftest import export, make_model, prompts, update_of
 
+
 def _greedy(engine, ps, n_new=8):
     return [r.completion_ids for r in engine.generate(
         [Request(str(i), p, SamplingParams(temperature=0.0, max_new_tokens=n_new)) for i, p in enumerate(ps)])]
@@ -217,7 +218,7 @@ def test_logprob_mismatch_against_trainer(engine, record_property):
     same converted model in serving mode: the trainer forward bit for bit) on vLLM's own samples. Bound: vLLM's
     W4A4 must sit closer to our W4A4 than our W4A4 sits to BF16 (the same masters, bf16 recipe)."""
     from rl4bit.sampler.engine import EmbeddedEngine
-    from rl4bit.tokenizer import build_tokenizer
+    from rl4bit.trainer.tokenizer import build_tokenizer
 
     scorers = {}
     for recipe in ("nvfp4", "bf16"):

@@ -21,7 +21,7 @@ Shapes: Qwen3-30B-A3B (hidden 2048, 128 experts, top-8) with 4096 tokens per
 rank on CUDA, 512 on CPU; quick: hidden 256, 16 experts, top-4, 128 tokens.
 
 Leaves out: the expert GEMMs (bench train), overlap of communication with
-compute, multi-node links. Run `python -m rl4bit.bench_comm` for a quick CPU run.
+compute, multi-node links. Run `python -m rl4bit.bench.comm` for a quick CPU run.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _launch(world: int, device: str, shape: dict, repeats: int, timeout_s: float
     with tempfile.TemporaryDirectory() as d:
         out_file = str(Path(d) / "rank0.json")
         args = json.dumps(dict(world=world, port=port, device=device, shape=shape, repeats=repeats, out=out_file))
-        run_ranks([[sys.executable, "-m", "rl4bit.bench_comm", "--worker", str(r), args] for r in range(world)],
+        run_ranks([[sys.executable, "-m", "rl4bit.bench.comm", "--worker", str(r), args] for r in range(world)],
                   dict(os.environ, OMP_NUM_THREADS="1"), timeout_s, "bench comm")
         return json.loads(Path(out_file).read_text())
 
@@ -240,7 +240,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, repeat
                           sqnr_text(r))
         console.print(table)
     if out is not None:
-        from rl4bit.atomic import atomic_write_text
+        from rl4bit.common.atomic import atomic_write_text
 
         atomic_write_text(Path(out) / "bench_comm.json", json.dumps(result, indent=2) + "\n")
     return result

@@ -1,7 +1,7 @@
 """Benchmark of the quantized GEMMs: NVFP4 decode / grouped forward and the MXFP8 backward, each beside its baseline.
 
-    python -m rl4bit.bench_gemm --device cuda     # H200: real shapes, CUDA graphs, rotating weights
-    python -m rl4bit.bench_gemm --quick           # CPU smoke run (trainer reference path, tiny shapes)
+    python -m rl4bit.bench.gemm --device cuda     # H200: real shapes, CUDA graphs, rotating weights
+    python -m rl4bit.bench.gemm --quick           # CPU smoke run (trainer reference path, tiny shapes)
     rl4bit bench gemm [--quick] [--out DIR]       # same, through the CLI
 
 Cases (issue 6 decode targets, issue 4 speed):
@@ -30,10 +30,10 @@ import argparse
 import json
 import math
 import os
-import statistics
-import time
 
 import torch
+
+from rl4bit.bench.common import copy_gbps, time_us
 
 DENSE = (4096, 14336)
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -41,54 +41,6 @@ DECODE_M = (1, 4, 16)
 TRAIN_ROWS = 32768
 SPEEDUP_TARGET, HBM_TARGET = 3.5, 0.85
 ROTATE_BYTES = 400 * 2**20  # > 8x the H200's L2
-
-
-def _time_us(fns, device: str, reps: int) -> float:
-    """Median µs per call of the callables in `fns` (CUDA: one graph of all of them; CPU: perf_counter)."""
-    for f in fns:
-        f()
-    if device == "cpu":
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            for f in fns:
-                f()
-            times.append((time.perf_counter() - t0) * 1e6 / len(fns))
-        return statistics.median(times)
-    return replay_us(capture(fns), reps) / len(fns)
-
-
-def capture(fns) -> "torch.cuda.CUDAGraph":
-    """One CUDA graph of the callables in `fns`, called in order (run them once before: compiles, allocator); the
-    quantize kernels' non-finite checks deferred (a capture cannot read the flag)."""
-    from rl4bit.kernels.triton_dispatch import deferred_checks
-
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with deferred_checks(), torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    return graph
-
-
-def replay_us(graph, reps: int) -> float:
-    """Median µs of a replay of `graph` (one warm-up replay, then `reps` between CUDA events)."""
-    graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for s, e in zip(starts, ends):
-        s.record()
-        graph.replay()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends))
-
-
-def copy_gbps(device: str, reps: int, nbytes: int = 2**30) -> float:
-    """Device copy bandwidth in GB/s, counting read + write bytes."""
-    src = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return nbytes / _time_us([lambda: dst.copy_(src)], device, reps) / 1e3
 
 
 def _nbytes(*ts) -> int:
@@ -118,7 +70,8 @@ def _weights(shape, device, seed, dtype=torch.bfloat16):
 
 def decode_cases(device: str, shapes, ms, experts_shapes, top_k: int, gbps: float, reps: int) -> list[dict]:
     from rl4bit.kernels import quantize
-    from rl4bit.trainer.qgemm import GemmSpec, grouped_forward as fwd, quantize_activation
+    from rl4bit.trainer.qgemm import GemmSpec, quantize_activation
+    from rl4bit.trainer.qgemm import grouped_forward as fwd
 
     spec = GemmSpec("nvfp4")
     rows = []
@@ -135,12 +88,12 @@ def decode_cases(device: str, shapes, ms, experts_shapes, top_k: int, gbps: floa
             qx = quantize_activation(x, spec)
             qws = _copies(lambda i: q0 if i == 0 else quantize(_weights((e, n, k), device, 10 + i), "nvfp4", outer="group"),
                           per_expert * touched, device)
-            us = _time_us([lambda q=q: fwd(qx, q, counts, torch.bfloat16) for q in qws], device, reps)
-            us_q = _time_us([lambda q=q: fwd(quantize_activation(x, spec), q, counts, torch.bfloat16) for q in qws],
+            us = time_us([lambda q=q: fwd(qx, q, counts, torch.bfloat16) for q in qws], device, reps)
+            us_q = time_us([lambda q=q: fwd(quantize_activation(x, spec), q, counts, torch.bfloat16) for q in qws],
                             device, reps)
             wbs = _copies(lambda i: w if i == 0 else _weights((e, n, k), device, 10 + i), 2 * n * k * touched, device)
             base_name, base = _bf16_baseline(x, counts, e)
-            base_us = _time_us([lambda wb=wb: base(wb) for wb in wbs], device, reps)
+            base_us = time_us([lambda wb=wb: base(wb) for wb in wbs], device, reps)
             moved = per_expert * touched + _qbytes(qx) + r * n * 2
             floor_us = moved / gbps / 1e3
             label = f"{name} M={m}" + (f" ({r} rows, {touched} experts)" if e > 1 else "")
@@ -188,7 +141,8 @@ def train_cases(device: str, rows: int, experts: int, shapes, reps: int, mxfp8: 
     mxfp8: include the Triton MXFP8 GEMMs (default: on CUDA; tests run them under the interpreter).
     """
     from rl4bit.kernels import quantize, requantize
-    from rl4bit.trainer.qgemm import GemmSpec, grouped_forward as fwd, quantize_activation, quantize_weight
+    from rl4bit.trainer.qgemm import GemmSpec, quantize_activation, quantize_weight
+    from rl4bit.trainer.qgemm import grouped_forward as fwd
 
     m = rows // experts
     counts = [m] * experts
@@ -201,7 +155,7 @@ def train_cases(device: str, rows: int, experts: int, shapes, reps: int, mxfp8: 
         for what, a, b in (("fwd", (experts, m, k), (experts, k, n)), ("dgrad", (experts, m, n), (experts, n, k)),
                            ("wgrad", (experts, n, m), (experts, m, k))):
             ta, tb = _weights(a, device, 6), _weights(b, device, 7)
-            bmm_us[what] = _time_us([lambda ta=ta, tb=tb: torch.bmm(ta, tb)], device, reps)
+            bmm_us[what] = time_us([lambda ta=ta, tb=tb: torch.bmm(ta, tb)], device, reps)
         spec = GemmSpec("nvfp4")
         qx, qw = quantize_activation(x, spec), quantize_weight(w, spec)
         rows_out = [("nvfp4 grouped forward", "fwd", lambda: fwd(qx, qw, counts, torch.bfloat16))]
@@ -219,7 +173,7 @@ def train_cases(device: str, rows: int, experts: int, shapes, reps: int, mxfp8: 
                 rows_out.append((f"mxfp8 wgrad ({tag})", "wgrad",
                                  lambda fp8=fp8: mg.wgrad_mxfp8(qdyt, qxt, counts_t, torch.float32, fp8=fp8)))
         for case, what, fn in rows_out:
-            us = _time_us([fn], device, reps)
+            us = time_us([fn], device, reps)
             out.append(dict(case=case, shape=f"{name}: {rows} rows, {experts}x{m}, K={k} N={n}", us=us,
                             tflops=flops / us / 1e6, baseline=f"bf16 torch.bmm ({what})", baseline_us=bmm_us[what],
                             baseline_tflops=flops / bmm_us[what] / 1e6, speedup=bmm_us[what] / us))
@@ -246,7 +200,7 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, decod
         rows += train_cases(device, train_rows, experts, train_shapes, reps)
     _print_table(rows, device, gbps)
     if out:
-        from rl4bit.atomic import atomic_write_text
+        from rl4bit.common.atomic import atomic_write_text
 
         atomic_write_text(os.path.join(out, "bench_gemm.json"), json.dumps(dict(copy_gbps=gbps, rows=rows), indent=1))
     return rows
@@ -276,7 +230,7 @@ def _print_table(rows: list[dict], device: str, gbps: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rl4bit.bench_gemm", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rl4bit.bench.gemm", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--quick", action="store_true", help="tiny shapes (on CPU: the reference path), for smoke runs")
     p.add_argument("--out", help="directory for bench_gemm.json")

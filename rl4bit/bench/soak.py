@@ -16,8 +16,8 @@ least-squares slope of RSS per step after warm-up (MiB/step), the figure that
 extrapolates to a long job.
 
     rl4bit bench soak configs/quickstart.yaml --steps 200        # (CLI hook: see the lead's patch list)
-    python -m rl4bit.bench_soak configs/quickstart.yaml --steps 50 --device cpu
-    python -m rl4bit.bench_soak --quick                            # a tiny smoke run
+    python -m rl4bit.bench.soak configs/quickstart.yaml --steps 50 --device cpu
+    python -m rl4bit.bench.soak --quick                            # a tiny smoke run
 
 Leaves out: Ray mode (per-actor memory would need each actor's RSS), the
 memory of a separate inference server.
@@ -34,9 +34,9 @@ from pathlib import Path
 import psutil
 import torch
 
-from rl4bit.atomic import atomic_write_text
+from rl4bit.common.atomic import atomic_write_text
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "quickstart.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
 RSS_BOUND_MIB = 64.0
 """Allowed RSS growth after warm-up, absolute part (allocator and Python heap noise)."""
 RSS_BOUND_FRAC = 0.05
@@ -129,7 +129,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, config
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m rl4bit.bench_soak", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m rl4bit.bench.soak", description=__doc__.splitlines()[0])
     p.add_argument("config", nargs="?", help=f"job YAML (default {CONFIG.name})")
     p.add_argument("--steps", type=int, help="RL steps (default 100; 8 with --quick)")
     p.add_argument("--device", default="cpu")

@@ -3,7 +3,7 @@
 `supervised_warm_start(model, tokenizer, samples, steps, lr, batch_size, seed, chat)`
 runs `steps` AdamW steps of teacher-forced cross-entropy on `prompt + answer +
 <eos>` (loss on the answer and eos tokens only; the prompt's ids as the sampler
-sends them, `rl4bit.tokenizer.prompt_ids`), `batch_size` samples drawn with a
+sends them, `rl4bit.trainer.tokenizer.prompt_ids`), `batch_size` samples drawn with a
 seeded `random.Random`, through the model's stock forward (before the recipe
 conversion: the warm start stands in for a pretrained checkpoint).
 Returns {"warmup/loss_first", "warmup/loss_last"}.
@@ -33,7 +33,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from rl4bit.tokenizer import prompt_ids
+from rl4bit.common.atomic import atomic_write_bytes
+from rl4bit.trainer.tokenizer import prompt_ids
 
 
 def supervised_warm_start(model, tokenizer, samples: list[dict], *, steps: int, lr: float, batch_size: int,
@@ -100,8 +101,6 @@ def _load_cached(model, path: Path) -> dict | None:
 
 def _store(model, path: Path, result: dict) -> None:
     from safetensors.torch import save
-
-    from rl4bit.atomic import atomic_write_bytes
 
     tensors = {k: v.detach().cpu().clone().contiguous() for k, v in model.state_dict().items()}  # tied: copies
     meta = {"loss_first": repr(result["warmup/loss_first"]), "loss_last": repr(result["warmup/loss_last"])}

@@ -34,7 +34,7 @@ Leaves out: Ray actors (the device image has no Ray), several samplers, and the
 warm start (its cost is the same under both recipes).
 
     rl4bit bench step --device cuda                 # configs/gpu-h200.yaml
-    python -m rl4bit.bench_step --quick --device cpu  # a tiny smoke run
+    python -m rl4bit.bench.step --quick --device cpu  # a tiny smoke run
 """
 
 from __future__ import annotations
@@ -51,11 +51,12 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.atomic import atomic_write_text
-from rl4bit.driver import JOB_ERRORS, OutOfMemory as JobOutOfMemory
+from rl4bit.common.atomic import atomic_write_text
+from rl4bit.driver import JOB_ERRORS
+from rl4bit.driver import OutOfMemory as JobOutOfMemory
 from rl4bit.metrics import MEMORY_KEYS
 
-CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu-h200.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpu-h200.yaml"
 PHASES = ("sample", "score", "train", "sync")
 
 

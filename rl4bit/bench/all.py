@@ -31,14 +31,14 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.atomic import atomic_write_text
+from rl4bit.common.atomic import atomic_write_text
 
 SECTIONS = ("kernels", "gemm", "train", "rollout", "sync", "step")
 
 
 def _call(name: str, device: str, quick: bool, out: str | None, options: dict) -> dict:
     """Run section `name`, passing it those of `options` (steps, new_tokens, batches) its `run` takes."""
-    mod = importlib.import_module(f"rl4bit.bench_{name}")
+    mod = importlib.import_module(f"rl4bit.bench.{name}")
     sub = str(Path(out) / name) if out else None
     if sub:
         Path(sub).mkdir(parents=True, exist_ok=True)
@@ -61,7 +61,7 @@ def _rows_kernels(res) -> list[tuple]:
 def _rows_gemm(res) -> list[tuple]:
     """`bench_gemm.run`'s rows: the decode cases beside the BF16 baseline and the HBM floor (their targets: the
     speed-up and the share of HBM bandwidth), the training cases beside `torch.bmm`."""
-    from rl4bit.bench_gemm import HBM_TARGET, SPEEDUP_TARGET
+    from rl4bit.bench.gemm import HBM_TARGET, SPEEDUP_TARGET
 
     rows = []
     for r in res:

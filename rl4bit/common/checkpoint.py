@@ -18,7 +18,7 @@ global shape, dtype, each rank's dim-0 rows; see rl4bit.trainer.sharding).
 own shard with `read_verified` (in parallel: no process reads all shards).
 
 Writing: under a temporary name, every file fsynced, then renamed into place
-(`rl4bit.atomic.replace_dir`), and `checkpoints/latest.json` is replaced
+(`rl4bit.common.atomic.replace_dir`), and `checkpoints/latest.json` is replaced
 atomically last, so a crash at any point leaves the previous checkpoint intact
 and pointed to. A failed save removes its temporary directory; a save that
 begins clears any `.step_*.tmp` a killed one left. A write the system refuses
@@ -56,8 +56,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from rl4bit.atomic import atomic_write_text, fsync_tree, replace_dir, restore_dir
-from rl4bit.checkpoint_format import CheckpointError
+from rl4bit.common.atomic import atomic_write_text, fsync_tree, replace_dir, restore_dir
+from rl4bit.common.checkpoint_format import CheckpointError
 
 FORMAT = 2
 STATE, MANIFEST = "state.json", "manifest.json"

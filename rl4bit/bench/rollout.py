@@ -38,8 +38,8 @@ rows routed as any row (`trainer.padding.ignored`: what the router did before
 the engine marked them), the mark's gain side by side. Leaves out: the vLLM
 backend.
 
-    python -m rl4bit.bench_rollout --quick
-    python -m rl4bit.bench_rollout --device cuda --batches 1,64 --compare-unfused
+    python -m rl4bit.bench.rollout --quick
+    python -m rl4bit.bench.rollout --device cuda --batches 1,64 --compare-unfused
     rl4bit bench rollout --quick --out /tmp/rollout
 """
 
@@ -53,7 +53,8 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.atomic import atomic_write_text
+from rl4bit.bench.common import copy_gbps, sync
+from rl4bit.common.atomic import atomic_write_text
 
 MODELS = {
     "small": dict(vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
@@ -81,11 +82,6 @@ def build_model(name: str, max_len: int, dtype, device):
     return model.to(dtype).eval()
 
 
-def _sync(device):
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def bench_engine(model, prompts: torch.Tensor, new: int, device, params=None, share_prefix: bool = True,
                  completions: bool = False) -> dict:
     """One timed generate over `prompts` (greedy, one sample each, unless `params` says otherwise), after a
@@ -104,10 +100,10 @@ def bench_engine(model, prompts: torch.Tensor, new: int, device, params=None, sh
     engine.generate([Request(r.id, r.prompt_ids, dataclasses.replace(r.params, max_new_tokens=3)) for r in reqs])
     engine.prefill_s = engine.decode_s = 0.0
     engine.decode_steps = 0
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     out = engine.generate(reqs)
-    _sync(device)
+    sync(device)
     total = time.perf_counter() - t0
     gen = sum(len(r.completion_ids) for r in out)
     res = dict(total_s=total, prefill_s=engine.prefill_s, decode_s=engine.decode_s, generated=gen,
@@ -133,14 +129,14 @@ def bench_hf(model, prompts: torch.Tensor, new: int, device) -> dict:
     with torch.inference_mode():
         model.generate(ids[:1], max_new_tokens=2, min_new_tokens=2, do_sample=False, eos_token_id=None,
                        pad_token_id=0, attention_mask=torch.ones_like(ids[:1]))  # warm-up
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kw)
-        _sync(device)
+        sync(device)
         prefill = time.perf_counter() - t0
         t0 = time.perf_counter()
         out = model.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
-        _sync(device)
+        sync(device)
         total = time.perf_counter() - t0
     gen = (out.shape[1] - ids.shape[1]) * ids.shape[0]
     return dict(total_s=total, prefill_s=prefill, decode_s=max(total - prefill, 0.0), generated=gen,
@@ -240,8 +236,6 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     dtype = torch.bfloat16
     model = build_model(name, p + new + 1, dtype, device)
     n_params = sum(t.numel() for t in model.parameters())
-    from rl4bit.bench_gemm import copy_gbps
-
     gbps = copy_gbps(device, reps=20)
     gen = torch.Generator().manual_seed(0)
     bmodel, qmodel = served_model(model, "bf16"), served_model(model, "nvfp4")

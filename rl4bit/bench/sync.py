@@ -2,7 +2,7 @@
 
 The same Qwen3-MoE (random init, seeded) is converted twice: recipe nvfp4 with
 no high-precision tail (every expert weight NVFP4) and recipe bf16; each is
-synced trainer -> one Ray receiver actor with `rl4bit.weight_sync.sync_ray`
+synced trainer -> one Ray receiver actor with `rl4bit.trainer.weight_sync.sync_ray`
 (buckets of layers, SHA-256 per bucket, verify + stage + commit in place). A
 sync is timed in two parts, each the median of `repeats` syncs: encode (the
 sender quantizes its weights, i.e. the forward's QTensors, packs and hashes the
@@ -58,7 +58,7 @@ def _receiver_factory(recipe: str, quick: bool):
 def _measure(ray, recipe: str, quick: bool, device: str, repeats: int) -> dict:
     import torch
 
-    from rl4bit.weight_sync import WeightReceiver, WeightSender, sync_ray
+    from rl4bit.trainer.weight_sync import WeightReceiver, WeightSender, sync_ray
 
     model, plan = _model(recipe, quick)
     model.to(device)
@@ -115,7 +115,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, repeat
     result = {"device": device, "quick": quick, "shape": s, "rows": rows, "ratios": ratios,
               "target_expert_bytes_ratio": 0.30}
     if out is not None:
-        from rl4bit.atomic import atomic_write_text
+        from rl4bit.common.atomic import atomic_write_text
 
         atomic_write_text(Path(out) / "bench_sync.json", json.dumps(result, indent=2) + "\n")
     return result

@@ -6,8 +6,8 @@
     broadcast_update(src=0, sender=... | receiver=..., version=7)   # torch.distributed (NCCL / gloo)
     receiver.apply(*sender.tensors(version=7))                  # same process, engine target: device tensors
 
-Payload: the checkpoint's own encoding (`rl4bit.checkpoint_format` /
-`rl4bit.ct_layout`): each bucket is a safetensors blob of the stored tensors of
+Payload: the checkpoint's own encoding (`rl4bit.common.checkpoint_format` /
+`rl4bit.common.ct_layout`): each bucket is a safetensors blob of the stored tensors of
 whole decoder layers (NVFP4 codes + E4M3 scales + global scales, MXFP8, dense),
 the trainer forward's QTensors bit for bit. The sender builds one bucket at a
 time, so its extra memory is one bucket (plus the transport's copy of it).
@@ -71,14 +71,27 @@ from typing import Iterable, Iterator
 
 import torch
 
-from rl4bit.checkpoint_format import (CheckpointError, Entry, decode_entry, encode_entry,
-                                      entries_from_json, entry_value, group_by_layer, layout_json, metadata,
-                                      model_layout, pack, unpack)
+from rl4bit.common.checkpoint_format import (
+    CheckpointError,
+    Entry,
+    decode_entry,
+    encode_entry,
+    entries_from_json,
+    entry_value,
+    group_by_layer,
+    layout_json,
+    metadata,
+    model_layout,
+    pack,
+    unpack,
+)
+from rl4bit.common.weight_update import WeightUpdate
 from rl4bit.kernels import QTensor, dequantize
 from rl4bit.kernels.checks import all_finite
+from rl4bit.trainer.surgery import quant_modules
 
 DEFAULT_BUCKET_BYTES = 256 << 20
-STAMP_KEY = "rl4bit.weight_sync"  # safetensors metadata of a bucket: JSON {"version", "index", "count"}
+STAMP_KEY = "rl4bit.trainer.weight_sync"  # safetensors metadata of a bucket: JSON {"version", "index", "count"}
 
 
 class WeightSyncError(RuntimeError):
@@ -170,8 +183,6 @@ class WeightSender:
         (not copies: receivers must only read them); the QTensors are new (one
         copy of the quantized weights, held until the caller drops them).
         """
-        from rl4bit.sampler.types import WeightUpdate
-
         dense: dict[str, torch.Tensor] = {}
         quantized: dict[str, dict[str, QTensor]] = {}
         cache: dict[str, dict] = {}
@@ -293,8 +304,6 @@ class WeightReceiver:
 
     def quantized(self) -> dict:
         """{module: {param: QTensor}} now served (in-process use)."""
-        from rl4bit.trainer.surgery import quant_modules
-
         return {n: dict(m.served) for n, m in quant_modules(self.model).items() if m.served is not None}
 
     def snapshot(self) -> bytes:
@@ -380,8 +389,6 @@ class _Apply:
 
     def check_complete(self) -> None:
         """Engine targets: every dense tensor and every served module's weights are in the update."""
-        from rl4bit.trainer.surgery import quant_modules
-
         missing = sorted(set(self.live) - set(self.engine_dense))
         missing += sorted(f"{n}.{p}" for n, m in quant_modules(self.model).items() if m.served is not None
                           for p in m.served if p not in self.engine_q.get(n, {}))
@@ -391,8 +398,6 @@ class _Apply:
 
     def run(self, version: int) -> None:
         if self.engine:
-            from rl4bit.sampler.types import WeightUpdate
-
             self.target.update_weights(WeightUpdate(version=version, tensors=self.engine_dense), self.engine_q)
             return
         by_module: dict[torch.nn.Module, dict] = {}

@@ -13,7 +13,7 @@ smoke test); its figures mean nothing.
 
 Leaves out: data loading, multi-GPU, activation checkpointing.
 
-    python -m rl4bit.bench_train --device cuda --out /tmp/bench_train
+    python -m rl4bit.bench.train --device cuda --out /tmp/bench_train
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.atomic import atomic_write_text
+from rl4bit.bench.common import sync
+from rl4bit.common.atomic import atomic_write_text
 
 RECIPES = ("bf16", "mxfp8", "nvfp4")
 
@@ -43,19 +44,14 @@ SIZES = {
 }
 
 
-def _sync(device: str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
-
-
 def _timeit(fn, device: str, reps: int) -> float:
     """Seconds per call (after one warm-up call)."""
     fn()
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for _ in range(reps):
         fn()
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - t0) / reps
 
 
@@ -133,11 +129,11 @@ def train_speed(recipe: str, size: dict, device: str) -> dict:
 
     for i in range(size["warmup"]):
         step(i)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for i in range(size["steps"]):
         loss = step(size["warmup"] + i)
-    _sync(device)
+    sync(device)
     dt = (time.perf_counter() - t0) / size["steps"]
     out = {"recipe": recipe, "params": params, "tokens_per_step": ids.numel(), "step_s": dt,
            "tokens_per_s": ids.numel() / dt, "loss": loss.item(),

@@ -1,8 +1,8 @@
 """Benchmark of the format kernels: µs and GB/s of each beside a measured device-to-device copy.
 
-    python -m rl4bit.bench_kernels --device cuda          # H200: Triton kernels, real shapes
-    python -m rl4bit.bench_kernels --device cuda --sweep  # tile sizes / warps of the target kernels
-    python -m rl4bit.bench_kernels --quick --device cpu   # smoke run: reference path, small shapes
+    python -m rl4bit.bench.kernels --device cuda          # H200: Triton kernels, real shapes
+    python -m rl4bit.bench.kernels --device cuda --sweep  # tile sizes / warps of the target kernels
+    python -m rl4bit.bench.kernels --quick --device cpu   # smoke run: reference path, small shapes
     rl4bit bench kernels [--quick] [--out DIR]            # same, through the CLI
 
 Shapes are Qwen3-30B-A3B's MoE experts (hidden 2048, expert intermediate 768,
@@ -239,7 +239,7 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, sweep
                             target=target, meets_target=None if target is None else copy_us / us >= target))
     _print_table(results, device)
     if out:
-        from rl4bit.atomic import atomic_write_text
+        from rl4bit.common.atomic import atomic_write_text
 
         atomic_write_text(os.path.join(out, "bench_kernels.json"), json.dumps(results, indent=1))
     return results
@@ -261,7 +261,7 @@ def _print_table(results: list[dict], device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rl4bit.bench_kernels", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rl4bit.bench.kernels", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
     p.add_argument("--quick", action="store_true", help="small shapes (on CPU: the reference path), for smoke runs")
     p.add_argument("--out", help="directory for bench_kernels.json")

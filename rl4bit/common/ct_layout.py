@@ -1,7 +1,7 @@
 """The compressed-tensors layout of rl4bit's quantized weights: tensor names, encodings, quantization_config.
 
-One layout for export (`rl4bit.checkpoint_format`) and weight sync
-(`rl4bit.weight_sync`). Per planned module (`rl4bit.trainer.plan.quant_plan`,
+One layout for export (`rl4bit.common.checkpoint_format`) and weight sync
+(`rl4bit.trainer.weight_sync`). Per planned module (`rl4bit.trainer.plan.quant_plan`,
 the single source of the quantization scope):
 
 | plan  | tensors, per expert `{experts}.{e}.{gate_proj,up_proj,down_proj}` or per linear `{linear}` |

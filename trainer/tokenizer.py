@@ -26,6 +26,8 @@ import string
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from rl4bit.common.config import ConfigError
+
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 ALPHABET = string.digits + "+-*=/ \n" + string.ascii_letters + ".,:;?!()'\"_#"
 
@@ -80,8 +82,6 @@ def prompt_ids(tokenizer, text: str, chat: bool = False) -> list[int]:
 def check_chat_template(tokenizer, chat: bool) -> None:
     """ConfigError when `data.chat_template` is on and the tokenizer has no template to apply."""
     if chat and not getattr(tokenizer, "chat_template", None):
-        from rl4bit.config import ConfigError
-
         raise ConfigError("data.chat_template: the tokenizer has no chat template (the built-in character "
                          "tokenizer has none; a model.path checkpoint needs chat_template in its "
                          "tokenizer_config.json or chat_template.jinja); set data.chat_template=false")

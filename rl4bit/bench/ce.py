@@ -18,7 +18,7 @@ Leaves out: held-out evaluation (each batch is freshly generated, so the
 training loss is an unbiased estimate of the test loss), several seeds,
 learning-rate sweeps. The blog reports ~2% CE cost in pretraining.
 
-    python -m rl4bit.bench_ce --quick --out /tmp/ce
+    python -m rl4bit.bench.ce --quick --out /tmp/ce
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.atomic import atomic_write_bytes, atomic_write_text
+from rl4bit.common.atomic import atomic_write_bytes, atomic_write_text
 
 ALPHABET = "0123456789+=;"
 VOCAB = 32  # ALPHABET padded: lm_head stays BF16, any size works

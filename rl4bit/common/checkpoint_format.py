@@ -5,7 +5,7 @@
     state = load_state_dict(out)       # plain HF state dict, decoded  -> transformers model.load_state_dict
 
 Directory (Hugging Face style; vLLM reads it through compressed-tensors):
-- `config.json`: the model's config + `quantization_config` (`rl4bit.ct_layout`);
+- `config.json`: the model's config + `quantization_config` (`rl4bit.common.ct_layout`);
 - tokenizer files when a tokenizer is given;
 - `model-0000i-of-0000n.safetensors` shards (layers kept whole, in order) and
   `model.safetensors.index.json`: `weight_map` as usual, and under `metadata`
@@ -22,14 +22,14 @@ then renamed over `out`; the previous `out` is moved aside first and deleted
 only after the rename, so an interrupted export leaves it intact (at worst
 under `<out>.old-*` if the process dies between the two renames). The
 temporary copy (`.<out>.tmp-*`) of an export that was killed is removed by the
-next export to `out` (`rl4bit.atomic.temp_dir`: never a live writer's). An `out`
+next export to `out` (`rl4bit.common.atomic.temp_dir`: never a live writer's). An `out`
 that is a file, or a non-empty directory that is not an rl4bit export, is
 refused (FileExistsError) rather than deleted. A weight holding NaN/Inf is
 refused when writing and when reading (CheckpointError naming it). Damage the
 checksums cannot describe (unparsable JSON, a malformed safetensors header) is a
 CheckpointError naming the file too. safetensors and JSON only: nothing is pickled.
 
-Leaves out: optimizer state and RNG (the RL checkpoint is rl4bit.checkpoint's),
+Leaves out: optimizer state and RNG (the RL checkpoint is rl4bit.common.checkpoint's),
 streaming loads of shards larger than memory, remote storage.
 """
 
@@ -48,8 +48,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from rl4bit import ct_layout
-from rl4bit.atomic import fsync_tree, replace_dir, restore_dir, temp_dir
+from rl4bit.common import ct_layout
+from rl4bit.common.atomic import fsync_tree, replace_dir, restore_dir, temp_dir
 from rl4bit.kernels import QTensor
 from rl4bit.kernels.checks import all_finite
 
@@ -86,10 +86,19 @@ class Entry:
         return ct_layout.layer_of(self.name)
 
 
+def expert_weight_shapes(module: torch.nn.Module) -> dict[str, tuple[int, ...]] | None:
+    """{param name: 3D shape} for a fused-experts module (HF 5.x layout or converted), else None."""
+    shapes = getattr(module, "expert_weight_shapes", None)  # converted QuantExperts (also in serving mode)
+    if shapes is not None:
+        return dict(shapes)
+    gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if isinstance(gu, torch.Tensor) and isinstance(dn, torch.Tensor) and gu.dim() == 3 and dn.dim() == 3:
+        return {"gate_up_proj": tuple(gu.shape), "down_proj": tuple(dn.shape)}
+    return None
+
+
 def model_layout(model, plan: dict[str, str]) -> list[Entry]:
     """Every weight of `model` (converted or plain), planned modules first within their layer, in layer order."""
-    from rl4bit.trainer.plan import expert_weight_shapes
-
     modules = dict(model.named_modules())
     entries, covered = [], set()
     for name, fmt in plan.items():

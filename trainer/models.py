@@ -10,7 +10,7 @@ sampler actors) build identical models.
 
 Leaves out: the numerics recipe (applied afterwards by
 `rl4bit.trainer.surgery.convert_model`) and tokenizer resizing for loaded
-checkpoints (`rl4bit.tokenizer.build_tokenizer` loads the checkpoint's own).
+checkpoints (`rl4bit.trainer.tokenizer.build_tokenizer` loads the checkpoint's own).
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.config import ModelConfig
+from rl4bit.trainer.config import ModelConfig
+from rl4bit.trainer.recipe import RecipeConfig
+from rl4bit.trainer.surgery import convert_model
+from rl4bit.trainer.tokenizer import build_tokenizer
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -119,17 +122,14 @@ def autocast_dtype(model_cfg) -> torch.dtype | None:
     return torch.bfloat16 if model_cfg.dtype == "bfloat16" else None
 
 
-def build_policy_model(cfg, seed: int | None = None):
+def build_policy_model(model: ModelConfig, recipe: RecipeConfig, seed: int):
     """The model as trainer and samplers hold it: `build_model` then the recipe conversion.
 
     `rl4bit.trainer.surgery.convert_model` swaps in the quantized modules of
-    `cfg.recipe` (every recipe, bf16 included, so all share one code path) and
+    `recipe` (every recipe, bf16 included, so all share one code path) and
     makes the parameters FP32 master weights; names are unchanged, so a
     state dict moves between trainer and samplers as is.
     """
-    from rl4bit.tokenizer import build_tokenizer
-    from rl4bit.trainer.surgery import convert_model
-
-    model = build_model(cfg.model, len(build_tokenizer(cfg.model)), cfg.run.seed if seed is None else seed)
-    convert_model(model, cfg.recipe)
-    return model
+    policy = build_model(model, len(build_tokenizer(model)), seed)
+    convert_model(policy, recipe)
+    return policy
