@@ -8,7 +8,7 @@ Same interface as `rl4bit.sampler.engine.EmbeddedEngine` (`generate`,
 `update_weights(update, quantized=None)`, `version`, `score`).
 
 Serving form (`ServingForm`): vLLM reads the export's compressed-tensors
-layout (`rl4bit.ct_layout`) with these changes, written to a work directory:
+layout (`rl4bit.common.ct_layout`) with these changes, written to a work directory:
 - `experts="bf16"` (CPU: vLLM has no CPU MoE backend for NVFP4): expert
   weights decoded from our NVFP4 QTensors (`rl4bit.kernels.dequantize`, then
   rounded to BF16) and put on the ignore list. `experts="nvfp4"` keeps them as
@@ -359,7 +359,7 @@ class VLLMEngine:
         sequence (prompt logprobs of prompt + completion, plus the one token vLLM must generate) always fits."""
         self.vocab_size = int(config["vocab_size"])
         self.model = model
-        """Optional reference HF model (names/shapes for rl4bit.weight_sync.WeightReceiver)."""
+        """Optional reference HF model (names/shapes for rl4bit.trainer.weight_sync.WeightReceiver)."""
         kw = dict(model=str(self.model_dir), dtype=dtype, max_model_len=model_len, max_num_seqs=max_batch_size,
                   runner="generate", model_impl="vllm", seed=seed, logprobs_mode="processed_logprobs",
                   worker_extension_cls=f"{RepackMoE.__module__}.RepackMoE")

@@ -8,7 +8,9 @@ trap 'rm -rf "$work"' EXIT
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 ${PYTHON:-python3} -m venv "$work/venv"
 "$work/venv/bin/pip" install -q torch==2.13.0 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-"$work/venv/bin/pip" install -q "$root" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+mkdir "$work/src"  # the checkout's files alone: an in-tree build/ left by an earlier install never leaks in
+(cd "$root" && git ls-files -co --exclude-standard -z | tar --null -T - -cf -) | tar -xf - -C "$work/src"
+"$work/venv/bin/pip" install -q "$work/src" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 if "$work/venv/bin/python" -c "import triton" 2>/dev/null; then
   echo "ci_plain_install: triton is installed without the triton extra; the check would prove nothing" >&2; exit 1
 fi

@@ -35,7 +35,7 @@ def build(size: str, seed: int, max_len: int, tail: float):
     """(converted trainer model on CUDA, plan) of a random Qwen3-MoE under the nvfp4 recipe."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rl4bit.tokenizer import build_tokenizer
+    from rl4bit.trainer.tokenizer import build_tokenizer
     from rl4bit.trainer.recipe import RecipeConfig
     from rl4bit.trainer.surgery import convert_model
 
@@ -95,11 +95,11 @@ def main(argv=None) -> int:
 
     import vllm
 
-    from rl4bit.checkpoint_format import write_checkpoint
+    from rl4bit.common.checkpoint_format import write_checkpoint
     from rl4bit.sampler.engine import EmbeddedEngine
     from rl4bit.sampler.types import Request, SamplingParams
     from rl4bit.sampler.vllm_engine import VLLMEngine
-    from rl4bit.tokenizer import build_tokenizer
+    from rl4bit.trainer.tokenizer import build_tokenizer
     from rl4bit.trainer.surgery import load_quantized, quantized_weights
 
     res: dict = dict(vllm=vllm.__version__, torch=torch.__version__, gpu=torch.cuda.get_device_name(),

@@ -556,7 +556,7 @@ def test_bench_gemm_smoke(tmp_path):
     """rl4bit bench gemm --quick on CPU (reference path) writes its table; the MXFP8 cases run under the interpreter."""
     import json
 
-    from rl4bit import bench_gemm
+    from rl4bit.bench import gemm as bench_gemm
 
     if not HAS_CUDA:
         rows = bench_gemm.run("cpu", quick=True, out=str(tmp_path))

@@ -1,4 +1,4 @@
-"""Smoke tests of ``rl4bit.bench_kernels``: the CPU quick run, and every GPU case's call on tiny shapes.
+"""Smoke tests of ``rl4bit.bench.kernels``: the CPU quick run, and every GPU case's call on tiny shapes.
 
 The GPU cases are built with tiny shapes and each called once (under
 TRITON_INTERPRET=1 without CUDA), so a broken call in the H200 benchmark shows
@@ -13,7 +13,7 @@ from triton_setup import DEVICE
 
 import json
 
-from rl4bit import bench_kernels
+from rl4bit.bench import kernels as bench_kernels
 
 
 def test_gpu_cases_run_on_tiny_shapes():
