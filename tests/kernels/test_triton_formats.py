@@ -83,6 +83,20 @@ def _codec_kernel(y_ptr, out_ptr, n, seed_lo, seed_hi, OP: tl.constexpr, B: tl.c
     tl.store(out_ptr + i, c, mask=m)
 
 
+@triton.jit
+def _sr_given_bits_kernel(y_ptr, r_ptr, out_ptr, n, E4M3: tl.constexpr, B: tl.constexpr):
+    """The SR codecs on given random bits r (int32), not Philox's: thresholds can be hit on purpose."""
+    i = tl.program_id(0) * B + tl.arange(0, B)
+    m = i < n
+    y = tl.abs(tl.load(y_ptr + i, mask=m, other=0.0))
+    r = tl.load(r_ptr + i, mask=m, other=0)
+    if E4M3:
+        c = e4m3_code_sr(tl.minimum(y, 448.0), r)
+    else:
+        c = e2m1_code_sr(y, r)
+    tl.store(out_ptr + i, c, mask=m)
+
+
 def _run(op: int, y: torch.Tensor, seed: int = 0) -> torch.Tensor:
     y = y.to(DEVICE).contiguous()
     out = torch.empty(y.shape, dtype=torch.int32, device=DEVICE)
@@ -143,6 +157,36 @@ def test_e2m1_nearest_and_stochastic_equal_reference():
     assert_bitwise_equal(_run(2, y), e2m1.round_nearest(y).to(torch.int32), "e2m1 RN codes")
     r = element_bits(9, y.shape, E2M1_SR_BITS, "cpu")
     assert_bitwise_equal(_run(3, y, seed=9), e2m1.round_stochastic(y, r).to(torch.int32), "e2m1 SR codes")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e2m1"])
+def test_sr_codecs_at_the_threshold(fmt):
+    """Each value with r = 2**n - floor(2**n frac) (the smallest r that rounds up), one below it, and r = 0 and
+    2**n - 1, against the reference: a random draw hits the threshold once in 2**n (2**16 for E4M3)."""
+    n_bits = E4M3_SR_BITS if fmt == "e4m3" else E2M1_SR_BITS
+    if fmt == "e4m3":
+        y = _e4m3_corner_values()
+        ref_round = e4m3.round_stochastic
+        lo = e4m3.round_stochastic(y, torch.zeros(y.shape, dtype=torch.int64)).float().abs()
+        step = e4m3.pow2(torch.clamp(e4m3.fp32_exponent(y.clamp(max=448.0)), min=-6) - 3)
+    else:
+        pts = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 7.0])
+        y = torch.cat([pts, torch.nextafter(pts, pts + 1), torch.nextafter(pts, pts - 1).abs(), torch.rand(4096) * 8])
+        ref_round = e2m1.round_stochastic
+        lo = e2m1.codes_to_float(e2m1.round_stochastic(y, torch.zeros(y.shape, dtype=torch.int64)))
+        a = y.clamp(max=6.0)
+        step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0))
+    kept = torch.floor((y.clamp(max=float(lo.max())) - lo) / step * 2**n_bits).to(torch.int64)
+    threshold = (2**n_bits - kept).clamp(max=2**n_bits - 1)
+    for r in (threshold, threshold - 1, torch.zeros_like(kept), torch.full_like(kept, 2**n_bits - 1)):
+        out = torch.empty(y.shape, dtype=torch.int32, device=DEVICE)
+        rr = r.to(torch.int32).to(DEVICE).contiguous()
+        _sr_given_bits_kernel[(triton.cdiv(y.numel(), 1024),)](y.to(DEVICE), rr, out, y.numel(),
+                                                               E4M3=fmt == "e4m3", B=1024, enable_fp_fusion=False)
+        ref = ref_round(y, r)
+        ref = ref.view(torch.uint8).to(torch.int32) if fmt == "e4m3" else ref.to(torch.int32)
+        assert_bitwise_equal(out.cpu(), ref, f"{fmt} SR codes at r = threshold and neighbours")
+    assert (kept > 0).sum() > 1000  # most values are off the grid, so their threshold lies inside 1 .. 2**n - 1
 
 
 def test_pow2_including_subnormals():
