@@ -9,7 +9,7 @@ rounds. The Triton kernels in this package call the same generator
 whether the reference or a kernel produced it.
 
 ``sr_bits(seed, offsets, n_bits)`` is the draw stochastic rounding uses
-(numerics.md, "Random bits for stochastic rounding"): an element takes only
+(spec ``shared/docs/numerics.md``, "Random bits for stochastic rounding"): an element takes only
 the n bits its format needs, 8 for E2M1 and 16 for E4M3, packed from the low
 end of each 32-bit word. With W[0..3] the four words of one call,
 

@@ -1,6 +1,6 @@
 """The stochastic-rounding rule shared by every format (reference and Triton alike).
 
-numerics.md, "Random bits for stochastic rounding". For a magnitude y (fp32,
+Spec ``shared/docs/numerics.md``, "Random bits for stochastic rounding". For a magnitude y (fp32,
 already scaled; the sign is handled by the caller) with grid neighbours
 lo <= y < hi, step = hi - lo (a power of two), and n the bits an element of the
 target format takes (8 for E2M1, 16 for E4M3):

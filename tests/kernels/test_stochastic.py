@@ -18,9 +18,10 @@ from rl4bit.kernels.philox import philox4x32, sr_bits, sr_bits_range
 from rl4bit.kernels.stochastic import E2M1_SR_BITS, E4M3_SR_BITS
 
 # SR with n random bits rounds up with probability floor(2**n * frac) / 2**n (frac truncated to n bits,
-# numerics.md "Random bits for stochastic rounding"), so E[SR(y)] - y = -step * (frac - floor(2**n frac) / 2**n)
-# lies in (-step * 2**-n, 0]: the bias bound in units of the grid step, at most 1/256 for E2M1 (8 bits) and
-# 2**-16 for E4M3 (16 bits). test_sr_expectation_over_every_draw checks this figure exactly.
+# shared/docs/numerics.md "Random bits for stochastic rounding"), so
+# E[SR(y)] - y = -step * (frac - floor(2**n frac) / 2**n) lies in (-step * 2**-n, 0]: the bias bound in units of
+# the grid step, at most 1/256 for E2M1 (8 bits) and 2**-16 for E4M3 (16 bits).
+# test_sr_expectation_over_every_draw checks this figure exactly.
 E2M1_SR_BIAS = 2.0**-E2M1_SR_BITS
 E4M3_SR_BIAS = 2.0**-E4M3_SR_BITS
 N = 1024
