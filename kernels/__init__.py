@@ -13,7 +13,7 @@ from contextlib import nullcontext
 from rl4bit.kernels.api import dequantize, quantize, quantize_reference, requantize
 from rl4bit.kernels.checks import NonFiniteInputError, host_deferred
 from rl4bit.kernels.hadamard import inverse_rht, rht
-from rl4bit.kernels.philox import derive_seed, random_bits, random_bits4
+from rl4bit.kernels.philox import derive_seed, random_bits, sr_bits
 from rl4bit.kernels.qtensor import QTensor
 
 
@@ -44,5 +44,5 @@ __all__ = [
     "inverse_rht",
     "derive_seed",
     "random_bits",
-    "random_bits4",
+    "sr_bits",
 ]

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from rl4bit.kernels.stochastic import round_up
+from rl4bit.kernels.stochastic import E2M1_SR_BITS, round_up
 
 E2M1_MAX = 6.0
 # Magnitude of each code 0..7 (bit 3 is the sign).
@@ -59,12 +59,13 @@ def round_nearest(y: torch.Tensor) -> torch.Tensor:
     return idx | (_sign_bit(y) << 3)
 
 
-def round_stochastic(y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def round_stochastic(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """E2M1 codes of fp32 y with stochastic rounding (rule in stochastic.py), saturating at 6.
 
+    r: the element's 8 random bits (integers 0..255, ``stochastic.element_bits(..., E2M1_SR_BITS, ...)``).
     a = min(|y|, 6); lo = largest grid magnitude <= a (index from thresholds);
     frac = (a - lo) / step(lo) is exact (Sterbenz, power-of-two steps); the
-    index goes up by one iff u < frac * 2**24. At a = 6, frac = 0: never up.
+    index goes up by one iff floor(256 * frac) + r >= 256. At a = 6, frac = 0: never up.
     """
     a = torch.clamp(y.abs(), max=E2M1_MAX)
     idx = (
@@ -79,7 +80,7 @@ def round_stochastic(y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     lo = _table(E2M1_VALUES, y.device)[idx.long()]
     step = _table(E2M1_STEPS, y.device)[idx.long()]
     frac = (a - lo) / step
-    idx = idx + round_up(u, frac).to(torch.uint8)
+    idx = idx + round_up(r, frac, E2M1_SR_BITS).to(torch.uint8)
     return idx | (_sign_bit(y) << 3)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rl4bit.kernels.stochastic import round_up
+from rl4bit.kernels.stochastic import E4M3_SR_BITS, round_up
 
 E4M3_MAX = 448.0
 E4M3_MIN_NORMAL_EXP = -6
@@ -39,11 +39,12 @@ def fp32_exponent(a: torch.Tensor) -> torch.Tensor:
     return ((a.view(torch.int32) >> 23) & 0xFF) - 127
 
 
-def round_stochastic(y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def round_stochastic(y: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """float8_e4m3fn of fp32 y (|y| <= 448 after the clamp) with stochastic rounding.
 
+    r: the element's 16 random bits (integers 0..65535, ``stochastic.element_bits(..., E4M3_SR_BITS, ...)``).
     a = min(|y|, 448); e = max(exponent(a), -6); step = 2**(e - 3);
-    lo = floor(a / step) * step; frac = (a - lo) / step; up iff u < frac * 2**24;
+    lo = floor(a / step) * step; frac = (a - lo) / step; up iff floor(65536 * frac) + r >= 65536;
     magnitude = lo + up * step (exactly representable in E4M3); sign of y kept.
     """
     a = torch.clamp(y.abs(), max=E4M3_MAX)
@@ -51,6 +52,6 @@ def round_stochastic(y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     step = pow2(e - E4M3_MANTISSA_BITS)
     lo = torch.floor(a / step) * step
     frac = (a - lo) / step
-    mag = torch.where(round_up(u, frac), lo + step, lo)
+    mag = torch.where(round_up(r, frac, E4M3_SR_BITS), lo + step, lo)
     mag = torch.clamp(mag, max=E4M3_MAX)  # lo = 448 has frac = 0; kept as a guard
     return torch.where(torch.signbit(y), -mag, mag).to(torch.float8_e4m3fn)

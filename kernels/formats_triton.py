@@ -11,7 +11,8 @@ with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA.
 Matches numerics.md and the plain-PyTorch reference in this package
 (``e2m1.py``, ``mxfp8.py``): E2M1 round-to-nearest-even with saturation at 6,
 E4M3 round-to-nearest-even (callers clamp to 448 first), and the shared
-stochastic-rounding rule: round up iff ``(bits >> 8) < frac * 2**24``.
+stochastic-rounding rule (``stochastic.py``): with n random bits r an element
+(8 for E2M1, 16 for E4M3), round up iff ``floor(2**n * frac) + r >= 2**n``.
 
 Leaves out: E5M2, FP6, and anything with Inf/NaN semantics (callers handle NaN).
 """
@@ -84,20 +85,20 @@ def e4m3_code_rn(y):
 
 
 @triton.jit
-def e4m3_code_sr(y, bits):
-    """E4M3 code of 0 <= y <= 448 rounded stochastically with uint32 random bits.
+def e4m3_code_sr(y, r):
+    """E4M3 code of 0 <= y <= 448 rounded stochastically with 16 random bits r (int32 0..65535).
 
-    e = max(floor(log2 y), -6) picks the binade (-6: the subnormal range), the
-    step there is 2**(e-3), and t = y / step = y * 2**(3-e) is exact; the code
-    at or below y is (e + 6) * 8 + trunc(t) for normal and subnormal values
-    alike, frac = t - trunc(t) is exact, and it goes up iff (bits >> 8) < frac * 2**24.
+    e = max(floor(log2 y), -6) picks the binade (-6: the subnormal range) and the
+    step there is 2**(e-3). T = floor(y * 2**(19-e)) = floor(2**16 * y / step):
+    the product is exact (a power-of-two scaling, below 2**20), so the float->int
+    truncation is its floor, T >> 16 = trunc(y / step) is the index of the lower
+    neighbour in the binade (normal and subnormal alike: code (e + 6) * 8 + that),
+    and T & 0xFFFF = floor(2**16 * frac). So (T + r) >> 16 is that index plus
+    one iff floor(2**16 * frac) + r >= 2**16: the rule of stochastic.py, one add.
     """
     e = tl.maximum((y.to(tl.int32, bitcast=True) >> 23) - 127, -6)
-    t = y * ((130 - e) << 23).to(tl.float32, bitcast=True)
-    n = t.to(tl.int32)
-    u = (bits >> 8).to(tl.float32)
-    up = u < (t - n.to(tl.float32)) * 16777216.0
-    return (e + 6) * 8 + n + up.to(tl.int32)
+    t = (y * ((146 - e) << 23).to(tl.float32, bitcast=True)).to(tl.int32)
+    return (e + 6) * 8 + ((t + r) >> 16)
 
 
 @triton.jit
@@ -147,22 +148,21 @@ def e2m1_index(m):
 
 
 @triton.jit
-def e2m1_code_sr(y, bits):
-    """E2M1 magnitude index of 0 <= y rounded stochastically (y >= 6 gives 6).
+def e2m1_code_sr(y, r):
+    """E2M1 magnitude index of 0 <= y rounded stochastically with 8 random bits r (int32 0..255; y >= 6 gives 6).
 
     a = min(y, 6); the step is 0.5 below 2, 1 below 4 and 2 up to 6, so
-    t = a / step = a * (2, 1 or 0.5) is exact, the index of the lower
-    neighbour is trunc(t) + (0, 2 or 4), frac = t - trunc(t) is exact, and
-    the index goes up iff (bits >> 8) < frac * 2**24 (never at a = 6: frac 0).
+    T = floor(256 * a / step) = trunc(a * (512, 256 or 128)) (the product is
+    exact, below 2**10), T >> 8 = trunc(a / step), and the index of the lower
+    neighbour is that plus (0, 2 or 4); T & 0xFF = floor(256 * frac). So
+    (T + r) >> 8 goes up by one iff floor(256 * frac) + r >= 256 (stochastic.py);
+    never at a = 6 (T = 768, frac 0).
     """
     a = tl.minimum(y, 6.0)
     lt2 = a < 2.0
     lt4 = a < 4.0
-    t = a * tl.where(lt2, 2.0, tl.where(lt4, 1.0, 0.5))
-    k = t.to(tl.int32)
-    u = (bits >> 8).to(tl.float32)
-    up = u < (t - k.to(tl.float32)) * 16777216.0
-    return k + tl.where(lt2, 0, tl.where(lt4, 2, 4)) + up.to(tl.int32)
+    t = (a * tl.where(lt2, 512.0, tl.where(lt4, 256.0, 128.0))).to(tl.int32)
+    return ((t + r) >> 8) + tl.where(lt2, 0, tl.where(lt4, 2, 4))
 
 
 @triton.jit

@@ -15,7 +15,9 @@ NaN in a block -> scale byte 0xFF and every element byte 0x7F (canonical NaN),
 so the block decodes to NaN. Inf -> ValueError (a non-finite activation or
 gradient in a training path is a bug to surface, not a value; TE maps it to
 0xFE, torchao HEAD to 0xFF). SR needs no scale shrink with RCEIL: |y| <= 448
-and 448 is on the grid. The SR offset is the element's flat index in x.
+and 448 is on the grid. SR takes 16 random bits an element: element o (its
+flat index in x) takes half o % 2 of word (o // 2) % 4 of the Philox call for
+counter o // 8 (stochastic.py).
 
 Columnwise (32x1) MXFP8 must come from high precision, never from the rowwise
 codes (TE ``mxfp8.rst``): ``quantize_mxfp8_columnwise(x)`` quantizes the
@@ -32,7 +34,7 @@ from rl4bit.kernels import e4m3
 from rl4bit.kernels.checks import check_choice, check_input
 from rl4bit.kernels.e8m0 import E8M0_NAN, encode_multiplier, floor_biased, rceil_biased, to_e8m0
 from rl4bit.kernels.qtensor import QTensor
-from rl4bit.kernels.stochastic import check_seed, uniform24
+from rl4bit.kernels.stochastic import E4M3_SR_BITS, check_seed, element_bits
 
 BLOCK = 32
 E4M3_EMAX = 8  # floor(log2(448))
@@ -66,8 +68,8 @@ def quantize_mxfp8(
     if rounding == "nearest":
         data = e4m3.cast_rn(y)
     else:
-        u = uniform24(check_seed(seed, "mxfp8"), x32.shape, x32.device).unflatten(-1, (k // BLOCK, BLOCK))
-        data = e4m3.round_stochastic(y, u)
+        r = element_bits(check_seed(seed, "mxfp8"), x32.shape, E4M3_SR_BITS, x32.device)
+        data = e4m3.round_stochastic(y, r.unflatten(-1, (k // BLOCK, BLOCK)))
     data = torch.where(nan_block.unsqueeze(-1), torch.full_like(data.view(torch.uint8), E4M3_NAN_BYTE),
                        data.view(torch.uint8))
     e = torch.where(nan_block, torch.full_like(e, E8M0_NAN), e)

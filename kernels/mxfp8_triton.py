@@ -5,9 +5,10 @@ every backend: E4M3 elements with an E8M0 scale per 32 along the last dim,
 RCEIL scale (the biased exponent of f32(amax/448), plus one if its mantissa
 is non-zero; found without a division, ``e8m0_rceil_of_quotient``), values
 clamped to 448 before rounding, round to nearest even or
-stochastic rounding with Philox bits keyed by the element's flat index in the
-OUTPUT tensor (Philox counter = offset // 4, stream = offset % 4: one call per
-four consecutive output elements). A block holding NaN gets scale 0xFF.
+stochastic rounding with 16 Philox bits an element keyed by the element's flat
+index o in the OUTPUT tensor (half o % 2 of word (o // 2) % 4 of the call for
+counter o // 8: one call per eight consecutive output elements). A block
+holding NaN gets scale 0xFF.
 
 - ``quantize_rows(x2d)``: x [M, K] -> data [M, K], scale [M, K/32].
 - ``quantize_cols(x, src=...)``: the transposed quantize in one pass over
@@ -19,7 +20,7 @@ four consecutive output elements). A block holding NaN gets scale 0xFF.
 Each program loads a [BLOCK_M, BLOCK_K] tile once, reduces 32-blocks in
 registers and writes the (transposed) codes once: one read and one write of
 the bytes, nothing else. Stochastic rounding costs one Philox4x32-10 call
-(about 40-60 integer instructions) per four elements. Codes are built on integers (``formats_triton``) and
+(about 40-60 integer instructions) per eight elements. Codes are built on integers (``formats_triton``) and
 stored as uint8; callers view them as float8.
 
 Leaves out: the FLOOR scale mode (the Triton path is RCEIL only; the dispatch
@@ -42,7 +43,7 @@ from rl4bit.kernels.formats_triton import (
     raise_flag,
     tile_2d,
 )
-from rl4bit.kernels.philox_triton import philox_bits4, split_seed
+from rl4bit.kernels.philox_triton import philox_sr16, split_seed
 
 MX_BLOCK = 32
 
@@ -52,7 +53,7 @@ def _mx_quant_blocks(ax3, sign3, bits3, AXIS: tl.constexpr, STOCHASTIC: tl.const
     """Quantize magnitudes ax3 (fp32 |x|) in blocks of 32 along AXIS -> (uint8 codes like ax3, uint8 E8M0).
 
     sign3: int32 0 or 0x80 per element (x's sign bit, in the code's place);
-    bits3: the SR random bits shaped like ax3 (ignored for round-to-nearest).
+    bits3: the SR random bits shaped like ax3, 16 an element (ignored for round-to-nearest).
     The scale is rceil_biased(f32(amax / 448)) computed without the division
     (formats_triton.e8m0_rceil_of_quotient). CHECK_NAN=False skips the NaN-block
     pass for sources that cannot hold NaN (decoded NVFP4).
@@ -95,9 +96,9 @@ def _mxfp8_rows_kernel(x_ptr, data_ptr, scale_ptr, flag_ptr, M, K, seed_lo, seed
     _flag_inf(x, flag_ptr)
     x3 = tl.reshape(x, [BLOCK_M, G, 32])
     bits3 = x3
-    if STOCHASTIC:  # one Philox call per 4 consecutive elements: counter = flat offset // 4
-        ctr = rows.to(tl.int64)[:, None] * (K // 4) + (pid_k * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4))[None, :]
-        bits3 = tl.reshape(philox_bits4(seed_lo, seed_hi, ctr), [BLOCK_M, G, 32])
+    if STOCHASTIC:  # one Philox call per 8 consecutive elements: counter = flat offset // 8 (K % 32 == 0)
+        ctr = rows.to(tl.int64)[:, None] * (K // 8) + (pid_k * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8))[None, :]
+        bits3 = tl.reshape(philox_sr16(seed_lo, seed_hi, ctr), [BLOCK_M, G, 32])
     code, sc = _mx_quant_blocks(tl.abs(x3), _sign_byte(x3), bits3, 2, STOCHASTIC, True)
     tl.store(data_ptr + offs, tl.reshape(code, [BLOCK_M, BLOCK_K]), mask=mask)
     scols = pid_k * G + tl.arange(0, G)
@@ -163,10 +164,10 @@ def _mxfp8_cols_kernel(src_ptr, src_scale_ptr, src_outer_ptr, data_ptr, scale_pt
     # blocks of 32 along M: reduce over axis 1 of [G, 32, BLOCK_K], then transpose only the uint8 codes
     bits3 = ax
     if STOCHASTIC:
-        # output offset of (m, k) is (b*K + k)*M + m: one Philox call per 4 consecutive m (M % 32 == 0)
-        ctr = ((b * K + cols.to(tl.int64))[None, :] * (M // 4)
-               + (pid_m * (BLOCK_M // 4) + tl.arange(0, BLOCK_M // 4))[:, None])
-        bits = tl.reshape(philox_bits4(seed_lo, seed_hi, ctr), [BLOCK_M // 4, BLOCK_K, 4])
+        # output offset of (m, k) is (b*K + k)*M + m: one Philox call per 8 consecutive m (M % 32 == 0)
+        ctr = ((b * K + cols.to(tl.int64))[None, :] * (M // 8)
+               + (pid_m * (BLOCK_M // 8) + tl.arange(0, BLOCK_M // 8))[:, None])
+        bits = tl.reshape(philox_sr16(seed_lo, seed_hi, ctr), [BLOCK_M // 8, BLOCK_K, 8])
         bits3 = tl.reshape(tl.permute(bits, (0, 2, 1)), [G, 32, BLOCK_K])
     code, sc = _mx_quant_blocks(tl.reshape(ax, [G, 32, BLOCK_K]), tl.reshape(sign, [G, 32, BLOCK_K]), bits3, 1,
                                 STOCHASTIC, not SRC_NVFP4)

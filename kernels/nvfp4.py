@@ -24,8 +24,10 @@ lower it by up to a factor 16/17, so |x| * enc_b could reach 6 * 17/16 and clamp
 (biased). The shrink enters at exactly one place: v_sr = (b * (S_enc * f32(1/6))) * 1.0625,
 i.e. the block is scaled for a max of 6 * 16/17 (Quartet-II ``schemes/nvidia.py``,
 fouroversix ``stochastic_unbiased``). S_enc, S_dec and the rest of the chain are
-unchanged, and the E2M1 rounding is the SR rule of stochastic.py with the
-element's flat index as Philox offset.
+unchanged, and the E2M1 rounding is the SR rule of stochastic.py with 8
+random bits an element: element o (its flat index) takes byte o % 4 of word
+(o // 4) % 4 of the Philox call for counter o // 16, one call per 16-element
+block.
 
 Leaves out: 4/6 scale selection (four_over_six.py), swizzled scale layouts, and
 NaN/Inf input (E2M1 cannot hold them: ValueError via checks.py; inside
@@ -40,7 +42,7 @@ from rl4bit.kernels import e2m1
 from rl4bit.kernels.checks import check_choice, check_input
 from rl4bit.kernels.e4m3 import E4M3_MAX, cast_rn
 from rl4bit.kernels.qtensor import QTensor
-from rl4bit.kernels.stochastic import check_seed, uniform24
+from rl4bit.kernels.stochastic import E2M1_SR_BITS, check_seed, element_bits
 
 BLOCK = 16
 FLT_MAX = torch.finfo(torch.float32).max
@@ -116,10 +118,10 @@ def block_encode_multiplier(s_b: torch.Tensor, s_dec: torch.Tensor) -> torch.Ten
     return torch.where(s32 == 0, f32(0.0, dev), enc)
 
 
-def encode_codes(xb: torch.Tensor, s_b: torch.Tensor, enc_b: torch.Tensor, u=None) -> torch.Tensor:
-    """E2M1 codes [..., K/16, 16] of blocked fp32 xb; u (same shape) selects stochastic rounding."""
+def encode_codes(xb: torch.Tensor, s_b: torch.Tensor, enc_b: torch.Tensor, r=None) -> torch.Tensor:
+    """E2M1 codes [..., K/16, 16] of blocked fp32 xb; r (same shape: 8 random bits an element) selects SR."""
     y = xb * enc_b.unsqueeze(-1)  # where s_b == 0, enc_b = 0 and y = +-0: code 0, or 8 (-0) for a negative x (TE)
-    return e2m1.round_nearest(y) if u is None else e2m1.round_stochastic(y, u)
+    return e2m1.round_nearest(y) if r is None else e2m1.round_stochastic(y, r)
 
 
 def decode_blocks(codes: torch.Tensor, s_b: torch.Tensor, s_dec: torch.Tensor) -> torch.Tensor:
@@ -151,10 +153,11 @@ def quantize_nvfp4(
     s_b = block_scale(b, s_enc, shrink=rounding == "stochastic")
     enc_b = block_encode_multiplier(s_b, s_dec)
     xb = x32.unflatten(-1, (k // BLOCK, BLOCK))
-    u = None
+    r = None
     if rounding == "stochastic":
-        u = uniform24(check_seed(seed, "nvfp4"), x32.shape, x32.device).unflatten(-1, (k // BLOCK, BLOCK))
-    codes = encode_codes(xb, s_b, enc_b, u).flatten(-2)
+        r = element_bits(check_seed(seed, "nvfp4"), x32.shape, E2M1_SR_BITS, x32.device)
+        r = r.unflatten(-1, (k // BLOCK, BLOCK))
+    codes = encode_codes(xb, s_b, enc_b, r).flatten(-2)
     return QTensor(data=e2m1.pack(codes), scale=s_b, outer=s_dec, fmt="nvfp4", shape=x.shape)
 
 

@@ -6,7 +6,8 @@ same fp32 op order (see those docstrings):
     S_enc = min(div(bound*6, A), FLT_MAX), 1 if A == 0 or S_enc == 0;  S_dec = 1 / S_enc
     v = b * (S_enc * f32(1/6))  [* 1.5 for the 4/6 "scale to 4" candidate]  [* 17/16 for SR]
     s_b = e4m3_RN(min(v, 448));  enc_b = 0 if s_b == 0 else min(1 / (s_b * S_dec), FLT_MAX)
-    q = e2m1(x * enc_b)  (nearest-even, or SR: Philox counter = flat element index // 4, stream = index % 4),
+    q = e2m1(x * enc_b)  (nearest-even, or SR with 8 random bits an element: element o, its flat index,
+        takes byte o % 4 of word (o // 4) % 4 of the Philox call for counter o // 16: one call a block),
         where s_b == 0: y = x * 0 = +-0, code 0 or 8 (x's sign, as TE)
     4/6: err_k = pairwise tree sum of (x - (q_k * s_k) * S_dec)^2; pick 4 iff err4 < err6
 
@@ -49,7 +50,7 @@ from rl4bit.kernels.formats_triton import (
     raise_flag,
     tile_2d,
 )
-from rl4bit.kernels.philox_triton import philox_bits4, split_seed
+from rl4bit.kernels.philox_triton import philox_sr8, split_seed
 from rl4bit.kernels.qgemm_triton import DECODES, _decode_mode, _decode_tile
 from rl4bit.kernels.rmsnorm_triton import FLOAT_TL, to_compute
 from rl4bit.kernels.swiglu_triton import swiglu_values
@@ -156,9 +157,9 @@ def _nvfp4_kernel(x_ptr, src_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag
     s_code, s_val = _block_scale(v)
     ay = _scaled(ax3, s_val, s_dec)  # |y| = |x| * enc_b; y has x's sign
     if STOCHASTIC:
-        # one Philox call per 4 consecutive elements: counter = flat offset // 4 (K % 16 == 0)
-        ctr = rows.to(tl.int64)[:, None] * (K // 4) + (pid_k * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4))[None, :]
-        bits = tl.reshape(philox_bits4(seed_lo, seed_hi, ctr), [BLOCK_R, G, 16])
+        # one Philox call per 16-element block: counter = flat offset // 16 = row * K/16 + block (K % 16 == 0)
+        ctr = rows.to(tl.int64)[:, None] * (K // 16) + (pid_k * G + tl.arange(0, G))[None, :]
+        bits = tl.reshape(philox_sr8(seed_lo, seed_hi, ctr), [BLOCK_R, G, 16])
         idx = e2m1_code_sr(ay, bits)
     else:
         r, m = e2m1_round(ay)

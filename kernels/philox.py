@@ -8,10 +8,16 @@ rounds. The Triton kernels in this package call the same generator
 (``philox_triton.py``), so a stochastically rounded tensor is identical
 whether the reference or a kernel produced it.
 
-``random_bits4(seed, offsets)`` is the draw stochastic rounding uses: all
-four streams of one call serve four consecutive offsets, bits(o) =
-philox4x32(seed, counter=o // 4)[o % 4], so a kernel makes one Philox call per
-4 elements (``philox_triton.philox_bits4``).
+``sr_bits(seed, offsets, n_bits)`` is the draw stochastic rounding uses
+(spec ``shared/docs/numerics.md``, "Random bits for stochastic rounding"): an element takes only
+the n bits its format needs, 8 for E2M1 and 16 for E4M3, packed from the low
+end of each 32-bit word. With W[0..3] the four words of one call,
+
+    n =  8: r(o) = (W[(o // 4) % 4] >> (8 * (o % 4))) & 0xFF     of counter o // 16
+    n = 16: r(o) = (W[(o // 2) % 4] >> (16 * (o % 2))) & 0xFFFF  of counter o // 8
+
+so one Philox call serves 16 (E2M1) or 8 (E4M3) consecutive offsets
+(``philox_triton.philox_sr8`` / ``philox_sr16`` in kernels).
 
 Every value is carried in int64 holding a uint32 (0 .. 2**32-1): PyTorch's
 uint32 arithmetic is incomplete on CPU. The 32x32-bit products split the
@@ -82,21 +88,44 @@ def random_bits(seed: int, offsets: torch.Tensor) -> torch.Tensor:
     return philox4x32(seed, offsets)[0]
 
 
-def random_bits4(seed: int, offsets: torch.Tensor) -> torch.Tensor:
-    """Stochastic rounding's bits: one uint32 (in int64) per offset o, stream o % 4 of the call for counter o // 4.
+SR_WORDS = 4  # 32-bit words a Philox4x32 call gives
+SR_BIT_WIDTHS = (8, 16)  # bits an element: E2M1 (NVFP4 SR), E4M3 (MXFP8 SR)
 
-    One Philox call serves four consecutive offsets. For offsets 0..n-1 (every
-    quantize), ``random_bits4_range`` does a quarter of ``random_bits``' work.
+
+def _sr_geometry(n_bits: int) -> tuple[int, int]:
+    """(elements a 32-bit word, elements a Philox call) for n-bit SR draws."""
+    if n_bits not in SR_BIT_WIDTHS:
+        raise ValueError(f"stochastic-rounding draws are {SR_BIT_WIDTHS} bits an element, got {n_bits}")
+    per_word = 32 // n_bits
+    return per_word, SR_WORDS * per_word
+
+
+def sr_bits(seed: int, offsets: torch.Tensor, n_bits: int) -> torch.Tensor:
+    """Stochastic rounding's n-bit draw r (int64, 0 .. 2**n - 1) for each element offset o (module docstring).
+
+    r(o) = (W[(o // per_word) % 4] >> (n * (o % per_word))) & (2**n - 1) of the call for counter
+    o // (4 * per_word), per_word = 32 / n. For offsets 0..count-1 (every quantize) ``sr_bits_range``
+    makes each call once.
     """
+    per_word, per_call = _sr_geometry(n_bits)
     offsets = offsets.to(torch.int64)
-    streams = torch.stack(philox4x32(seed, offsets >> 2), dim=-1)
-    return streams.gather(-1, (offsets & 3).unsqueeze(-1)).squeeze(-1)
+    words = torch.stack(philox4x32(seed, offsets // per_call), dim=-1)
+    word = words.gather(-1, ((offsets // per_word) % SR_WORDS).unsqueeze(-1)).squeeze(-1)
+    return (word >> (n_bits * (offsets % per_word))) & ((1 << n_bits) - 1)
 
 
-def random_bits4_range(seed: int, n: int, device=None) -> torch.Tensor:
-    """``random_bits4(seed, arange(n))``: ceil(n/4) Philox calls, their four streams interleaved."""
-    counters = torch.arange((int(n) + 3) // 4, dtype=torch.int64, device=device)
-    return torch.stack(philox4x32(seed, counters), dim=-1).reshape(-1)[: int(n)]
+def sr_bits_range(seed: int, count: int, n_bits: int, device=None) -> torch.Tensor:
+    """``sr_bits(seed, arange(count), n_bits)``: ceil(count / (4 * per_word)) Philox calls, split into fields.
+
+    Field b of word w of counter c is offset c * 4 * per_word + w * per_word + b, so the [calls, 4, per_word]
+    fields read row-major are the offsets in order.
+    """
+    per_word, per_call = _sr_geometry(n_bits)
+    counters = torch.arange((int(count) + per_call - 1) // per_call, dtype=torch.int64, device=device)
+    words = torch.stack(philox4x32(seed, counters), dim=-1)  # [calls, 4]
+    shifts = torch.arange(per_word, dtype=torch.int64, device=device) * n_bits
+    fields = (words.unsqueeze(-1) >> shifts) & ((1 << n_bits) - 1)  # [calls, 4, per_word]
+    return fields.reshape(-1)[: int(count)]
 
 
 def philox4x32_int(seed: int, counter: int) -> tuple[int, int, int, int]:

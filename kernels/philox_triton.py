@@ -4,10 +4,11 @@
 equal to ``rl4bit.kernels.philox.philox4x32(seed, counters)`` with
 ``seed = seed_hi << 32 | seed_lo``. ``philox_bits`` is the first stream
 (``philox.random_bits``, Triton's ``tl.randint(seed, offsets)``; the RHT
-signs use it). ``philox_bits4`` is the stochastic-rounding draw: one call per
-counter c gives the bits of the four offsets 4c .. 4c+3
-(``philox.random_bits4``: offset o takes stream o % 4 of counter o // 4).
-It is written out here rather than calling ``tl.randint`` so the
+signs use it). ``philox_sr8`` / ``philox_sr16`` are the stochastic-rounding
+draws (``philox.sr_bits``): one call per counter c gives the 8-bit fields of
+the 16 offsets 16c .. 16c+15 (E2M1: offset o takes byte o % 4 of word
+(o // 4) % 4) or the 16-bit fields of the 8 offsets 8c .. 8c+7 (E4M3: half
+o % 2 of word (o // 2) % 4). It is written out here rather than calling ``tl.randint`` so the
 bits do not depend on the installed Triton's random module (the GPU image runs
 triton 3.6, CI 3.9): key = (seed_lo, seed_hi), counter = (offset low 32,
 offset high 32, 0, 0), ten rounds, constants of Salmon et al. (SC'11).
@@ -80,12 +81,35 @@ def philox_bits(seed_lo, seed_hi, offsets):
 
 
 @triton.jit
-def philox_bits4(seed_lo, seed_hi, counters):
-    """Stochastic rounding's bits for the four offsets 4c .. 4c+3 of each counter c: shape [*counters.shape, 2, 2].
-
-    Element [..., i, j] is stream 2i + j of the call for counter c, i.e. the
-    bits of offset 4c + 2i + j (``philox.random_bits4``): reshaping [..., n, 2, 2]
-    to [..., 4n] lays the bits out along consecutive offsets.
-    """
+def _words(seed_lo, seed_hi, counters):
+    """The four Philox words of each counter as [*counters.shape, 2, 2]: element [..., i, j] is W[2i + j], so a
+    reshape of the last two dims to 4 lists W[0..3] in order."""
     c0, c1, c2, c3 = philox4x32(seed_lo, seed_hi, counters)
     return tl.join(tl.join(c0, c2), tl.join(c1, c3))
+
+
+@triton.jit
+def philox_sr8(seed_lo, seed_hi, counters):
+    """E2M1 SR bits (8 an element) of the 16 offsets 16c .. 16c+15 of each counter c: int32 0..255,
+    shape [*counters.shape, 2, 2, 2, 2].
+
+    Element [..., i, j, k, l] is byte 2k + l of word W[2i + j], the bits of offset 16c + 8i + 4j + 2k + l
+    (``philox.sr_bits(seed, o, 8)``): reshaping the last four dims to 16 lays the bits out along consecutive
+    offsets. One Philox call per 16 elements, then a shift and a mask per element.
+    """
+    w = _words(seed_lo, seed_hi, counters)
+    b = tl.join(tl.join(w & 0xFF, (w >> 16) & 0xFF), tl.join((w >> 8) & 0xFF, w >> 24))
+    return b.to(tl.int32)
+
+
+@triton.jit
+def philox_sr16(seed_lo, seed_hi, counters):
+    """E4M3 SR bits (16 an element) of the 8 offsets 8c .. 8c+7 of each counter c: int32 0..65535,
+    shape [*counters.shape, 2, 2, 2].
+
+    Element [..., i, j, h] is half h (h = 0: bits 0..15) of word W[2i + j], the bits of offset 8c + 4i + 2j + h
+    (``philox.sr_bits(seed, o, 16)``): reshaping the last three dims to 8 lays the bits out along consecutive
+    offsets. One Philox call per 8 elements, then a shift or a mask per element.
+    """
+    w = _words(seed_lo, seed_hi, counters)
+    return tl.join(w & 0xFFFF, w >> 16).to(tl.int32)

@@ -9,7 +9,8 @@ rounding keeps E[requantize(q)] = dequantize(q)^T exactly (RCEIL: no clamp).
 
 Op order (fp32): x_hat = nvfp4.dequantize(q) (= (q * s_b) * S_dec), then
 t = x_hat.transpose(-1, -2) ([..., K, M]), then mxfp8.quantize_mxfp8(t) with
-the SR offset = flat row-major index in the transposed [..., K, M] output.
+the SR offset = flat row-major index in the transposed [..., K, M] output
+(16 random bits an element, stochastic.py).
 
 Leaves out: requantizing MXFP8 or S2F6 inputs (nothing in the recipe does).
 """

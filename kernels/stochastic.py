@@ -1,31 +1,39 @@
 """The stochastic-rounding rule shared by every format (reference and Triton alike).
 
-For a magnitude y (fp32, already scaled; the sign is handled by the caller) with
-grid neighbours lo <= y <= hi, and step = hi - lo:
+Spec ``shared/docs/numerics.md``, "Random bits for stochastic rounding". For a magnitude y (fp32,
+already scaled; the sign is handled by the caller) with grid neighbours
+lo <= y < hi, step = hi - lo (a power of two), and n the bits an element of the
+target format takes (8 for E2M1, 16 for E4M3):
 
-    r    = random_bits4(seed, offset)         # philox4x32(seed, offset // 4)[offset % 4]; uint32
-    u    = float32(r >> 8)                    # exact: < 2**24
+    r    = sr_bits(seed, offset, n)           # n-bit field of a Philox4x32-10 word (philox.py)
     frac = (y - lo) / step                    # fp32, exact on the E2M1/E4M3 grids
-    up   = u < frac * 16777216.0              # P(up) = frac, so E[result] = y
+    up   = floor(2**n * frac) + r >= 2**n     # integers; y on the grid (frac = 0) never goes up
+
+This is TransformerEngine's software SR ("u = r / 2**n, add u * step,
+truncate") written exactly. It rounds up with probability
+floor(2**n * frac) / 2**n: frac truncated to n bits, so
+E[SR(y)] - y lies in (-step / 2**n, 0], at most 1/256 of a step for E2M1 and
+2**-16 for E4M3.
 
 ``offset`` is the element's flat row-major index in the OUTPUT tensor of the
-quantize (for requantize: in the transposed output). This makes the bits
-independent of launch geometry, so the Triton kernels reproduce them exactly.
-Each Philox4x32-10 call (counter = offset // 4) yields four uint32 streams;
-stream offset % 4 goes to the element, so four consecutive elements share one
-call (``philox.random_bits4``; ``philox_triton.philox_bits4`` in kernels).
+quantize (for requantize: in the transposed output), so the bits do not depend
+on the launch geometry and the Triton kernels reproduce them exactly. One
+Philox call serves 16 consecutive E2M1 elements (four bytes of each of its
+four words) or 8 consecutive E4M3 elements (two 16-bit halves of each word).
 
-Leaves out: hardware SR (``cvt.rs``, sm_100a only) and TE's add-and-truncate
-emulation, whose random-bit usage differs.
+Leaves out: hardware SR (``cvt.rs``, sm_100a only); the lane order of its
+``rbits`` operand is not public, so a Blackwell kernel would permute bytes to
+reproduce these bits.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rl4bit.kernels.philox import random_bits4_range
+from rl4bit.kernels.philox import sr_bits_range
 
-TWO_POW_24 = 16777216.0
+E2M1_SR_BITS = 8  # random bits an E2M1 element takes (NVFP4 SR)
+E4M3_SR_BITS = 16  # random bits an E4M3 element takes (MXFP8 SR, the backward's requantize)
 
 
 def check_seed(seed, what: str) -> int:
@@ -40,15 +48,18 @@ def check_seed(seed, what: str) -> int:
     return int(seed)
 
 
-def uniform24(seed: int, shape: torch.Size, device: torch.device) -> torch.Tensor:
-    """u = float32(random_bits4(seed, offset) >> 8) for every element of an output of `shape`.
+def element_bits(seed: int, shape: torch.Size, n_bits: int, device: torch.device) -> torch.Tensor:
+    """int64 r = sr_bits(seed, offset, n_bits) for every element of an output of `shape`.
 
     The offset of an element is its flat row-major index in that output.
     """
-    r = random_bits4_range(seed, int(torch.Size(shape).numel()), device)
-    return (r >> 8).to(torch.float32).reshape(shape)
+    return sr_bits_range(seed, int(torch.Size(shape).numel()), n_bits, device).reshape(shape)
 
 
-def round_up(u: torch.Tensor, frac: torch.Tensor) -> torch.Tensor:
-    """True where the value goes to the upper neighbour: u < frac * 2**24 (both fp32)."""
-    return u < frac * TWO_POW_24
+def round_up(r: torch.Tensor, frac: torch.Tensor, n_bits: int) -> torch.Tensor:
+    """True where the value goes to the upper neighbour: floor(2**n * frac) + r >= 2**n.
+
+    frac (fp32, in [0, 1)) times 2**n is exact, so its floor is the first n bits of frac.
+    """
+    kept = torch.floor(frac * float(2**n_bits)).to(torch.int64)
+    return kept + r.to(torch.int64) >= 2**n_bits
