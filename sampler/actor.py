@@ -28,6 +28,7 @@ from rl4bit.kernels import invariant
 from rl4bit.sampler.config import SamplerConfig
 from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
+from rl4bit.trainer import cuda_ipc
 from rl4bit.trainer.surgery import load_quantized, quant_modules, quantized_weights
 from rl4bit.trainer.weight_sync import Bucket, WeightReceiver, WeightSyncError
 
@@ -115,9 +116,23 @@ class Sampler:
             return self.receiver.commit(version)
 
     def accepts_tensors(self) -> bool:
-        """Whether `apply_tensors` may be used: the embedded engine yes; vLLM (its own copy of the weights) takes
-        buckets."""
-        return isinstance(self.engine, EmbeddedEngine)
+        """Whether `apply_tensors` may be used: both engines check a whole update and keep their own copy."""
+        return hasattr(self.engine, "update_weights")
+
+    def apply_shared(self, desc: dict) -> int:
+        """Apply an update another process on this GPU shares by CUDA IPC (`Trainer.weight_shared`), as
+        `apply_tensors` does; the engine copies what it keeps before this returns. The serving version."""
+        update, quantized = cuda_ipc.open_update(desc)
+        try:
+            return self.apply_tensors(update, quantized)
+        finally:
+            del update, quantized
+            torch.cuda.synchronize()  # every copy out of the sender's memory is done before it may free it
+
+    def gpu_uuid(self) -> str | None:
+        """The engine's GPU (None off CUDA): updates from a trainer on the same one come by CUDA IPC."""
+        device = self.engine.device
+        return cuda_ipc.gpu_uuid(device.index or 0) if device.type == "cuda" else None
 
     def apply_tensors(self, update: WeightUpdate, quantized: dict) -> int:
         """Apply an in-process update (`Trainer.weight_tensors`: dense tensors + {module: {param: QTensor}}).

@@ -351,8 +351,11 @@ class VLLMEngine:
         self.multiprocess = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0"
         self.transport = "inprocess" if not self.multiprocess else "directory" if self.cpu else "cuda_ipc"
         """How updates reach vLLM's workers (module doc)."""
-        if not self.cpu:  # the serving version stays on the device: restores and IPC read it from there
-            self.tensors = {k: v.cuda() for k, v in self.tensors.items()}
+        self.device = torch.device("cpu" if self.cpu else "cuda", None if self.cpu else torch.cuda.current_device())
+        """Where the serving version is kept: on a GPU, the device vLLM's in-process worker runs on."""
+        if not self.cpu:  # restores and IPC read the serving version from the device; updates arrive there
+            self.tensors = {k: v.to(self.device) for k, v in self.tensors.items()}
+            self.values = {k: _to(v, self.device) for k, v in self.values.items()}
         model_len = int(max_seq_len or config.get("max_position_embeddings"))
         self.max_seq_len = model_len - 1
         """Prompt + completion limit: one position short of vLLM's max_model_len, so that rescoring a finished
@@ -548,7 +551,7 @@ class VLLMEngine:
                 problems.append(f"unknown tensor {name!r} (not a weight of the served model; similar: {close})")
                 continue
             problems += _value_problems(name, v, e, self.values[name])
-            values[name] = v
+            values[name] = _owned(v)
         qweights = {k: v for k, v in values.items() if isinstance(v, QTensor)}
         problems += self.form.check_groups(qweights)
         tensors = None
@@ -607,6 +610,23 @@ class VLLMEngine:
         if not self.llm.reset_prefix_cache() and not restoring:
             raise RuntimeError("vLLM could not reset its prefix cache (requests still hold KV blocks); cached "
                                "prompts would reuse the previous weights' KV")
+
+
+def _to(v, device):
+    if isinstance(v, QTensor):
+        return QTensor(v.data.to(device), v.scale.to(device), v.outer.to(device), v.fmt, v.shape)
+    return v.to(device) if isinstance(v, torch.Tensor) else v
+
+
+def _owned(v):
+    """A copy of an incoming value the engine may keep: the sender's tensors (the trainer's live parameters, or
+    CUDA IPC views of its memory) change or go after the update. Dense floating tensors are kept in BF16, the
+    form vLLM serves them in (`ServingForm.encode`)."""
+    if isinstance(v, QTensor):
+        return QTensor(v.data.clone(), v.scale.clone(), v.outer.clone(), v.fmt, v.shape)
+    if isinstance(v, torch.Tensor):
+        return v.to(torch.bfloat16, copy=True) if v.is_floating_point() else v.clone()
+    return v
 
 
 def _value_problems(name: str, v, e: ckf.Entry, old) -> list[str]:

@@ -188,20 +188,20 @@ def test_stale_direct_update_is_refused_and_the_next_good_one_applies(synced):
     _assert_bitwise(_served(sampler), before)  # the same weights, now stamped v+1
 
 
-def test_a_backend_without_tensor_updates_takes_buckets(synced, monkeypatch, tmp_path):
-    """vLLM samplers hold their own copy of the weights: accepts_tensors() is False and the driver keeps buckets."""
+def test_a_vllm_sampler_takes_the_direct_path_too(synced, monkeypatch, tmp_path):
+    """vLLM samplers check a whole update and keep their own copy (`VLLMEngine.update_weights`), as the embedded
+    engine does: accepts_tensors() holds and the driver hands tensors over directly in local mode (what vLLM
+    then serves: tests/vllm/test_vllm_actor.py, in the vLLM venv)."""
     from rl4bit.sampler.vllm_engine import VLLMEngine
 
     trainer, sampler = synced
     engine = VLLMEngine.__new__(VLLMEngine)  # its type is what counts; building one needs vLLM
     engine._version = sampler.version
     monkeypatch.setattr(sampler, "engine", engine)
-    assert not sampler.accepts_tensors()
-    with pytest.raises(WeightSyncError, match="buckets only"):
-        sampler.apply_tensors(*trainer.weight_tensors())
+    assert sampler.accepts_tensors()
     local = Cluster(_cfg(trainer.recipe.name), tmp_path)
     assert local.mode == "local"
-    assert not driver.direct_sync(local.actor(lambda: trainer), [local.actor(lambda: sampler)])
+    assert driver.direct_sync(local.actor(lambda: trainer), [local.actor(lambda: sampler)])
 
 
 def test_direct_sync_predicate(synced, monkeypatch, tmp_path):

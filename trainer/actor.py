@@ -27,7 +27,7 @@ import torch
 
 from rl4bit.common.checkpoint_format import CheckpointError
 from rl4bit.kernels import NonFiniteInputError, deferred_checks, invariant
-from rl4bit.trainer import grpo
+from rl4bit.trainer import cuda_ipc, grpo
 from rl4bit.trainer.config import ModelConfig, RLConfig, TrainerConfig
 from rl4bit.trainer.logprobs import sequence_logprobs
 from rl4bit.trainer.models import autocast_dtype, build_model
@@ -141,6 +141,8 @@ class Trainer:
         self.plan: dict[str, str] = {}
         self.ep = 1
         self._sender = None
+        self._shared = None
+        """The update handed out by `weight_shared`, alive until `release_shared`."""
 
     # ------------------------------------------------------------------ phases
     def warm_start(self, samples: list[dict], *, steps: int, lr: float, batch_size: int, seed: int,
@@ -441,6 +443,21 @@ class Trainer:
         if self._sender is None:
             self.weight_header()
         return self._sender.tensors(self.version)
+
+    def weight_shared(self) -> dict:
+        """`weight_tensors` as CUDA IPC descriptions (`cuda_ipc.share_update`) for samplers in other processes on
+        this GPU: plain data, no bytes copied. The update stays alive here until `release_shared`; call it once
+        every sampler has applied it."""
+        self._shared = self.weight_tensors()
+        return cuda_ipc.share_update(*self._shared)
+
+    def release_shared(self) -> None:
+        """Drop the update `weight_shared` handed out (its QTensors are a copy of the quantized weights)."""
+        self._shared = None
+
+    def gpu_uuid(self) -> str | None:
+        """This trainer's GPU (None off CUDA): samplers on the same one take updates by CUDA IPC."""
+        return cuda_ipc.gpu_uuid(self.device.index or 0) if self.device.type == "cuda" else None
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The model's full tensors on rank 0, None elsewhere (collectives: every rank calls it; tests and exports)."""

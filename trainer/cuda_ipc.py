@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import torch
 
+from rl4bit.common.weight_update import WeightUpdate
+from rl4bit.kernels import QTensor
+
 _FIELDS = ("size", "stride", "offset", "dtype", "device", "handle", "storage_size", "storage_offset",
            "requires_grad", "ref_counter_handle", "ref_counter_offset", "event_handle", "event_sync_required")
 
@@ -68,3 +71,25 @@ def open_shared(shared: dict[str, dict]) -> dict[str, torch.Tensor]:
             _local_index(d["uuid"]), d["handle"], d["storage_size"], d["storage_offset"], d["requires_grad"],
             d["ref_counter_handle"], d["ref_counter_offset"], d["event_handle"], d["event_sync_required"])
     return out
+
+
+def share_update(update: WeightUpdate, quantized: dict) -> dict:
+    """Plain-data description of a weight update (`WeightUpdate` + {module: {param: QTensor}}, the values
+    `Trainer.weight_tensors` returns) for a process on the same GPU; `open_update` reverses it."""
+    qs = {}
+    for module, params in quantized.items():
+        for param, q in params.items():
+            parts = {f: getattr(q, f) for f in ("data", "scale", "outer")}
+            qs.setdefault(module, {})[param] = {"fmt": q.fmt, "shape": list(q.shape), "parts": share(parts)}
+    return {"version": update.version, "dense": share(dict(update.tensors)), "quantized": qs}
+
+
+def open_update(desc: dict) -> tuple[WeightUpdate, dict]:
+    """(WeightUpdate, {module: {param: QTensor}}) viewing the sender's memory (see `share`'s lifetime rule)."""
+    quantized = {}
+    for module, params in desc["quantized"].items():
+        for param, d in params.items():
+            p = open_shared(d["parts"])
+            quantized.setdefault(module, {})[param] = QTensor(p["data"], p["scale"], p["outer"], d["fmt"],
+                                                              torch.Size(d["shape"]))
+    return WeightUpdate(desc["version"], open_shared(desc["dense"])), quantized

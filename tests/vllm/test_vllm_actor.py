@@ -1,4 +1,4 @@
-"""The Sampler actor with `backend: vllm`: built from a converted model, synced through rl4bit.trainer.weight_sync buckets.
+"""The Sampler actor with `backend: vllm`: built from a converted model, synced by buckets and by tensors.
 
 Run: bash scripts/test_vllm.sh
 """
@@ -6,10 +6,11 @@ Run: bash scripts/test_vllm.sh
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rl4bit.config import SamplerConfig
 from rl4bit.sampler.actor import Sampler
-from rl4bit.sampler.types import Request, SamplingParams
+from rl4bit.sampler.types import Request, SamplingParams, WeightUpdate
 from rl4bit.trainer.tokenizer import build_tokenizer
 from rl4bit.trainer.weight_sync import WeightSender, WeightSyncError
 
@@ -63,3 +64,30 @@ def test_a_sampler_without_workdir_owns_its_temporary_export():
     owned = [Path(t.name) for t in s.engine.temp_dirs if isinstance(t, tempfile.TemporaryDirectory)]
     assert any((d / "export" / "config.json").is_file() for d in owned)
     assert s.engine.workdir.parent in owned  # vLLM's model directories inside it too
+
+
+def test_vllm_sampler_takes_the_trainers_tensors_and_keeps_its_own_copy(engine_b, models, tmp_path):
+    """The direct path (`Sampler.apply_tensors`; `WeightSender.tensors` hands over the trainer's live parameters
+    as its dense tensors): vLLM serves B, and a later change to the sender's tensors (the trainer's next
+    optimizer step) does not leak into what the engine keeps: a later partial update re-encodes the untouched
+    weights from the engine's own copy, so it still serves B."""
+    import copy
+
+    ps = prompts(4, seed=23)
+    model_a, _ = make_model(0)
+    s = Sampler(model_a, build_tokenizer(), SamplerConfig(backend="vllm", max_batch_size=8), max_seq_len=128,
+                workdir=str(tmp_path / "sampler"))
+    ALIVE.append(s)
+    assert s.accepts_tensors()
+    trainer_b = copy.deepcopy(models["B"][0])
+    update, quantized = WeightSender(trainer_b, models["B"][1]).tensors(1)
+    assert s.apply_tensors(update, quantized) == 1
+    want_b = _greedy(engine_b, ps)
+    assert _greedy(s, ps) == want_b
+    name = "model.norm.weight"
+    kept = update.tensors[name].detach().clone()
+    with torch.no_grad():  # the trainer moves on: its live parameters change
+        for t in update.tensors.values():
+            t.mul_(-1)
+    s.engine.update_weights(WeightUpdate(2, {name: kept}))  # partial: the rest from the engine's own copy
+    assert s.version == 2 and _greedy(s, ps) == want_b
