@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # vLLM on the lent GPU: reassemble the wheelhouse parts copied to /tmp/wh, install, then the checks.
-#   bash scripts/gpu_vllm.sh [install] [check] [tests]    outputs in $OUT
+#   bash scripts/gpu_vllm.sh [install] [check-tiny] [check] [ipc] [check-mp] [sr] [tests]    outputs in $OUT
+# Each step runs under `timeout` (seconds from TINY_S, CHECK_S, MP_S, SR_S, TESTS_S) so one slow step cannot
+# take the later ones' output with it.
 set -uo pipefail
 out=${OUT:-gpu-vllm-out}; mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.txt"; }
@@ -20,6 +22,7 @@ for step in "$@"; do case $step in
   check-tiny) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 run check_tiny ${TINY_S:-150} python3 scripts/vllm_gpu_check.py --size tiny --batch 16 --new 32 --out /tmp/vllm-check-tiny ;;
   check-mp) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=1 run check_mp ${MP_S:-200} python3 scripts/vllm_gpu_check.py --size small --batch 32 --new 64 --skip-embedded --out /tmp/vllm-check-mp ;;
   ipc) run ipc 120 python3 -P -m pytest -q -p no:cacheprovider tests/trainer/test_cuda_ipc.py ;;
+  sr) run sr ${SR_S:-90} python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_triton_quantize.py ;;
   tests) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 RL4BIT_VLLM_TESTS=1 run tests ${TESTS_S:-200} python3 -P -m pytest tests/vllm -q -p no:cacheprovider ${TEST_ARGS:-} ;;
 esac; done
 cp /tmp/vllm-check/result.json "$out/check.json" 2>/dev/null; cp /tmp/vllm-check-tiny/result.json "$out/check_tiny.json" 2>/dev/null; cp /tmp/vllm-check-mp/result.json "$out/check_mp.json" 2>/dev/null
