@@ -102,6 +102,7 @@ from rl4bit.rundir import SUBDIRS, create_run_dir
 from rl4bit.sampler.types import MAX_SEED, Request, SamplingParams
 from rl4bit.tasks import PromptStream, check_batch_fits, check_prompt_lengths, load_task, warmup_split
 from rl4bit.trainer.actor import NonFiniteError, TrainBatch, Trainer
+from rl4bit.trainer.cuda_ipc import described_bytes
 from rl4bit.trainer.grpo import group_advantages
 from rl4bit.trainer.models import autocast_dtype, build_policy_model
 from rl4bit.trainer.resume_checks import config_problem, job_settings
@@ -593,10 +594,22 @@ def direct_sync(trainer, samplers) -> bool:
     return all(is_local(s) for s in samplers) and all(get([s.accepts_tensors() for s in samplers]))
 
 
+def shared_sync(trainer, samplers) -> bool:
+    """Whether `sync_weights` shares device memory by CUDA IPC: Ray actors in other processes, one trainer rank,
+    and every sampler's engine on the trainer's GPU (the same UUID) and taking tensor updates."""
+    if os.environ.get(WEIGHT_SYNC_ENV, "auto") == "buckets" or isinstance(trainer, TrainerGroup):
+        return False
+    uuid = get(trainer.gpu_uuid())
+    return uuid is not None and all(get([s.accepts_tensors() for s in samplers])) and all(
+        u == uuid for u in get([s.gpu_uuid() for s in samplers]))
+
+
 def sync_weights(trainer, samplers) -> tuple[int, float]:
     """Push the trainer's weights into every sampler; (bytes handed over in all, seconds).
 
-    Buckets: in ray mode each bucket goes trainer -> object store -> samplers
+    CUDA IPC (`shared_sync`: Ray actors on one GPU): the samplers read the trainer's device tensors, described
+    by `Trainer.weight_shared`; no bytes on the host. Buckets otherwise: in ray mode each bucket goes trainer ->
+    object store -> samplers
     (the future is passed on, never fetched here). Direct (`direct_sync`: all
     in this process): one `Trainer.weight_tensors` update, applied by each
     sampler (`Sampler.apply_tensors`); bytes are the update's tensor bytes
@@ -613,6 +626,13 @@ def sync_weights(trainer, samplers) -> tuple[int, float]:
             get([s.apply_tensors(update, quantized) for s in samplers])
             shipped = len(samplers) * update_bytes(update, quantized)
             del update, quantized
+        elif shared_sync(trainer, samplers):  # the same, read by the samplers from the trainer's memory
+            desc = get(trainer.weight_shared())
+            try:
+                get([s.apply_shared(desc) for s in samplers])
+            finally:
+                get(trainer.release_shared())
+            shipped = len(samplers) * described_bytes(desc)
         else:
             get([s.begin_update(version, count, layout) for s in samplers])
             for i in range(count):

@@ -217,6 +217,23 @@ def test_direct_sync_predicate(synced, monkeypatch, tmp_path):
         driver.direct_sync(t, [s])
 
 
+def test_shared_sync_predicate(synced, monkeypatch, tmp_path):
+    """CUDA IPC only where the trainer's GPU is every sampler's (by UUID), never on the CPU or with buckets asked
+    for. (The IPC itself runs on a GPU: tests/trainer/test_cuda_ipc.py.)"""
+    trainer, sampler = synced
+    local = Cluster(_cfg(trainer.recipe.name), tmp_path)
+    t, s = local.actor(lambda: trainer), local.actor(lambda: sampler)
+    assert trainer.gpu_uuid() is None and not driver.shared_sync(t, [s])  # CPU here
+    monkeypatch.setattr(trainer, "gpu_uuid", lambda: "GPU-a")
+    monkeypatch.setattr(sampler, "gpu_uuid", lambda: "GPU-a")
+    assert driver.shared_sync(t, [s])
+    monkeypatch.setattr(sampler, "gpu_uuid", lambda: "GPU-b")
+    assert not driver.shared_sync(t, [s])
+    monkeypatch.setattr(sampler, "gpu_uuid", lambda: "GPU-a")
+    monkeypatch.setenv(driver.WEIGHT_SYNC_ENV, "buckets")
+    assert not driver.shared_sync(t, [s])
+
+
 # --------------------------------------------------------------------------- the driver
 
 

@@ -93,3 +93,16 @@ def open_update(desc: dict) -> tuple[WeightUpdate, dict]:
             quantized.setdefault(module, {})[param] = QTensor(p["data"], p["scale"], p["outer"], d["fmt"],
                                                               torch.Size(d["shape"]))
     return WeightUpdate(desc["version"], open_shared(desc["dense"])), quantized
+
+
+def described_bytes(desc: dict) -> int:
+    """Bytes of the tensors a `share_update` description names (what a receiver reads from the GPU)."""
+    def nbytes(d: dict) -> int:
+        n = 1
+        for x in d["size"]:
+            n *= x
+        return n * torch.empty((), dtype=getattr(torch, d["dtype"])).element_size()
+
+    total = sum(nbytes(d) for d in desc["dense"].values())
+    return total + sum(nbytes(d) for params in desc["quantized"].values() for q in params.values()
+                       for d in q["parts"].values())
