@@ -4,14 +4,10 @@
         out = attend(q, k, v, seqs, tiles, scaling, C)                        # engine: keys in its cache
         out = attend(q, k, v, seqs, tiles, scaling, C, groups=layout.groups)  # trainer: differentiable
 
-The engine (`sampler.kv_cache.engine_attention`: keys in its cache) and the trainer (`trainer.logprobs.
-train_attention`: keys in the packed row) call the same kernel with the same constants, so a token's attention
-output is the same bits in a decode step, a prefill, the trainer's logprob recompute and its training forward
-(`attention_triton`'s docstring says why). Both decide with `fused_attention_ok`, from the fused-kernels switch
-(`rl4bit.kernels.fused`) and shapes alone, so trainer and samplers take the same path.
-
-Training: `_Attention`'s forward is the kernel; its backward differentiates `reference` (the torch formula with
-the kernel's roundings, plain softmax), recomputed from the saved q, k, v: right gradients, one forward's bits.
+The engine (`sampler.kv_cache.engine_attention`) and the trainer (`trainer.logprobs.train_attention`) call the
+same kernel with the same constants and decide with `fused_attention_ok` (the fused-kernels switch and shapes
+alone), so a token's attention output has the same bits in a decode step, a prefill, the logprob recompute and
+the training forward (`attention_triton`'s docstring says why). Training: see `_Attention`.
 
 Leaves out: a backward kernel (the recompute materializes [heads, n, n] scores per sequence, as the torch path
 did), attention over a KV cache with gradients.
@@ -75,7 +71,10 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[tu
 
 
 class _Attention(torch.autograd.Function):
-    """The kernel forward; the backward differentiates `reference` on the saved inputs."""
+    """The kernel forward; the backward differentiates `reference` on the saved inputs.
+
+    `reference` is the torch formula with the kernel's roundings (plain softmax), recomputed under autograd from
+    the saved q, k, v: right gradients, one forward's bits."""
 
     @staticmethod
     def forward(ctx, q, k, v, seqs, tiles, scaling, dtype, groups):

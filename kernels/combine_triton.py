@@ -1,21 +1,15 @@
 """The MoE combine in one Triton kernel, in a fixed order: each token's expert outputs weighted and summed.
 
-    out = combine(o, top_k_weights, top_k_index, inv, out_dtype)
+    out = combine(o, top_k_weights, top_k_index, inv, out_dtype, num_experts)
 
 is, bitwise, what `QuantExperts` computes with torch ops on the CPU:
 
     o = o * top_k_weights.reshape(-1)[order, None].to(o.dtype)      # one rounding to o's dtype
     out = zeros(T, H, out_dtype).index_add_(0, tok, o.to(out_dtype)) # adds in grouped (expert) order
 
-o [n, H] holds the expert outputs in grouped order (`order`, stable by expert), inv [T*k] each (token, slot)
-entry's row in o (inv[order[i]] = i), top_k_index [T, k] the experts (an index >= E, the expert-parallel
-sentinel, has no row and adds nothing). One program per (token, column block): the token's entries are
-added in ascending row of o (= ascending expert, as the CPU's sequential index_add_) in FP32 and rounded
-to out_dtype once at the end (the CPU's index_add_ accumulates BF16 in FP32 too: measured). On CUDA, torch's
-index_add_ adds with atomics (documented as nondeterministic), so a token's sum of three or more terms may
-come out in another order run to run; here it is a function of the token's own row (batch-invariant), and
-one launch replaces six (gather, two casts, product, zero fill, index_add). With `residual` it also takes
-the decoder layer's residual add (`trainer.fused_layer`): one launch fewer.
+On CUDA torch's index_add_ adds with atomics (documented as nondeterministic); here a token's sum is a function
+of its own row (batch-invariant; `combine` gives the layouts and the order), and one launch replaces six. With
+`residual` it also takes the decoder layer's residual add (`trainer.fused_layer`).
 
 Leaves out: the backward (`trainer/combine.py` differentiates the torch expression).
 """
@@ -64,6 +58,14 @@ def _combine_kernel(o_ptr, w_ptr, idx_ptr, inv_ptr, r_ptr, out_ptr, H, E, HAS_R,
 def combine(o: torch.Tensor, top_k_weights: torch.Tensor, top_k_index: torch.Tensor, inv: torch.Tensor,
             out_dtype: torch.dtype, num_experts: int, residual: torch.Tensor | None = None) -> torch.Tensor:
     """out [T, H] in out_dtype (see module doc); o [n, H], top_k_weights / top_k_index [T, k], inv [T*k].
+
+    o holds the expert outputs in grouped order (`order`, stable by expert), inv each (token, slot) entry's row in
+    o (inv[order[i]] = i), top_k_index the experts (an index >= E = num_experts, the expert-parallel sentinel, has
+    no row and adds nothing). One program per (token, column block): the token's entries are added in ascending
+    row of o (= ascending expert, as the CPU's sequential index_add_) in FP32 and rounded to out_dtype once at the
+    end (the CPU's index_add_ accumulates BF16 in FP32 too: measured). A token's sum of three or more terms thus
+    never changes order run to run, unlike torch's atomics on CUDA. One launch replaces six (gather, two casts,
+    product, zero fill, index_add).
     residual [T, H] in out_dtype: out is residual + the combine, as torch adds the two (the decoder layer's
     residual add in the same launch)."""
     t, k = top_k_index.shape

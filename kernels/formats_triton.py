@@ -1,18 +1,14 @@
 """Bit-exact element and scale codecs for the Triton kernels (E2M1, E4M3, E8M0).
 
-Every cast is done on integers and exact fp32 arithmetic, never with hardware
-fp8/fp4 conversions: sm_90 has no ``cvt.e2m1`` and no ``cvt.rs``, the CPU
-interpreter handles fp8 dtypes poorly, and integer codes make the result the
-same on every backend. Kernels store the uint8 codes; the host views them as
-``float8_e4m3fn`` / ``float8_e8m0fnu``. Division is always ``div_rn`` (Triton's
-``/`` is the approximate ``div.full.f32`` on NVIDIA), and kernels are launched
-with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA.
+Every cast is done on integers and exact fp32 arithmetic, never with hardware fp8/fp4 conversions: sm_90 has
+no ``cvt.e2m1`` and no ``cvt.rs``, the CPU interpreter handles fp8 dtypes poorly, and integer codes make the
+result the same on every backend. Kernels store the uint8 codes; the host views them as ``float8_e4m3fn`` /
+``float8_e8m0fnu``. Division is always ``div_rn`` (Triton's ``/`` is the approximate ``div.full.f32`` on
+NVIDIA), and kernels launch with ``enable_fp_fusion=False`` so no multiply-add is contracted into an FMA.
 
-Matches numerics.md and the plain-PyTorch reference in this package
-(``e2m1.py``, ``mxfp8.py``): E2M1 round-to-nearest-even with saturation at 6,
-E4M3 round-to-nearest-even (callers clamp to 448 first), and the shared
-stochastic-rounding rule (``stochastic.py``): with n random bits r an element
-(8 for E2M1, 16 for E4M3), round up iff ``floor(2**n * frac) + r >= 2**n``.
+Matches docs/numerics.md and the references ``e2m1.py``, ``mxfp8.py``, ``stochastic.py``: E2M1 nearest-even
+saturating at 6, E4M3 nearest-even (callers clamp to 448 first), and SR with n random bits r an element
+(8 for E2M1, 16 for E4M3): round up iff ``floor(2**n * frac) + r >= 2**n``.
 
 Leaves out: E5M2, FP6, and anything with Inf/NaN semantics (callers handle NaN).
 """

@@ -1,23 +1,14 @@
-"""NVFP4 with "Four Over Six" block-scale selection (MSE, ties to 6), plain PyTorch.
+"""NVFP4 with "Four Over Six" block-scale selection (MSE, ties to 6), plain PyTorch: the reference.
 
-Reference: Cook et al., arXiv 2512.02010, repo mit-han-lab/fouroversix (MSE is
-its default; TE's is MAE); spec ``shared/docs/numerics.md``. The outer bound is
-256 instead of 448 so the 1.5x ("scale to 4") block scale still fits E4M3. Each
-block tries two scales and keeps the one with the smaller squared error; fp32
-throughout, in this order:
+    q = quantize_nvfp4_4over6(x, outer="row")     # activations: one outer scale per token
 
-    S_enc = 1536 / A  (same clamps as nvfp4.encode_scale);  S_dec = 1 / S_enc
-    v     = b * (S_enc * f32(1/6))
-    s6    = e4m3_RN(min(v, 448));   s4 = e4m3_RN(min(v * 1.5, 448))
-    q_k   = e2m1_RN(x * enc(s_k));  x_hat_k = (q_k * f32(s_k)) * S_dec   (nvfp4.py helpers)
-    err_k = pairwise_sum16((x - x_hat_k) * (x - x_hat_k))
-    pick s4 iff err4 < err6          (ties -> 6)
+Cook et al., arXiv 2512.02010, repo mit-han-lab/fouroversix (MSE is its default; TE's is MAE). The outer
+bound is 256 instead of 448, so the 1.5x ("scale to 4") block scale still fits E4M3; each block tries both
+scales and keeps the one with the smaller squared error, summed in ``pairwise_sum16``'s fixed order so a kernel
+reproduces it bit for bit. The fp32 op order: ``quantize_nvfp4_4over6``; docs/numerics.md, "4/6".
 
-``pairwise_sum16`` fixes the summation order so a kernel can reproduce it bit
-for bit: adjacent pairs (0+1, 2+3, ...), then pairs of those, four levels.
-
-Leaves out: MAE/abs-max selection, stochastic rounding with 4/6 (the recipe uses
-4/6 only for forward activations, round-to-nearest), and 16x16 tiles.
+Leaves out: MAE/abs-max selection, stochastic rounding with 4/6 (the recipe uses 4/6 only for forward
+activations, round-to-nearest), and 16x16 tiles.
 """
 
 from __future__ import annotations
@@ -44,14 +35,26 @@ SCALE_TO_4 = 1.5
 
 
 def pairwise_sum16(t: torch.Tensor) -> torch.Tensor:
-    """Sum over the last dim (16) as a fixed binary tree of fp32 additions: (t0+t1)+(t2+t3)..."""
+    """Sum over the last dim (16) as a fixed binary tree of fp32 additions: (t0+t1)+(t2+t3)...
+
+    Adjacent pairs (0+1, 2+3, ...), then pairs of those, four levels: the order a kernel reproduces bit for bit."""
     while t.shape[-1] > 1:
         t = t[..., 0::2] + t[..., 1::2]
     return t.squeeze(-1)
 
 
 def quantize_nvfp4_4over6(x: torch.Tensor, *, outer: str = "tensor") -> QTensor:
-    """NVFP4 QTensor of x with 4/6 block-scale selection (round-to-nearest)."""
+    """NVFP4 QTensor of x with 4/6 block-scale selection (round-to-nearest).
+
+    Per block, fp32 throughout, in this order:
+
+        S_enc = 1536 / A  (same clamps as nvfp4.encode_scale);  S_dec = 1 / S_enc
+        v     = b * (S_enc * f32(1/6))
+        s6    = e4m3_RN(min(v, 448));   s4 = e4m3_RN(min(v * 1.5, 448))
+        q_k   = e2m1_RN(x * enc(s_k));  x_hat_k = (q_k * f32(s_k)) * S_dec   (nvfp4.py helpers)
+        err_k = pairwise_sum16((x - x_hat_k) * (x - x_hat_k))
+        pick s4 iff err4 < err6          (ties -> 6)
+    """
     check_input(x, "nvfp4", BLOCK, allow_nan=False)
     check_choice("outer", outer, ("tensor", "row", "group"))
     x32 = x.to(torch.float32)

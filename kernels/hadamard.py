@@ -1,23 +1,15 @@
-"""32-dim random Hadamard transform (RHT) over the last dim, and its inverse, in plain PyTorch.
+"""32-dim random Hadamard transform (RHT) over the last dim, and its inverse, in plain PyTorch: the reference.
 
-R = D * H32 / sqrt(32) with D = diag(signs), H32 the Sylvester Hadamard matrix
-(H[i, j] = (-1)**popcount(i & j)); spec ``shared/docs/numerics.md`` (the MoE
-combine: RHT, then S2F6). Forward y = x @ R, inverse x = y @ R^T, per group of
-32 along the last dim. Signs: sign_i = 1 - 2 * (random_bits(seed, i) & 1) for
-i = 0..31 (philox.py), so the same seed gives the same R everywhere.
+    y = rht(x, seed);   x_back = inverse_rht(y, seed)        # fp32, groups of 32 along the last dim
 
-The float op order is fixed so a Triton kernel can match it bit for bit (a
-matmul's reduction order is not): in fp32,
+R = D * H32 / sqrt(32), D = diag(signs(seed)), H32 the Sylvester Hadamard matrix (H[i, j] = (-1)**popcount(i & j));
+forward y = x @ R, inverse x = y @ R^T. The MoE combine runs it before S2F6 (docs/numerics.md, "Random Hadamard
+transform"). The fp32 op order is fixed so a Triton kernel matches it bit for bit (a matmul's reduction order
+is not): ``rht``, ``inverse_rht`` and ``fwht`` state it. Both return float32 (the transform of bf16 data is not
+bf16-representable).
 
-    rht:          t = x * sign;   t = fwht(t);   y = t * f32(1/sqrt(32))
-    inverse_rht:  t = fwht(y);    t = t * sign;  x = t * f32(1/sqrt(32))
-    fwht: for h in 1, 2, 4, 8, 16: within each group of 2h, (a, b) = (t[i], t[i+h])
-          -> (a + b, a - b)   (the butterfly of the natural-order Sylvester H)
-
-Both return float32 (the transform of bf16 data is not bf16-representable).
-
-Leaves out: other sizes, randomized row permutations, and fusing with S2F6
-(the Triton kernel fuses; the reference composes ``quantize(rht(x, seed), "s2f6")``).
+Leaves out: other sizes, randomized row permutations, and fusing with S2F6 (the Triton kernel fuses; the
+reference composes ``quantize(rht(x, seed), "s2f6")``).
 """
 
 from __future__ import annotations
@@ -34,13 +26,16 @@ INV_SQRT_DIM = 1.0 / math.sqrt(DIM)  # rounded once to fp32 where used
 
 
 def signs(seed: int, device=None) -> torch.Tensor:
-    """fp32 [32] of +-1: 1 - 2 * (random_bits(seed, i) & 1)."""
+    """fp32 [32] of +-1: 1 - 2 * (random_bits(seed, i) & 1) for i = 0..31 (philox.py): one R per seed everywhere."""
     bits = random_bits(int(seed), torch.arange(DIM, dtype=torch.int64, device=device))
     return (1 - 2 * (bits & 1)).to(torch.float32)
 
 
 def fwht(t: torch.Tensor) -> torch.Tensor:
-    """Unnormalized Walsh-Hadamard transform over groups of 32 of the last dim (t @ H32), fixed butterfly order."""
+    """Unnormalized Walsh-Hadamard transform over groups of 32 of the last dim (t @ H32), fixed butterfly order.
+
+    for h in 1, 2, 4, 8, 16: within each group of 2h, (a, b) = (t[i], t[i+h]) -> (a + b, a - b)
+    (the butterfly of the natural-order Sylvester H)."""
     shape = t.shape
     t = t.reshape(-1, DIM)
     h = 1
@@ -63,7 +58,9 @@ def _check(x, what: str) -> None:
 
 
 def rht(x: torch.Tensor, seed: int) -> torch.Tensor:
-    """y = x @ (D H32 / sqrt(32)) over groups of 32 of the last dim; fp32 result."""
+    """y = x @ (D H32 / sqrt(32)) over groups of 32 of the last dim; fp32 result.
+
+    In fp32: t = x * sign;  t = fwht(t);  y = t * f32(1/sqrt(32))."""
     _check(x, "rht")
     x32 = x.to(torch.float32)
     d = signs(seed, x32.device)
@@ -72,7 +69,9 @@ def rht(x: torch.Tensor, seed: int) -> torch.Tensor:
 
 
 def inverse_rht(y: torch.Tensor, seed: int) -> torch.Tensor:
-    """x = y @ (D H32 / sqrt(32))^T over groups of 32 of the last dim; fp32 result."""
+    """x = y @ (D H32 / sqrt(32))^T over groups of 32 of the last dim; fp32 result.
+
+    In fp32: t = fwht(y);  t = t * sign;  x = t * f32(1/sqrt(32))."""
     _check(y, "inverse_rht")
     y32 = y.to(torch.float32)
     d = signs(seed, y32.device)

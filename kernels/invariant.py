@@ -1,35 +1,17 @@
 """Invariant-kernel mode: route torch's dense products and means on one device type through `invariant_triton`.
 
-`set_mode(True)` registers implementations of `aten::mm`, `aten::addmm`,
-`aten::bmm` and `aten::mean.dim` for the device's dispatch key (CUDA by
-default) through `torch.library` (a public registration API, no patching of
-torch functions); `set_mode(False)` removes them. Everything above the
-dispatcher keeps working unchanged: `nn.Linear` / `F.linear` (-> mm / addmm),
-`torch.matmul` on batches (-> bmm), HF's RMSNorm (`pow(2).mean(-1)`), autocast
-(it casts, then dispatches here) and autograd (the backward's products land
-here too while the mode is on). Both sides of a job turn it on from one config
-field, `model.invariant_kernels` (the trainer and each sampler, in their own
-processes), so the trainer recomputes a sampled token's logprob with the same
-reduction orders the sampler used, whatever the batch.
+    set_mode(True)      # from `model.invariant_kernels`: the trainer and each sampler, in their own processes
+    set_mode(False)     # in local mode the driver turns it off when the job ends
 
-Process-global: a Ray actor turns it on for its process; in local mode the
-driver turns it off when the job ends. Products in dtypes the kernels do not
-take (float64, integers; nothing in a model's forward) run as a broadcast
-multiply and sum instead: slow, and never cuBLAS, whose row-count dependence
-this mode exists to remove.
+It registers `aten::mm`, `addmm`, `bmm` and `mean.dim` for the device's dispatch key (CUDA by default) through
+`torch.library` (a public registration API, no patching), so everything above the dispatcher (`nn.Linear`,
+`torch.matmul`, HF's RMSNorm, autocast, autograd's backward products) runs the fixed-order kernels and the
+trainer recomputes a sampled token's logprob with the reduction orders the sampler used, whatever the batch.
+Process-global. Products in dtypes the kernels do not take (float64, integers) run as a broadcast multiply and
+sum: slow, and never cuBLAS, whose row-count dependence this mode exists to remove.
 
-Leaves out: `aten::_log_softmax` and softmax (row-local in ATen already: one
-block per row whose shape is the row length); other products and reductions
-that no trainer or sampler forward path calls (`baddbmm`, `addbmm`, `addmm_`,
-`mv`, `dot`, `mean.out`, `sum`, `var`, `norm`, SDPA: they stay on ATen, so new
-model code must not bring them in); `torch._grouped_mm` (the `bf16`
-recipe's expert forward checks `enabled()` and takes `invariant_triton.grouped_mm`
-instead; its backward keeps `_grouped_mm`, no logprob depends on it; the `nvfp4`
-and `mxfp8` recipes' grouped products are rl4bit's own fixed-order kernels
-anyway), convolutions, and CPU (whose
-GEMM rows are already independent of the row count above MIN_ROWS; see
-`rl4bit.sampler.kv_cache`). The `device_type` argument exists so the CPU tests
-can drive the same registration through the Triton interpreter.
+Leaves out: softmax, other products and reductions (`baddbmm`, `sum`, SDPA, ...: new model code must not bring
+them in), `torch._grouped_mm`, convolutions, and CPU; `set_mode` lists them and why.
 """
 
 from __future__ import annotations
@@ -107,6 +89,20 @@ def set_mode(on: bool, device_type: str = "CUDA") -> None:
 
     Idempotent. Turning it on for another device type first turns it off for the current one. Not
     thread-safe: called when actors are built and when a job ends, not while forwards run.
+
+    Covered: `aten::mm`, `aten::addmm`, `aten::bmm`, `aten::mean.dim`: `nn.Linear` / `F.linear` (-> mm / addmm),
+    `torch.matmul` on batches (-> bmm), HF's RMSNorm (`pow(2).mean(-1)`), autocast (it casts, then dispatches
+    here) and autograd (the backward's products land here too while the mode is on).
+
+    Not covered: `aten::_log_softmax` and softmax (row-local in ATen already: one block per row whose shape is
+    the row length); other products and reductions that no trainer or sampler forward path calls (`baddbmm`,
+    `addbmm`, `addmm_`, `mv`, `dot`, `mean.out`, `sum`, `var`, `norm`, SDPA: they stay on ATen, so new model code
+    must not bring them in); `torch._grouped_mm` (the `bf16` recipe's expert forward checks `enabled()` and takes
+    `invariant_triton.grouped_mm` instead; its backward keeps `_grouped_mm`, no logprob depends on it; the
+    `nvfp4` and `mxfp8` recipes' grouped products are rl4bit's own fixed-order kernels anyway), convolutions,
+    and CPU (whose GEMM rows are already independent of the row count above MIN_ROWS; see
+    `rl4bit.sampler.kv_cache`). `device_type` exists so the CPU tests can drive the same registration through
+    the Triton interpreter.
     """
     lib = _STATE["lib"]
     if lib is not None and (not on or _STATE["device_type"] != device_type):

@@ -1,27 +1,13 @@
-"""MXFP8 quantize / dequantize in plain PyTorch: E4M3 elements, E8M0 scale per 32 (OCP MX v1.0).
+"""MXFP8 quantize / dequantize in plain PyTorch: E4M3 elements, E8M0 scale per 32 (OCP MX v1.0), the reference.
 
-References: torchao ``prototype/mx_formats/mx_tensor.py`` (``to_mx``,
-``_to_mx_rceil``), TE ``mxfp8.rst`` / ``util/ptx.cuh``, cuBLAS block scaling;
-spec ``shared/docs/numerics.md``. Per block of 32 along the last dim, fp32:
+    q = quantize_mxfp8(x, rounding="nearest", scale_mode="rceil")   # or rounding="stochastic", seed=...
+    q = quantize_mxfp8_columnwise(x)    # 32x1 blocks: a [..., K, M] QTensor from x [..., M, K] itself
+    x_hat = dequantize_mxfp8(q)
 
-    b     = amax(|x|)
-    RCEIL (default): e = rceil_biased(b / 448)           # smallest 2**k >= b/448: no saturation
-    FLOOR:           e = floor_biased(b, 8)              # OCP floor(log2 b) - 8: values > 448 saturate
-    y     = x * 2**(127 - e)                             # exact power-of-two scaling
-    data  = e4m3_RN(clamp(y, -448, 448))                 # or SR (e4m3.round_stochastic)
-    x_hat = f32(data) * 2**(e - 127)
-
-NaN in a block -> scale byte 0xFF and every element byte 0x7F (canonical NaN),
-so the block decodes to NaN. Inf -> ValueError (a non-finite activation or
-gradient in a training path is a bug to surface, not a value; TE maps it to
-0xFE, torchao HEAD to 0xFF). SR needs no scale shrink with RCEIL: |y| <= 448
-and 448 is on the grid. SR takes 16 random bits an element: element o (its
-flat index in x) takes half o % 2 of word (o // 2) % 4 of the Philox call for
-counter o // 8 (stochastic.py).
-
-Columnwise (32x1) MXFP8 must come from high precision, never from the rowwise
-codes (TE ``mxfp8.rst``): ``quantize_mxfp8_columnwise(x)`` quantizes the
-transposed last two dims of x itself and returns a [..., K, M] QTensor.
+Peers: torchao ``prototype/mx_formats/mx_tensor.py`` (``to_mx``, ``_to_mx_rceil``), TE ``mxfp8.rst`` /
+``util/ptx.cuh``, cuBLAS block scaling. ``quantize_mxfp8`` states the per-block formula, NaN/Inf handling
+and the SR bits (also docs/numerics.md, "MXFP8"). Columnwise MXFP8 comes from high precision, never from the
+rowwise codes (TE ``mxfp8.rst``).
 
 Leaves out: E5M2/FP6/FP4 elements, torchao's EVEN/CEIL modes, swizzled scales.
 """
@@ -54,7 +40,23 @@ def block_exponent(b: torch.Tensor, scale_mode: str) -> torch.Tensor:
 def quantize_mxfp8(
     x: torch.Tensor, *, rounding: str = "nearest", seed=None, scale_mode: str = "rceil"
 ) -> QTensor:
-    """MXFP8 QTensor of x, blocks of 32 along the last dim; see the module docstring."""
+    """MXFP8 QTensor of x, blocks of 32 along the last dim.
+
+    Per block of 32, fp32:
+
+        b     = amax(|x|)
+        RCEIL (default): e = rceil_biased(b / 448)           # smallest 2**k >= b/448: no saturation
+        FLOOR:           e = floor_biased(b, 8)              # OCP floor(log2 b) - 8: values > 448 saturate
+        y     = x * 2**(127 - e)                             # exact power-of-two scaling
+        data  = e4m3_RN(clamp(y, -448, 448))                 # or SR (e4m3.round_stochastic)
+        x_hat = f32(data) * 2**(e - 127)
+
+    NaN in a block -> scale byte 0xFF and every element byte 0x7F (canonical NaN), so the block decodes to NaN.
+    Inf -> ValueError (a non-finite activation or gradient in a training path is a bug to surface, not a value;
+    TE maps it to 0xFE, torchao HEAD to 0xFF). SR needs no scale shrink with RCEIL: |y| <= 448 and 448 is on
+    the grid. SR takes 16 random bits an element: element o (its flat index in x) takes half o % 2 of word
+    (o // 2) % 4 of the Philox call for counter o // 8 (stochastic.py).
+    """
     check_input(x, "mxfp8", BLOCK, allow_nan=True)
     check_choice("rounding", rounding, ("nearest", "stochastic"))
     x32 = x.to(torch.float32)
@@ -80,7 +82,9 @@ def quantize_mxfp8(
 
 
 def quantize_mxfp8_columnwise(x: torch.Tensor, **kw) -> QTensor:
-    """MXFP8 of x with blocks of 32 along dim -2: quantizes x.transpose(-1, -2) from high precision."""
+    """MXFP8 of x with blocks of 32 along dim -2: quantizes x.transpose(-1, -2) from high precision.
+
+    Returns a [..., K, M] QTensor; never derived from the rowwise codes (TE ``mxfp8.rst``)."""
     if x.dim() < 2:
         raise ValueError(f"mxfp8 columnwise needs at least 2 dims, got shape {tuple(x.shape)}")
     return quantize_mxfp8(x.transpose(-1, -2).contiguous(), **kw)

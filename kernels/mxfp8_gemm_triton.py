@@ -3,32 +3,15 @@
     out = grouped_mxfp8(qa, qb, counts)        # out[rows of e] = A[rows] @ B[e]ᵀ   (dgrad; mxfp8 forward)
     dw  = wgrad_mxfp8(qa, qb, padded_counts)   # dw[e] = A[:, seg e] @ B[:, seg e]ᵀ  (wgrad, per expert)
 
-Both operands are MXFP8 QTensors (E4M3 codes, one E8M0 scale per 32 values)
-with their blocks along the reduction dimension, exactly what
-``rl4bit.trainer.qgemm._mxfp8_backward`` feeds its FP32 matmuls (the CPU
-reference): dgrad A = Q(dY) [R, N], B = requantize(W) [E, K, N]; wgrad A =
-Q(dYᵀ) [N, R_pad], B = requantize(x) [K, R_pad], expert e owning the columns
-seg e = [sum(padded[:e]), sum(padded[:e+1])) (each a multiple of 32).
+Both operands are MXFP8 QTensors with blocks along the reduction dimension, exactly what
+``rl4bit.trainer.qgemm._mxfp8_backward`` feeds its FP32 matmuls (the CPU reference; each function names its
+operands). ``fp8`` picks the path (``FP8_CORES`` is the default): BF16 dequantize (exact products) or FP8
+tensor cores (not exact per block); ``_mx_step`` states both. Against the reference they differ only in the
+order (fp8: and the precision) of the FP32 sum over K, bounded in tests/kernels/test_qgemm_triton.py. A
+dgrad/forward program owns rows of one expert and walks K in one fixed order (batch-invariant, as qgemm_triton).
 
-Two ways to multiply (``fp8`` argument; ``FP8_CORES`` is the default):
-- fp8=True, FP8 tensor cores: per 32-wide K step one ``tl.dot`` of the raw
-  E4M3 operands into a fresh FP32 tile, then ``acc += (d * sa[m]) * sb[n]``
-  with the E8M0 scales as FP32 powers of two (scales applied to the partial
-  sums along K). Hopper's FP8 MMA adds the 32 products with a narrower
-  accumulator than FP32 (DeepSeek-V3 report), so this path is NOT exact per
-  block; the error is bounded by the test tolerance.
-- fp8=False, BF16 dequantize: each E4M3 value times its scale is exact in BF16
-  (3-bit mantissa, FP32 exponent range; only values below 2**-133 flush), then
-  a BF16 ``tl.dot`` with FP32 accumulation over K steps of 64.
-Against the reference both differ only in the order (and, for fp8, the
-precision) of the FP32 sum over K: tests/kernels/test_qgemm_triton.py checks
-|out - ref| <= TOL_K * K * 2**-24 * (|A| @ |B|ᵀ) (fp8 path: a looser bound).
-
-Batch invariance: a dgrad/forward program owns rows of one expert and walks K
-in one fixed order with a fixed step, as in qgemm_triton (same tile map).
-
-Leaves out: split-K for small-M wgrad, persistent scheduling, NaN blocks
-beyond propagation (the backward checks dY is finite first).
+Leaves out: split-K for small-M wgrad, persistent scheduling, NaN blocks beyond propagation (the backward
+checks dY is finite first).
 """
 
 from __future__ import annotations
@@ -92,7 +75,15 @@ def _mx_step(a_ptr, ca, a_rows, amask, b_ptr, cb, b_rows, bmask, k0, kend, LD, a
     The callers load a step's scale codes one step early, into registers: a K step of 64 reads 2 scale bytes
     a row, under `cp.async`'s 4-byte minimum, so the software pipeline cannot stage them like the codes, and a
     load at the top of the step left every step waiting one memory latency (sm_90 TTGIR). The values, hence
-    the bits, are the same."""
+    the bits, are the same.
+
+    FP8 (BK = 32): one ``tl.dot`` of the raw E4M3 operands into a fresh FP32 tile, then
+    ``acc += (d * sa[m]) * sb[n]`` with the E8M0 scales as FP32 powers of two (scales applied to the partial
+    sums along K). Hopper's FP8 MMA adds the 32 products with a narrower accumulator than FP32 (DeepSeek-V3
+    report), so this path is NOT exact per block; the error is bounded by the test tolerance (looser than BF16's).
+    BF16 (BK = 64): each E4M3 value times its scale is exact in BF16 (3-bit mantissa, FP32 exponent range; only
+    values below 2**-133 flush), then a BF16 ``tl.dot`` with FP32 accumulation. The tests check
+    |out - ref| <= TOL_K * K * 2**-24 * (|A| @ |B|ᵀ) against the FP32 reference."""
     kk = k0 + tl.arange(0, BK)
     kmask = (kk < kend) | EVEN_K
     a = tl.load(a_ptr + a_rows * LD + kk[None, :], mask=amask & kmask[None, :], other=0)
@@ -182,7 +173,9 @@ def pick_config(rows: int, fp8: bool) -> Config:
 
 def grouped_mxfp8(qa, qb, counts, out_dtype: torch.dtype = torch.float32, *, fp8: bool | None = None,
                   config: Config | None = None) -> torch.Tensor:
-    """out [R, NC] = grouped A [R, KR] @ B[e] [NC, KR]ᵀ (MXFP8, blocks along KR), rows of e contiguous."""
+    """out [R, NC] = grouped A [R, KR] @ B[e] [NC, KR]ᵀ (MXFP8, blocks along KR), rows of e contiguous.
+
+    dgrad: A = Q(dY) [R, N], B = requantize(W) [E, K, N]; the mxfp8 recipe's forward likewise."""
     rows, kr, groups, nc = grouped_shapes(qa, qb, "mxfp8", "grouped_mxfp8")
     fp8 = FP8_CORES if fp8 is None else fp8
     a, sa = _operands(qa, "A")
@@ -204,6 +197,8 @@ def wgrad_mxfp8(qa, qb, padded_counts, out_dtype: torch.dtype = torch.float32, *
     """dw [E, P, Q]: dw[e] = A[:, seg e] @ B[:, seg e]ᵀ, A [P, R_pad], B [Q, R_pad] MXFP8 (blocks along R_pad).
 
     padded_counts: columns of each expert (multiples of 32, list or int tensor [E]); empty experts give zeros.
+    Expert e owns seg e = [sum(padded[:e]), sum(padded[:e+1])). wgrad: A = Q(dYᵀ) [N, R_pad],
+    B = requantize(x) [K, R_pad].
     """
     if len(qa.shape) != 2 or len(qb.shape) != 2 or qa.shape[1] != qb.shape[1]:
         raise ValueError(f"wgrad_mxfp8: A [P, R] and B [Q, R] must share R; got {tuple(qa.shape)}, {tuple(qb.shape)}")

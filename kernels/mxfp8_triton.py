@@ -1,30 +1,17 @@
 """Triton MXFP8 quantize: rowwise, columnwise, and the fused NVFP4 -> MXFP8 requantize.
 
-Bitwise equal to the plain-PyTorch reference (``mxfp8.py``, ``requant.py``) on
-every backend: E4M3 elements with an E8M0 scale per 32 along the last dim,
-RCEIL scale (the biased exponent of f32(amax/448), plus one if its mantissa
-is non-zero; found without a division, ``e8m0_rceil_of_quotient``), values
-clamped to 448 before rounding, round to nearest even or
-stochastic rounding with 16 Philox bits an element keyed by the element's flat
-index o in the OUTPUT tensor (half o % 2 of word (o // 2) % 4 of the call for
-counter o // 8: one call per eight consecutive output elements). A block
-holding NaN gets scale 0xFF.
+    data, scale, flag = quantize_rows(x)         # [..., K] -> codes [..., K], E8M0 [..., K/32], Inf flag
+    data, scale, flag = quantize_cols(x)         # [..., M, K] -> [..., K, M]: 32x1 blocks, from x itself
+    data, scale = requantize_nvfp4(data, scale, outer_rows, shape)   # saved NVFP4 -> transposed MXFP8 (SR)
 
-- ``quantize_rows(x2d)``: x [M, K] -> data [M, K], scale [M, K/32].
-- ``quantize_cols(x, src=...)``: the transposed quantize in one pass over
-  memory. Source [B, M, K] is either floating point (columnwise MXFP8: the
-  32x1 blocks of TE's ``mxfp8.rst``, quantized from high precision) or a
-  saved NVFP4 tensor (the backward's requantize: dequantize -> transpose ->
-  SR to MXFP8). Output [B, K, M] with scale [B, K, M/32].
+Bitwise equal to the references (``mxfp8.py``, ``requant.py``) on every backend: RCEIL E8M0 scale per 32,
+values clamped to 448, nearest-even or SR with 16 Philox bits an element keyed by the flat index in the OUTPUT
+(``_mx_quant_blocks`` states it); a NaN block gets scale 0xFF. A program loads a [BLOCK_M, BLOCK_K] tile once,
+reduces 32-blocks in registers and writes the (transposed) codes once; SR costs one Philox4x32-10 call (about
+40-60 integer instructions) per eight elements. Codes are built on integers (``formats_triton``), stored uint8.
 
-Each program loads a [BLOCK_M, BLOCK_K] tile once, reduces 32-blocks in
-registers and writes the (transposed) codes once: one read and one write of
-the bytes, nothing else. Stochastic rounding costs one Philox4x32-10 call
-(about 40-60 integer instructions) per eight elements. Codes are built on integers (``formats_triton``) and
-stored as uint8; callers view them as float8.
-
-Leaves out: the FLOOR scale mode (the Triton path is RCEIL only; the dispatch
-falls back to the reference) and Inf inputs (rejected before the kernel).
+Leaves out: the FLOOR scale mode (the Triton path is RCEIL only; the dispatch falls back to the reference) and
+Inf inputs (rejected before the kernel).
 """
 
 from __future__ import annotations
@@ -57,6 +44,9 @@ def _mx_quant_blocks(ax3, sign3, bits3, AXIS: tl.constexpr, STOCHASTIC: tl.const
     The scale is rceil_biased(f32(amax / 448)) computed without the division
     (formats_triton.e8m0_rceil_of_quotient). CHECK_NAN=False skips the NaN-block
     pass for sources that cannot hold NaN (decoded NVFP4).
+    Values are clamped to 448 before rounding, to nearest even or stochastically: element o, its flat index in
+    the OUTPUT tensor, takes half o % 2 of word (o // 2) % 4 of the Philox call for counter o // 8 (one call per
+    eight consecutive output elements). A block holding NaN gets scale 0xFF.
     """
     amax = tl.max(ax3, axis=AXIS)
     sc = e8m0_rceil_of_quotient(amax, 0x600000, 8, 0x04600001)
@@ -234,7 +224,7 @@ def _launch_cols(src, src_scale, src_outer, B, M, K, device, stochastic, seed, b
 def quantize_cols(x: torch.Tensor, *, stochastic: bool = False, seed=None,
                   block_m: int = 32, block_k: int = 256, num_warps: int = 4):
     """Columnwise MXFP8 of x [..., M, K]: quantize x.transpose(-2, -1) along M -> ([..., K, M], [..., K, M/32], Inf
-    flag)."""
+    flag). The 32x1 blocks of TE's ``mxfp8.rst``, quantized from high precision in one pass over memory."""
     if x.dim() < 2:
         raise ValueError(f"columnwise MXFP8 needs a tensor of at least 2 dims, got shape {tuple(x.shape)}")
     *lead, M, K = x.shape
@@ -247,7 +237,7 @@ def quantize_cols(x: torch.Tensor, *, stochastic: bool = False, seed=None,
 def requantize_nvfp4(data: torch.Tensor, scale: torch.Tensor, outer_rows: torch.Tensor, shape, *,
                      stochastic: bool = True, seed=None, block_m: int = 32, block_k: int = 256,
                      num_warps: int = 4):
-    """Fused NVFP4 [..., M, K] -> dequantize -> transpose -> MXFP8 along M.
+    """Fused NVFP4 [..., M, K] -> dequantize -> transpose -> MXFP8 along M (the backward's SR requantize).
 
     ``data`` uint8 [..., M, K/2], ``scale`` uint8 view of the E4M3 scales
     [..., M, K/16], ``outer_rows`` fp32 with one decode multiplier per row

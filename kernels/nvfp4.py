@@ -1,37 +1,16 @@
-"""NVFP4 quantize / dequantize in plain PyTorch, following TransformerEngine's scale chain exactly.
+"""NVFP4 quantize / dequantize in plain PyTorch, following TransformerEngine's scale chain exactly: the reference.
 
-Reference: TE ``common/cast/nvfp4/core_nvfp4.cuh`` (``compute_global_encode_scaling_factor_FP4``,
-``compute_decoding_scaling_factor``) and ``custom_recipes/reference_nvfp4.py``;
-spec ``shared/docs/numerics.md``. With outer amax A and block amax b (16 values),
-every op in fp32, in this order:
+    q = quantize_nvfp4(x, outer="row")       # outer "tensor" | "row" | "group"; rounding="stochastic", seed=...
+    x_hat = dequantize_nvfp4(q)
 
-    S_enc = 2688 / A;  S_enc = min(S_enc, FLT_MAX);  S_enc = 1 if A == 0 or S_enc == 0
-    S_dec = 1 / S_enc                                 # stored as QTensor.outer
-    v     = b * (S_enc * f32(1/6))                    # ONE rounding chain; not (b/6)*S_enc
-    s_b   = e4m3_RN(min(v, 448))                      # no lower clamp: may round to 0
-    enc_b = 0 if s_b == 0 else min(1 / (f32(s_b) * S_dec), FLT_MAX)
-    q     = e2m1_RN_satfinite(x * enc_b)              # where s_b == 0: +-0 (code 8 for a negative x, as TE)
-    x_hat = (q * f32(s_b)) * S_dec                    # dequantize (q * s_b is exact)
+Peers: TE ``common/cast/nvfp4/core_nvfp4.cuh`` (``compute_global_encode_scaling_factor_FP4``,
+``compute_decoding_scaling_factor``) and ``custom_recipes/reference_nvfp4.py``. ``quantize_nvfp4`` states the
+fp32 op order, the outer-amax modes, 16x16 tiles and the stochastic-rounding shrink (docs/numerics.md, "NVFP4",
+gives the same chain); the helpers below are its steps, shared with four_over_six.py.
 
-Outer amax A: "tensor" (one), "row" (one per row of the flattened [M, K] view:
-per token), "group" (one per leading index of a 3D [E, N, K] tensor: per expert).
-``tiles_16x16``: b is the amax of a 16x16 tile of the last two dims (TE
-``_quantize_blockwise_reference`` 2D mode; an ablation), stored repeated per row
-so the scale layout stays [..., K/16].
-
-Stochastic rounding (``rounding="stochastic"``): rounding s_b to nearest can
-lower it by up to a factor 16/17, so |x| * enc_b could reach 6 * 17/16 and clamp
-(biased). The shrink enters at exactly one place: v_sr = (b * (S_enc * f32(1/6))) * 1.0625,
-i.e. the block is scaled for a max of 6 * 16/17 (Quartet-II ``schemes/nvidia.py``,
-fouroversix ``stochastic_unbiased``). S_enc, S_dec and the rest of the chain are
-unchanged, and the E2M1 rounding is the SR rule of stochastic.py with 8
-random bits an element: element o (its flat index) takes byte o % 4 of word
-(o // 4) % 4 of the Philox call for counter o // 16, one call per 16-element
-block.
-
-Leaves out: 4/6 scale selection (four_over_six.py), swizzled scale layouts, and
-NaN/Inf input (E2M1 cannot hold them: ValueError via checks.py; inside
-`checks.host_deferred()` recorded instead, and the output is then garbage).
+Leaves out: 4/6 scale selection (four_over_six.py), swizzled scale layouts, and NaN/Inf input (E2M1 cannot
+hold them: ValueError via checks.py; inside `checks.host_deferred()` recorded instead, and the output is then
+garbage).
 """
 
 from __future__ import annotations
@@ -142,7 +121,30 @@ def quantize_nvfp4(
     seed=None,
     tiles_16x16: bool = False,
 ) -> QTensor:
-    """NVFP4 QTensor of x (blocks of 16 along the last dim), TE chain; see the module docstring."""
+    """NVFP4 QTensor of x (blocks of 16 along the last dim), TE's chain.
+
+    With outer amax A and block amax b (16 values), every op in fp32, in this order:
+
+        S_enc = 2688 / A;  S_enc = min(S_enc, FLT_MAX);  S_enc = 1 if A == 0 or S_enc == 0
+        S_dec = 1 / S_enc                                 # stored as QTensor.outer
+        v     = b * (S_enc * f32(1/6))                    # ONE rounding chain; not (b/6)*S_enc
+        s_b   = e4m3_RN(min(v, 448))                      # no lower clamp: may round to 0
+        enc_b = 0 if s_b == 0 else min(1 / (f32(s_b) * S_dec), FLT_MAX)
+        q     = e2m1_RN_satfinite(x * enc_b)              # where s_b == 0: +-0 (code 8 for a negative x, as TE)
+        x_hat = (q * f32(s_b)) * S_dec                    # dequantize (q * s_b is exact)
+
+    Outer amax A: "tensor" (one), "row" (one per row of the flattened [M, K] view: per token), "group" (one per
+    leading index of a 3D [E, N, K] tensor: per expert). ``tiles_16x16``: b is the amax of a 16x16 tile of the
+    last two dims (TE ``_quantize_blockwise_reference`` 2D mode; an ablation), stored repeated per row so the
+    scale layout stays [..., K/16].
+
+    ``rounding="stochastic"``: rounding s_b to nearest can lower it by up to a factor 16/17, so |x| * enc_b could
+    reach 6 * 17/16 and clamp (biased). The shrink enters at exactly one place: v_sr = (b * (S_enc * f32(1/6)))
+    * 1.0625, i.e. the block is scaled for a max of 6 * 16/17 (Quartet-II ``schemes/nvidia.py``, fouroversix
+    ``stochastic_unbiased``). S_enc, S_dec and the rest of the chain are unchanged, and the E2M1 rounding is the
+    SR rule of stochastic.py with 8 random bits an element: element o (its flat index) takes byte o % 4 of word
+    (o // 4) % 4 of the Philox call for counter o // 16, one call per 16-element block.
+    """
     check_input(x, "nvfp4", BLOCK, allow_nan=False)
     check_choice("rounding", rounding, ("nearest", "stochastic"))
     x32 = x.to(torch.float32)

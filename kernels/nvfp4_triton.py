@@ -1,36 +1,17 @@
 """Triton NVFP4 quantize: TE scale chain, per-tensor / per-row / per-group outer scales, 4/6, SR.
 
-Bitwise equal to the plain-PyTorch reference (``nvfp4.py``, ``four_over_six.py``),
-same fp32 op order (see those docstrings):
+    data, scale, s_dec_rows, flag = quantize_nvfp4(x, outer="row", four_over_six=True)
 
-    S_enc = min(div(bound*6, A), FLT_MAX), 1 if A == 0 or S_enc == 0;  S_dec = 1 / S_enc
-    v = b * (S_enc * f32(1/6))  [* 1.5 for the 4/6 "scale to 4" candidate]  [* 17/16 for SR]
-    s_b = e4m3_RN(min(v, 448));  enc_b = 0 if s_b == 0 else min(1 / (s_b * S_dec), FLT_MAX)
-    q = e2m1(x * enc_b)  (nearest-even, or SR with 8 random bits an element: element o, its flat index,
-        takes byte o % 4 of word (o // 4) % 4 of the Philox call for counter o // 16: one call a block),
-        where s_b == 0: y = x * 0 = +-0, code 0 or 8 (x's sign, as TE)
-    4/6: err_k = pairwise tree sum of (x - (q_k * s_k) * S_dec)^2; pick 4 iff err4 < err6
+Bitwise equal to the references (``nvfp4.py``, ``four_over_six.py``): the same fp32 op order (``_nvfp4_kernel``
+restates it), every division ``div_rn``, launches with ``enable_fp_fusion=False`` (no FMA contraction). With
+``outer="row"`` a program holds whole rows and computes the row amax in registers, so activations take one
+read of x and one write of codes + scales; per-tensor and per-group amaxes are one ``torch.amax`` first.
+Options fold neighbouring launches in (``quantize_nvfp4`` documents them): ``rows=`` / ``cast=`` (the MoE
+gather and cast), ``swiglu=True`` (the SwiGLU of a gate-up product, never stored), ``decoded=`` (the grouped
+GEMM's pre-decoded operand). A non-finite input sets a flag the caller turns into the reference's ValueError.
 
-One program holds BLOCK_R rows x BLOCK_K columns; with ``outer="row"`` it holds
-whole rows and computes the row amax in registers, so activations (per token,
-4/6) take exactly one read of x and one write of codes + scales. Per-tensor
-and per-group amaxes are one ``torch.amax`` before the kernel. Every division
-is ``div_rn`` and launches use ``enable_fp_fusion=False`` (no FMA contraction),
-so the GPU rounds exactly like the reference.
-
-Optionally (``rows=``, ``cast=``) the rows quantized are x[rows].to(cast), read in place: the MoE layer's
-gather of its tokens' hidden states (and their cast to the compute dtype) is no launch of its own.
-Optionally (``swiglu=True``) the input is a gate-up product and the kernel quantizes
-its SwiGLU (``swiglu_triton``'s values, computed on the loads: the down projection's
-input is never stored). Optionally (``decoded=``) the same launch also writes the codes decoded to FP16, the
-grouped GEMM's pre-decoded x operand (``qgemm_triton``: one launch fewer per GEMM
-at decode sizes).
-
-A non-finite input sets a flag the caller turns into the reference's
-ValueError (``checks.check_input``) instead of returning codes.
-
-Leaves out: 16x16 tiles (the dispatch falls back to the reference), SR with
-4/6 (the reference does not define it), and swizzled scale layouts.
+Leaves out: 16x16 tiles (the dispatch falls back to the reference), SR with 4/6 (the reference does not
+define it), and swizzled scale layouts.
 """
 
 from __future__ import annotations
@@ -113,6 +94,17 @@ def _nvfp4_kernel(x_ptr, src_ptr, amax_ptr, data_ptr, scale_ptr, outer_ptr, flag
                   seed_lo, seed_hi, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, ROW_AMAX: tl.constexpr,
                   FOUR_SIX: tl.constexpr, STOCHASTIC: tl.constexpr, EVEN: tl.constexpr, DECODED: tl.constexpr,
                   SWIGLU: tl.constexpr, GATHER: tl.constexpr, CAST: tl.constexpr):
+    """One program: BLOCK_R rows x BLOCK_K columns, the references' fp32 op order (nvfp4.py, four_over_six.py):
+
+        S_enc = min(div(bound*6, A), FLT_MAX), 1 if A == 0 or S_enc == 0;  S_dec = 1 / S_enc
+        v = b * (S_enc * f32(1/6))  [* 1.5 for the 4/6 "scale to 4" candidate]  [* 17/16 for SR]
+        s_b = e4m3_RN(min(v, 448));  enc_b = 0 if s_b == 0 else min(1 / (s_b * S_dec), FLT_MAX)
+        q = e2m1(x * enc_b)  (nearest-even, or SR with 8 random bits an element: element o, its flat index,
+            takes byte o % 4 of word (o // 4) % 4 of the Philox call for counter o // 16: one call a block),
+            where s_b == 0: y = x * 0 = +-0, code 0 or 8 (x's sign, as TE)
+        4/6: err_k = pairwise tree sum of (x - (q_k * s_k) * S_dec)^2; pick 4 iff err4 < err6
+
+    ROW_AMAX: the program holds whole rows and computes their amax in registers (outer="row")."""
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
     G: tl.constexpr = BLOCK_K // 16

@@ -1,28 +1,15 @@
-"""Philox4x32-10 counter-based random bits in plain PyTorch.
+"""Philox4x32-10 counter-based random bits in plain PyTorch: the reference for ``philox_triton``.
 
-Matches Triton's ``tl.randint(seed, offset)`` / ``tl.randint4x`` (Salmon et al.,
-"Parallel random numbers: as easy as 1, 2, 3", SC'11; triton
-``python/triton/language/random.py``) bit for bit: key = (seed low 32 bits,
-seed high 32 bits), counter = (offset low 32, offset high 32, 0, 0), ten
-rounds. The Triton kernels in this package call the same generator
-(``philox_triton.py``), so a stochastically rounded tensor is identical
-whether the reference or a kernel produced it.
+    w0, w1, w2, w3 = philox4x32(seed, offsets)   # like tl.randint4x; random_bits(seed, offsets) is w0
+    r = sr_bits(seed, offsets, 8)                # stochastic rounding's draw: 8 bits (E2M1) or 16 (E4M3)
+    seed = derive_seed(run_seed, step, layer, tensor_id)
 
-``sr_bits(seed, offsets, n_bits)`` is the draw stochastic rounding uses
-(spec ``shared/docs/numerics.md``, "Random bits for stochastic rounding"): an element takes only
-the n bits its format needs, 8 for E2M1 and 16 for E4M3, packed from the low
-end of each 32-bit word. With W[0..3] the four words of one call,
-
-    n =  8: r(o) = (W[(o // 4) % 4] >> (8 * (o % 4))) & 0xFF     of counter o // 16
-    n = 16: r(o) = (W[(o // 2) % 4] >> (16 * (o % 2))) & 0xFFFF  of counter o // 8
-
-so one Philox call serves 16 (E2M1) or 8 (E4M3) consecutive offsets
-(``philox_triton.philox_sr8`` / ``philox_sr16`` in kernels).
-
-Every value is carried in int64 holding a uint32 (0 .. 2**32-1): PyTorch's
-uint32 arithmetic is incomplete on CPU. The 32x32-bit products split the
-constant into 16-bit halves so no needed intermediate leaves int64's range
-(the low word uses the wrapped int64 product, whose low 64 bits are exact).
+Matches Triton's ``tl.randint(seed, offset)`` / ``tl.randint4x`` (Salmon et al., "Parallel random numbers: as
+easy as 1, 2, 3", SC'11; triton ``python/triton/language/random.py``) bit for bit, and so do the kernels'
+``philox_triton.py``: a stochastically rounded tensor is the same whether the reference or a kernel made it.
+``sr_bits`` gives an element only the bits its format needs, so one call serves 16 (E2M1) or 8 (E4M3)
+consecutive offsets (its docstring; docs/numerics.md, "Random bits"). Values are carried in int64 holding a
+uint32 (PyTorch's uint32 arithmetic is incomplete on CPU); ``_mul_hi_lo`` keeps the products exact.
 
 Leaves out: other round counts, and the 64-bit Philox variant.
 """
@@ -42,6 +29,8 @@ N_ROUNDS = 10
 def _mul_hi_lo(a: torch.Tensor, const: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(high 32 bits, low 32 bits) of a * const for uint32 a (int64 tensor) and a uint32 constant.
 
+    Every value is an int64 holding a uint32 (0 .. 2**32-1): PyTorch's uint32 arithmetic is incomplete on CPU.
+
     With const = c_hi * 2**16 + c_lo: floor(a * const / 2**32) =
     (a * c_hi + (a * c_lo >> 16)) >> 16 (nested floors of exact integer
     divisions, every term < 2**49); the low word is the int64 product, which
@@ -53,6 +42,8 @@ def _mul_hi_lo(a: torch.Tensor, const: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def philox4x32(seed: int, offsets: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Four uint32 streams (as int64 tensors) for each offset, like ``tl.randint4x``.
+
+    key = (seed low 32 bits, seed high 32 bits), counter = (offset low 32, offset high 32, 0, 0), ten rounds.
 
     ``seed`` is a Python int in [0, 2**64); ``offsets`` an integer tensor of
     non-negative element offsets (< 2**63).
@@ -104,8 +95,13 @@ def sr_bits(seed: int, offsets: torch.Tensor, n_bits: int) -> torch.Tensor:
     """Stochastic rounding's n-bit draw r (int64, 0 .. 2**n - 1) for each element offset o (module docstring).
 
     r(o) = (W[(o // per_word) % 4] >> (n * (o % per_word))) & (2**n - 1) of the call for counter
-    o // (4 * per_word), per_word = 32 / n. For offsets 0..count-1 (every quantize) ``sr_bits_range``
-    makes each call once.
+    o // (4 * per_word), per_word = 32 / n, with W[0..3] the four words of one call:
+
+        n =  8: r(o) = (W[(o // 4) % 4] >> (8 * (o % 4))) & 0xFF     of counter o // 16
+        n = 16: r(o) = (W[(o // 2) % 4] >> (16 * (o % 2))) & 0xFFFF  of counter o // 8
+
+    Fields are taken from the low end of each word first; ``philox_triton.philox_sr8`` / ``philox_sr16`` give
+    the same in kernels. For offsets 0..count-1 (every quantize) ``sr_bits_range`` makes each call once.
     """
     per_word, per_call = _sr_geometry(n_bits)
     offsets = offsets.to(torch.int64)

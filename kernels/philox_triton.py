@@ -1,19 +1,13 @@
 """Philox4x32-10 random bits inside Triton kernels, equal to ``rl4bit.kernels.philox``.
 
-``philox4x32(seed_lo, seed_hi, counters)`` returns the four uint32 streams,
-equal to ``rl4bit.kernels.philox.philox4x32(seed, counters)`` with
-``seed = seed_hi << 32 | seed_lo``. ``philox_bits`` is the first stream
-(``philox.random_bits``, Triton's ``tl.randint(seed, offsets)``; the RHT
-signs use it). ``philox_sr8`` / ``philox_sr16`` are the stochastic-rounding
-draws (``philox.sr_bits``): one call per counter c gives the 8-bit fields of
-the 16 offsets 16c .. 16c+15 (E2M1: offset o takes byte o % 4 of word
-(o // 4) % 4) or the 16-bit fields of the 8 offsets 8c .. 8c+7 (E4M3: half
-o % 2 of word (o // 2) % 4). It is written out here rather than calling ``tl.randint`` so the
-bits do not depend on the installed Triton's random module (the GPU image runs
-triton 3.6, CI 3.9): key = (seed_lo, seed_hi), counter = (offset low 32,
-offset high 32, 0, 0), ten rounds, constants of Salmon et al. (SC'11).
+    lo, hi = split_seed(seed)                      # host: a Python int seed -> the two kernel arguments
+    w0, w1, w2, w3 = philox4x32(lo, hi, counters)  # in a kernel; philox_bits(lo, hi, offsets) is w0 (RHT signs)
+    r = philox_sr8(lo, hi, c)                      # SR bits of offsets 16c..16c+15 (philox_sr16: 16 bits, 8c..8c+7)
 
-``split_seed(seed)`` turns a Python int seed into the two kernel arguments.
+Bit for bit ``philox.philox4x32(seed, counters)`` with ``seed = hi << 32 | lo``, and ``philox_sr8`` /
+``philox_sr16`` are ``philox.sr_bits`` (their docstrings give the layout). It is written out here rather than
+calling ``tl.randint`` so the bits do not depend on the installed Triton's random module (the GPU image runs
+triton 3.6, CI 3.9).
 
 Leaves out: the 64-bit variant (nothing uses it).
 """
@@ -44,6 +38,9 @@ def _mul_wide(a, C: tl.constexpr):
 @triton.jit
 def philox4x32(seed_lo, seed_hi, counters):
     """The four uint32 Philox4x32-10 outputs for each int64 counter (``philox.philox4x32``).
+
+    key = (seed_lo, seed_hi), counter = (offset low 32, offset high 32, 0, 0), ten rounds, the constants of
+    Salmon et al. (SC'11); not ``tl.randint``, so the bits do not depend on the installed Triton.
 
     About 40 instructions a call on sm_90 (a wide multiply and a 3-input XOR
     per word per round); the keys live in uniform registers.

@@ -1,25 +1,14 @@
 """Per-head RMSNorm then rotary embedding of queries and keys, in one Triton launch (Qwen3's qk-norm + RoPE).
 
-    q_out, k_out = qk_norm_rope(q, k, wq, wk, eps_q, eps_k, cos, sin)
+    q_out, k_out = qk_norm_rope(q, k, wq, wk, eps_q, eps_k, cos, sin)      # cache=(v, kc, vc, slot, pos) too
 
-For every head row x (q [B, T, Hq, D] and k [B, T, Hkv, D]: a token's heads contiguous, tokens at any stride,
-so the q/k views of a stacked q/k/v GEMM's output are read in place) and cos/sin [B, T, D]:
-
-    h = rmsnorm_triton's norm of x with its weight          (the same formula and loop)
-    out = h * cos + rotate_half(h) * sin                     (HF's `apply_rotary_pos_emb`)
-
-with HF's roundings: h in promote(weight, x) (the norm's output dtype), each product and the sum rounded to
-promote(h, cos) (torch's elementwise ops, one rounding each, no FMA: `enable_fp_fusion=False`).
-rotate_half(h)[i] is -h[i + D/2] for i < D/2 and h[i - D/2] above: each program recomputes the partner
-element's norm value from its input (elementwise, so exactly the value the norm gave it). One program per
-head row with a fixed sum order, so a row's bits depend on that row alone (batch-invariant). Every pass of
+For every head row x of q [B, T, Hq, D] and k [B, T, Hkv, D] (a token's heads contiguous, tokens at any stride,
+so the q/k views of a stacked q/k/v GEMM's output are read in place) and cos/sin [B, T, D]: h = rmsnorm_triton's
+norm of x, out = h * cos + rotate_half(h) * sin (HF's `apply_rotary_pos_emb`), with HF's roundings
+(`_norm_rope_row` states them). One program per head row with a fixed sum order: batch-invariant. Every pass of
 trainer and samplers runs this kernel (`trainer/fused_attention.py`; training through an autograd Function),
-which is what makes them agree. It runs the same loop as `rmsnorm_triton`, and on the H200 it equals the
-fused norm followed by HF's rotary ops bitwise for D = 64 and 128 (tested); by construction it need not
-(`tl.sum`'s tree is the compiler's layout choice for each kernel).
-
-Optionally (`cache=`) the key rows and their tokens' value rows also go into the engine's KV cache, rounded as
-`attention_triton.cache_write` rounds them (the decode step's cache write is no launch of its own).
+which is what makes them agree. With `cache=` the key and value rows also go into the engine's KV cache,
+rounded as `attention_triton.cache_write` rounds them (the decode step's cache write is no launch of its own).
 
 Leaves out: odd head dims, partial rotary (rotary dim < head dim), interleaved (GPT-J) rotation, a row of
 more than 1024 elements (one chunk).
@@ -40,6 +29,15 @@ from rl4bit.kernels.rmsnorm_triton import FLOAT_TL, round_to, rsqrt_f32, square_
 @triton.jit
 def _norm_rope_row(x_ptr, w_ptr, y_ptr, cos_ptr, sin_ptr, r, heads, s_t, D, eps, H_DTYPE: tl.constexpr,
                    ASM: tl.constexpr, BLOCK: tl.constexpr):
+    """Head row r: h = rmsnorm_triton's norm of x with its weight (the same formula and loop), then
+    out = h * cos + rotate_half(h) * sin (HF's `apply_rotary_pos_emb`).
+
+    HF's roundings: h in promote(weight, x) (the norm's output dtype), each product and the sum rounded to
+    promote(h, cos) (torch's elementwise ops, one rounding each, no FMA: `enable_fp_fusion=False`).
+    rotate_half(h)[i] is -h[i + D/2] for i < D/2 and h[i - D/2] above: the program recomputes the partner
+    element's norm value from its input (elementwise, so exactly the value the norm gave it). On the H200 this
+    equals the fused norm followed by HF's rotary ops bitwise for D = 64 and 128 (tested); by construction it
+    need not (`tl.sum`'s tree is the compiler's layout choice for each kernel)."""
     offs = tl.arange(0, BLOCK)
     live = offs < D
     bt = r // heads

@@ -1,24 +1,14 @@
 """QTensor: a quantized tensor (codes + block scales + outer scale), the shared contract.
 
-One dataclass for all three formats of rl4bit (NVFP4, MXFP8, S2F6; see
-``shared/docs/numerics.md``). It only holds data: quantizing and dequantizing
-live in ``nvfp4.py`` / ``mxfp8.py`` / ``s2f6.py`` and the dispatching
-``api.py``. Decoded value = code value x block scale x outer.
+    q = quantize(x, "nvfp4")      # rl4bit.kernels.api: a QTensor; q.data, q.scale, q.outer, q.fmt, q.shape
 
-Field layouts (blocks always along the last, K, dimension):
+One dataclass for all three formats of rl4bit (NVFP4, MXFP8, S2F6; see docs/numerics.md). It only holds data:
+quantizing and dequantizing live in ``nvfp4.py`` / ``mxfp8.py`` / ``s2f6.py`` and the dispatching ``api.py``.
+Decoded value = code value x block scale x outer, blocks always along the last (K) dimension; ``QTensor``'s
+docstring gives each format's field layouts.
 
-| fmt   | data                                   | scale                      | outer                         |
-|-------|----------------------------------------|----------------------------|-------------------------------|
-| nvfp4 | uint8 [..., K/2] (two codes a byte)    | float8_e4m3fn [..., K/16]  | float32 1/S_enc (see below)  |
-| mxfp8 | float8_e4m3fn [..., K]                 | float8_e8m0fnu [..., K/32] | float32 ones (shape [1]*ndim) |
-| s2f6  | int8 [..., K] (value = int8/64)        | float8_e8m0fnu [..., K/32] | float32 ones (shape [1]*ndim) |
-
-nvfp4 data: element 2i in the low nibble, code = sign<<3 or magnitude index; its outer scale broadcasts to
-[..., 1].
-
-Leaves out: swizzled (128x4) scale layouts for Blackwell GEMMs, and any
-tensor-subclass / autograd behaviour (torchao's NVFP4Tensor does that; here a
-QTensor is plain data that kernels and exporters read).
+Leaves out: swizzled (128x4) scale layouts for Blackwell GEMMs, and any tensor-subclass / autograd behaviour
+(torchao's NVFP4Tensor does that; here a QTensor is plain data that kernels and exporters read).
 """
 
 from __future__ import annotations
@@ -34,7 +24,17 @@ _BITS_PER_VALUE = {"nvfp4": 4.5, "mxfp8": 8.25, "s2f6": 8.25}
 
 @dataclass
 class QTensor:
-    """A block-quantized tensor; see the module docstring for the layouts."""
+    """A block-quantized tensor. Field layouts (blocks always along the last, K, dimension):
+
+    | fmt   | data                                   | scale                      | outer                         |
+    |-------|----------------------------------------|----------------------------|-------------------------------|
+    | nvfp4 | uint8 [..., K/2] (two codes a byte)    | float8_e4m3fn [..., K/16]  | float32 1/S_enc (see below)   |
+    | mxfp8 | float8_e4m3fn [..., K]                 | float8_e8m0fnu [..., K/32] | float32 ones (shape [1]*ndim) |
+    | s2f6  | int8 [..., K] (value = int8/64)        | float8_e8m0fnu [..., K/32] | float32 ones (shape [1]*ndim) |
+
+    nvfp4 data: element 2i in the low nibble, code = sign<<3 or magnitude index; its outer scale broadcasts to
+    [..., 1].
+    """
 
     data: torch.Tensor
     """Element codes: uint8 (two E2M1 codes a byte), float8_e4m3fn, or int8."""

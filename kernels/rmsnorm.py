@@ -3,27 +3,13 @@
     fuse_norm(module)          # by `trainer.surgery.convert_model`, for every HF RMSNorm it reproduces
     y = module(x)              # CUDA: rmsnorm_triton (autograd: HF's eager backward); CPU: HF's forward
 
-Why: a decoder layer runs four RMSNorms (input, post-attention, q and k), each
-six to eight small kernels in HF's eager form (casts, pow, mean, add, rsqrt,
-two products): ~30 of the ~95 kernels of a batch-1 decode step's layer, which
-is bound by its kernel count, not by reading weights. One kernel each instead.
-
-Numerics: `rmsnorm_triton` documents the order (HF's elementwise roundings, a
-fixed sum order a row). Every process of a job converts its model with
-the same `convert_model`, so trainer and samplers run the same kernel on the
-same rows: their norms agree bitwise. `reference` is HF's formula as torch ops,
-which `fuse_norm` checks bitwise against the module's own forward on a probe
-before replacing anything: a norm with another formula (Gemma's `1 + weight`,
-an FP32 output cast, no weight) keeps its forward.
-
-The backward recomputes `reference` under autograd from the saved input (HF's
-own gradient up to the rounding of the recomputed rstd): correct, not fused.
-
-`rl4bit.kernels.fused` holds the switch (process-global; off sends every
-fused norm back to HF's forward).
-
-`add_rms_norm` is the same kernel with a decoder layer's residual add in it
-(`trainer.fused_layer` calls it for the post-attention norm).
+Why: a decoder layer's four RMSNorms (input, post-attention, q and k) are six to eight small kernels each in
+HF's eager form: ~30 of the ~95 kernels of a batch-1 decode step's layer, which is bound by its kernel count,
+not by reading weights. One kernel each instead. Every process of a job converts its model with the same
+`convert_model`, so trainer and samplers run the same kernel on the same rows and their norms agree bitwise
+(`rmsnorm_triton` documents the order). `fuse_norm` replaces only forwards that are bitwise `reference` on
+probes (`reproduces`); the backward recomputes `reference` (`_FusedRMSNorm`). `add_rms_norm` also takes a
+decoder layer's residual add. `rl4bit.kernels.fused` holds the process-global switch (off: HF's forward).
 
 Leaves out: LayerNorm, vLLM (its own kernels).
 """
@@ -45,6 +31,9 @@ def reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
 
 
 class _FusedRMSNorm(torch.autograd.Function):
+    """The kernel forward; the backward recomputes `reference` under autograd from the saved input (HF's own
+    gradient up to the rounding of the recomputed rstd): correct, not fused."""
+
     @staticmethod
     def forward(ctx, x, weight, eps):
         from rl4bit.kernels.rmsnorm_triton import rms_norm
@@ -116,7 +105,8 @@ def add_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):
     """(residual + x, HF's RMSNorm of it) in one kernel when enabled for x's device and the dtypes suit it, else
-    `add_reference`; the kernel is the plain norm's own (`rmsnorm_triton.add_rms_norm`)."""
+    `add_reference`; the kernel is the plain norm's own (`rmsnorm_triton.add_rms_norm`). `trainer.fused_layer`
+    calls it for the post-attention norm."""
     floats = (torch.float32, torch.bfloat16, torch.float16)
     if not enabled(x.device.type) or any(t.dtype not in floats for t in (x, residual, weight)) \
             or x.shape != residual.shape or weight.dim() != 1 or weight.shape[0] != x.shape[-1]:
@@ -137,7 +127,9 @@ def _fused_forward(module: nn.Module, orig_forward, hidden_states: torch.Tensor)
 def reproduces(module: nn.Module) -> bool:
     """True when `module`'s forward is bitwise `reference` on probes: FP32 and BF16 rows, a random weight in
     the module's weight dtype (all-ones, HF's init, would hide where the weight product is rounded), on the
-    module's device. The module must hold exactly one tensor, `weight`, and a float `variance_epsilon`."""
+    module's device. The module must hold exactly one tensor, `weight`, and a float `variance_epsilon`.
+    `reference` is HF's formula as torch ops, so a norm with another formula (Gemma's `1 + weight`, an FP32
+    output cast, no weight) keeps its own forward."""
     w = getattr(module, "weight", None)
     eps = getattr(module, "variance_epsilon", None)
     state = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]

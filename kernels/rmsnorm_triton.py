@@ -1,33 +1,16 @@
 """RMSNorm in one Triton kernel: Hugging Face's six-op RMSNorm forward, same roundings, one pass per row.
 
-    y = weight * (x_fp32 * rsqrt(mean(x_fp32²) + eps)).to(x.dtype)      (HF Qwen3/Llama/Mixtral/OLMoE RMSNorm)
+    y = rms_norm(x, weight, eps)                     # HF Qwen3/Llama/Mixtral/OLMoE RMSNorm, over the last dim
+    s, y = add_rms_norm(x, residual, weight, eps)    # with the decoder layer's residual add: s = residual + x
 
-One program per row. The sum of squares: FP32 lanes over BLOCK-wide chunks in
-order (BLOCK from the row length only), each square rounded to FP32 by itself
-(`square_rn`, an opaque `mul.rn`: no compiler may contract it with the add),
-one tree sum (`tl.sum`), then `div_rn` by the row length; `rsqrt_f32` is the
-instruction torch.rsqrt runs. The rest is elementwise with HF's roundings: the
-normalized value rounded to the input dtype, then one FP32 product with the
-weight rounded to the output dtype (torch's type promotion of weight and input;
-torch too computes that product in FP32 and rounds it once).
+computes y = weight * (x_fp32 * rsqrt(mean(x_fp32²) + eps)).to(x.dtype) with HF's elementwise roundings and a
+fixed sum order a row (`_rms_norm_kernel` states both), so a row's bits depend on that row, its weight and eps
+alone (never on the row count: batch-invariant by construction). The trainer and the embedded samplers run
+this kernel (`rmsnorm.py`), which is what makes their norms agree bitwise. On the GPU it agrees with HF's
+forward to rounding; it is not bitwise any other kernel's reduction (`tl.sum`'s tree is per kernel).
 
-So a row's bits depend on that row, its weight and eps alone (never on the row
-count: batch-invariant by construction). The trainer and the embedded samplers run
-this kernel (`rmsnorm.py`), which is what makes their norms agree bitwise. It is
-not bitwise any other kernel's reduction: `tl.sum`'s tree follows the layout the
-compiler picks for this kernel, so even the invariant mode's mean kernel, with
-the same loop, can sum in another order (measured on the H200: FP32 rows of
-1100 differ from HF's forward in the invariant mode in the last bit of rstd in
-some rows; BF16 rows and the 128/1024/2048 lengths tried were equal). Under the
-interpreter (numpy sums) it is bitwise HF's forward in the invariant mode, which
-checks the elementwise formula; on the GPU it agrees with HF's forward to rounding.
-
-`add_rms_norm` takes a decoder layer's residual add too (the same kernel,
-HAS_R = 1): the sum rounded once to its dtype, as torch's add, stored and
-normalized; `trainer.fused_layer` calls it for the post-attention norm.
-
-Leaves out: the backward (`rmsnorm.py` recomputes HF's eager ops for it), rows
-whose elements are not contiguous (the caller copies).
+Leaves out: the backward (`rmsnorm.py` recomputes HF's eager ops for it), rows whose elements are not
+contiguous (the caller copies).
 """
 
 from __future__ import annotations
@@ -96,7 +79,20 @@ def rsqrt_f32(v, ASM: tl.constexpr):
 def _rms_norm_kernel(x_ptr, r_ptr, s_ptr, w_ptr, y_ptr, C, HAS_R, eps, ASM: tl.constexpr, BLOCK: tl.constexpr):
     """y = RMSNorm of row v; v = x (HAS_R 0; s_ptr is x_ptr, r_ptr unused), or v = x + r rounded to s's dtype,
     also stored at s (HAS_R 1). HAS_R is a run-time argument, never specialized: both modes are one compiled
-    kernel when the pointers' dtypes agree."""
+    kernel when the pointers' dtypes agree. With HAS_R 1 the sum is rounded once to its dtype, as torch's add.
+
+    One program per row. The sum of squares: FP32 lanes over BLOCK-wide chunks in order (BLOCK from the row
+    length only), each square rounded to FP32 by itself (`square_rn`: no compiler may contract it with the add),
+    one tree sum (`tl.sum`), then `div_rn` by the row length; `rsqrt_f32` is the instruction torch.rsqrt runs.
+    The rest is elementwise with HF's roundings: the normalized value rounded to the input dtype, then one FP32
+    product with the weight rounded to the output dtype (torch's type promotion of weight and input; torch too
+    computes that product in FP32 and rounds it once).
+
+    `tl.sum`'s tree follows the layout the compiler picks for this kernel, so even the invariant mode's mean
+    kernel, with the same loop, can sum in another order (on the H200, FP32 rows of 1100 differed from HF's
+    forward in the invariant mode in the last bit of rstd in some rows; BF16 rows and the 128/1024/2048 lengths
+    tried were equal). Under the interpreter (numpy sums) it is bitwise HF's forward in the invariant mode,
+    which checks the elementwise formula."""
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     s_ty = s_ptr.dtype.element_ty

@@ -2,26 +2,13 @@
 
     order, tok, counts, inv, _, offs = expert_order(top_k_index.reshape(-1), num_experts, k)
 
-is, for a flat index of at most MAX_ENTRIES entries (a decode step's routing),
-
-    order = argsort(flat, stable=True)      int64: entries grouped by expert, entry order kept within one
-    tok = order // k                        int64: the token each grouped entry came from
-    counts = bincount(flat, num_experts)    int32 [E]: entries per expert (an index >= E is not counted and,
-                                            being the largest key, sorts last: the EP sentinel)
-
-exactly torch's for indices in [0, E] (E: the expert-parallel sentinel). Any index outside [0, E) counts as
-that sentinel here: sorts last, in entry order, uncounted (torch would order distinct out-of-range values
-by value, and negative ones first); never an out-of-bounds write.
-    inv[order] = arange(n)                  int64: each entry's place in the grouped order (the combine's)
-    tile map (optional)                     int32 [3, T]: `qgemm_triton.tile_map(counts, n, block_m)`, for the
-                                            grouped GEMMs that follow (one launch fewer a layer)
-    offs = cumsum(counts)                   int32 [E]: each expert's end row, `torch._grouped_mm`'s offs (the
-                                            BF16 experts' two GEMMs: their two cumsums, four launches, gone)
-
-in one program: a bitonic sort (`tl.sort`) of the unique keys `expert * BLOCK + entry` and a histogram.
-Integers only, so the results are exactly torch's (tested against `argsort` / `bincount`); what it saves
-is kernels: torch's version is about six launches (sort, index fill, zeros, ones, index_add, floor divide),
-one of the decode step's costs (kernel count, not bytes). Larger inputs (training) keep torch's ops.
+is, for a flat index of at most MAX_ENTRIES entries (a decode step's routing), exactly torch's
+``argsort(flat, stable=True)``, ``order // k``, ``bincount(flat, num_experts)``, ``inv[order] = arange(n)`` and
+``cumsum(counts)`` (`expert_order` gives dtypes and the expert-parallel sentinel), optionally with the grouped
+GEMMs' tile map. One program: a bitonic sort (`tl.sort`) of the unique keys `expert * BLOCK + entry` and a
+histogram. Integers only, so the results are exactly torch's (tested against `argsort` / `bincount`); what it
+saves is kernels: torch's version is about six launches, one of the decode step's costs (kernel count, not
+bytes). Larger inputs (training) keep torch's ops.
 
 Leaves out: torch's order among distinct out-of-range indices (the caller's routing never makes them).
 """
@@ -73,7 +60,22 @@ def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int 
     """(order int64, tok int64, counts int32 [E], inv int64, tile map or None, offs int32 [E]) of a flat int index
     of <= MAX_ENTRIES entries (see module doc); map_block_m > 0: also the grouped GEMMs' tile map of the counts for
     row tiles of that many rows (`qgemm_triton.tile_map(counts, N, map_block_m)`'s int32 [3, T]), in the same
-    launch. num_warps: the program's warps (None: `route_warps`; the results never depend on it)."""
+    launch. num_warps: the program's warps (None: `route_warps`; the results never depend on it).
+
+        order = argsort(flat, stable=True)      int64: entries grouped by expert, entry order kept within one
+        tok = order // k                        int64: the token each grouped entry came from
+        counts = bincount(flat, num_experts)    int32 [E]: entries per expert (an index >= E is not counted and,
+                                                being the largest key, sorts last: the EP sentinel)
+        inv[order] = arange(n)                  int64: each entry's place in the grouped order (the combine's)
+        tile map (optional)                     int32 [3, T]: `qgemm_triton.tile_map(counts, n, block_m)`, for
+                                                the grouped GEMMs that follow (one launch fewer a layer)
+        offs = cumsum(counts)                   int32 [E]: each expert's end row, `torch._grouped_mm`'s offs
+                                                (the BF16 experts' two cumsums, four launches, gone)
+
+    Exactly torch's for indices in [0, E] (E: the expert-parallel sentinel). Any index outside [0, E) counts as
+    that sentinel here: sorts last, in entry order, uncounted (torch would order distinct out-of-range values by
+    value, and negative ones first); never an out-of-bounds write. Torch's version is about six launches (sort,
+    index fill, zeros, ones, index_add, floor divide)."""
     n = flat.numel()
     if n > MAX_ENTRIES or flat.dim() != 1 or flat.dtype not in (torch.int64, torch.int32):
         raise ValueError(f"expert_order: a 1-D int index of <= {MAX_ENTRIES} entries, got {tuple(flat.shape)} "

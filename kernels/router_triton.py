@@ -1,31 +1,15 @@
 """An MoE router's gate in two Triton launches: logits, softmax, top-k and the renormalized top-k weights.
 
-    logits, weights, index = route_topk(x, w, top_k, normalize, compute_dtype)
+    logits, weights, index = route_topk(x, w, top_k, normalize, compute_dtype)      # live= marks padding rows
 
-For x [T, H] (any float dtype) and the gate weight w [E, H], per token row (C = `compute_dtype`: what HF's
-`F.linear` would run in, the autocast dtype or the operands' promotion; FP32 for rl4bit's FP32 routers):
-
-    part_c = sum over the CHUNK hidden columns of chunk c of C(x_k) * C(w_ek)     FP32 products, no FMA;
-             BLOCK_K columns at a time summed by `tl.sum`, those steps added in order   (`_partial_kernel`)
-    logits = C((part_0 + part_1) + ...)       the chunks in order                        (`_topk_kernel`)
-    p = exp(logits - max) / sum(exp(...))     FP32 (IEEE division), over the E experts
-    index = the top_k largest p, largest first; equal values: the lower expert first; NaN counts as largest
-    weights = C(p_index / ((p_0 + p_1) + ...)) with `normalize` (left to right, in the order chosen),
-              else C(p_index)
-
-which is Qwen3-MoE's router (`Qwen3MoeTopKRouter`: `F.linear`, `softmax(dtype=float)`, `topk`, the in-place
-renormalization, `.to(logits.dtype)`), to rounding: other sum orders and `tl.exp`, so not torch's bits. What it
-promises instead is rl4bit's rule for every fused kernel: a row's bits depend on that row alone (every tile
-shape and the chunking come from E and C, never from T), and the trainer (`trainer/fused_router.py`,
-training through an autograd Function) and the samplers run these same kernels, so they agree bitwise. On a
-decode step two launches replace about seven (the FP32 input cast, cuBLAS's GEMM and split-K reduce, softmax,
-top-k's two kernels, the sum and the division); the chunks spread a one-token GEMV over H / CHUNK programs.
-No `tl.dot`: an FP32 `tl.dot` (FMA) is many times slower at one token, and under TRITON_INTERPRET=1 it is
-numpy's matmul, whose row bits moved with the row's place in the tile (`invariant_triton.interpreter_dot`).
-
-Padding rows (`trainer.padding`, the engine's): with a `live` mask the top-k kernel reads row 0's partials for
-every row marked padding, so those rows get row 0's logits, weights and experts (the expert GEMMs then read no
-weights for them that a real row does not need); a live row's outputs are its own, bitwise as without a mask.
+Qwen3-MoE's router (`Qwen3MoeTopKRouter`: `F.linear`, `softmax(dtype=float)`, `topk`, the in-place
+renormalization, `.to(logits.dtype)`) to rounding: other sum orders and `tl.exp`, so not torch's bits
+(`route_topk` states the formula and order). What it promises instead is rl4bit's rule for every fused kernel:
+a row's bits depend on that row alone (every tile shape and the chunking come from E and C, never from T), and
+the trainer (`trainer/fused_router.py`, through an autograd Function) and the samplers run these same kernels,
+so they agree bitwise. On a decode step two launches replace about seven (input cast, cuBLAS's GEMM and
+split-K reduce, softmax, top-k's two kernels, sum, division); the chunks spread a one-token GEMV over
+H / CHUNK programs. No `tl.dot` (`_partial_kernel` says why).
 
 Leaves out: more than 256 experts, grouped / biased routing (DeepSeek-V3), a softmax after the top-k (Mixtral).
 """
@@ -64,7 +48,10 @@ def _partial_kernel(x_ptr, w_ptr, part_ptr, T, H, E, s_xt, s_we, C: tl.constexpr
                     W_IS_C: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
                     CHUNK: tl.constexpr):
     """part[c, t, e] = sum over hidden columns of chunk c of C(x[t, k]) * C(w[e, k]) (FP32 products, each
-    BLOCK_K step summed by `tl.sum`, the steps added in order)."""
+    BLOCK_K step summed by `tl.sum`, the steps added in order).
+
+    No `tl.dot`: an FP32 `tl.dot` (FMA) is many times slower at one token, and under TRITON_INTERPRET=1 it is
+    numpy's matmul, whose row bits moved with the row's place in the tile (`invariant_triton.interpreter_dot`)."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     chunk = tl.program_id(1).to(tl.int64)
     t_ok = t < T
@@ -132,8 +119,21 @@ def route_topk(x: torch.Tensor, w: torch.Tensor, top_k: int, normalize: bool, co
                live: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logits [T, E] in C, weights [T, top_k] in C, index [T, top_k] int64) of x [T, H] and w [E, H] (see the
     module docstring). live: an int32 / int64 [T] mask on x's device (`trainer.padding`); rows where it is 0 get
-    row 0's outputs (padding rows routed onto a real row's experts), the others their own, bitwise as without it.
-    Raises ValueError for shapes or dtypes it does not cover."""
+    row 0's outputs (padding rows routed onto a real row's experts, so the expert GEMMs read no weights for them
+    that a real row does not need), the others their own, bitwise as without it.
+    Raises ValueError for shapes or dtypes it does not cover.
+
+    Per token row, C = `compute_dtype` (what HF's `F.linear` would run in, the autocast dtype or the operands'
+    promotion; FP32 for rl4bit's FP32 routers):
+
+        part_c = sum over the CHUNK hidden columns of chunk c of C(x_k) * C(w_ek)    FP32 products, no FMA;
+                 BLOCK_K columns at a time summed by `tl.sum`, those steps added in order  (`_partial_kernel`)
+        logits = C((part_0 + part_1) + ...)       the chunks in order                       (`_topk_kernel`)
+        p = exp(logits - max) / sum(exp(...))     FP32 (IEEE division), over the E experts
+        index = the top_k largest p, largest first; equal values: the lower expert first; NaN counts as largest
+        weights = C(p_index / ((p_0 + p_1) + ...)) with `normalize` (left to right, in the order chosen),
+                  else C(p_index)
+    """
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"route_topk: x {tuple(x.shape)}, w {tuple(w.shape)}: need x [T, H] and w [E, H]")
     t, h = x.shape

@@ -1,29 +1,17 @@
 """The stochastic-rounding rule shared by every format (reference and Triton alike).
 
-Spec ``shared/docs/numerics.md``, "Random bits for stochastic rounding". For a magnitude y (fp32,
-already scaled; the sign is handled by the caller) with grid neighbours
-lo <= y < hi, step = hi - lo (a power of two), and n the bits an element of the
-target format takes (8 for E2M1, 16 for E4M3):
+For a magnitude y (fp32, already scaled; the caller handles the sign) between grid neighbours lo <= y < hi,
+step = hi - lo (a power of two), and n the bits an element of the target format takes (8 E2M1, 16 E4M3):
 
-    r    = sr_bits(seed, offset, n)           # n-bit field of a Philox4x32-10 word (philox.py)
+    r    = element_bits(seed, shape, n)       # sr_bits of each element's flat output index (philox.py)
     frac = (y - lo) / step                    # fp32, exact on the E2M1/E4M3 grids
-    up   = floor(2**n * frac) + r >= 2**n     # integers; y on the grid (frac = 0) never goes up
+    up   = round_up(r, frac, n)               # floor(2**n * frac) + r >= 2**n; y on the grid never goes up
 
-This is TransformerEngine's software SR ("u = r / 2**n, add u * step,
-truncate") written exactly. It rounds up with probability
-floor(2**n * frac) / 2**n: frac truncated to n bits, so
-E[SR(y)] - y lies in (-step / 2**n, 0], at most 1/256 of a step for E2M1 and
-2**-16 for E4M3.
+TransformerEngine's software SR ("u = r / 2**n, add u * step, truncate") written exactly; ``round_up`` gives
+its bias, docs/numerics.md ("Stochastic rounding") the bit layout.
 
-``offset`` is the element's flat row-major index in the OUTPUT tensor of the
-quantize (for requantize: in the transposed output), so the bits do not depend
-on the launch geometry and the Triton kernels reproduce them exactly. One
-Philox call serves 16 consecutive E2M1 elements (four bytes of each of its
-four words) or 8 consecutive E4M3 elements (two 16-bit halves of each word).
-
-Leaves out: hardware SR (``cvt.rs``, sm_100a only); the lane order of its
-``rbits`` operand is not public, so a Blackwell kernel would permute bytes to
-reproduce these bits.
+Leaves out: hardware SR (``cvt.rs``, sm_100a only); the lane order of its ``rbits`` operand is not public, so
+a Blackwell kernel would permute bytes to reproduce these bits.
 """
 
 from __future__ import annotations
@@ -51,7 +39,10 @@ def check_seed(seed, what: str) -> int:
 def element_bits(seed: int, shape: torch.Size, n_bits: int, device: torch.device) -> torch.Tensor:
     """int64 r = sr_bits(seed, offset, n_bits) for every element of an output of `shape`.
 
-    The offset of an element is its flat row-major index in that output.
+    The offset of an element is its flat row-major index in that output (for requantize: in the transposed
+    output), so the bits do not depend on the launch geometry and the Triton kernels reproduce them exactly.
+    One Philox call serves 16 consecutive E2M1 elements (four bytes of each of its four words) or 8
+    consecutive E4M3 elements (two 16-bit halves of each word).
     """
     return sr_bits_range(seed, int(torch.Size(shape).numel()), n_bits, device).reshape(shape)
 
@@ -59,7 +50,9 @@ def element_bits(seed: int, shape: torch.Size, n_bits: int, device: torch.device
 def round_up(r: torch.Tensor, frac: torch.Tensor, n_bits: int) -> torch.Tensor:
     """True where the value goes to the upper neighbour: floor(2**n * frac) + r >= 2**n.
 
-    frac (fp32, in [0, 1)) times 2**n is exact, so its floor is the first n bits of frac.
+    frac (fp32, in [0, 1)) times 2**n is exact, so its floor is the first n bits of frac. This rounds up with
+    probability floor(2**n * frac) / 2**n, so E[SR(y)] - y lies in (-step / 2**n, 0]: at most 1/256 of a step
+    for E2M1 and 2**-16 for E4M3.
     """
     kept = torch.floor(frac * float(2**n_bits)).to(torch.int64)
     return kept + r.to(torch.int64) >= 2**n_bits

@@ -2,21 +2,13 @@
 
     y = swiglu(h)        # h [R, 2I] (gate columns first, HF's concatenated layout) -> y [R, I], h's dtype
 
-HF's MoE experts run `act_fn(gate) * up` as two elementwise kernels (SiLU, then the product) between the two
-expert GEMMs; here one launch, and the NVFP4 quantize kernel runs the same `swiglu_values` on the loads of
-its input (`nvfp4_triton.quantize_nvfp4(swiglu=True)`), so serving skips the SwiGLU tensor altogether and the
-down projection's input is quantized from exactly the values this kernel would write.
-
-Numerics, per element, in the order of HF's two torch ops at h's dtype T:
-
-    s = T(g / (1 + exp(-g)))        (FP32 arithmetic; Triton's exp, IEEE division)
-    y = T(s * u)
-
-Triton's `tl.exp` is not torch's `expf` (on the GPU it is an `ex2.approx` of a scaled argument), so y can
-differ from HF's ops in the last bit of T; the trainer's forward, its logprob recompute and the samplers all
-run this kernel (`rl4bit.trainer.fused_swiglu`), so they agree bitwise. An element's value depends on its
-own gate and up alone (no reduction): the same in any kernel that computes it with these ops, whatever the
-tile (launches use `enable_fp_fusion=False`, so no FMA contraction either).
+HF's MoE experts run `act_fn(gate) * up` as two elementwise kernels between the two expert GEMMs; here one
+launch, and the NVFP4 quantize kernel runs the same `swiglu_values` on its loads
+(`nvfp4_triton.quantize_nvfp4(swiglu=True)`), so serving never stores the SwiGLU tensor and the down
+projection's input is quantized from exactly the values this kernel would write. `swiglu_values` states the
+roundings: HF's two ops at h's dtype, but Triton's `tl.exp`, so y can differ from HF's in the last bit; the
+trainer's forward, its logprob recompute and the samplers all run this kernel (`rl4bit.trainer.fused_swiglu`),
+so they agree bitwise.
 
 Leaves out: other activations (GELU, ...), interleaved gate/up layouts, the backward (`fused_swiglu`
 differentiates the torch formula).
@@ -34,7 +26,15 @@ from rl4bit.kernels.rmsnorm_triton import FLOAT_TL, round_to
 
 @triton.jit
 def swiglu_values(g, u, T: tl.constexpr):
-    """FP32 gate and up -> FP32 holding T(T(silu(g)) * u) (module docstring)."""
+    """FP32 gate and up -> FP32 holding T(T(silu(g)) * u): per element, in the order of HF's two torch ops at T:
+
+        s = T(g / (1 + exp(-g)))        (FP32 arithmetic; Triton's exp, IEEE division)
+        y = T(s * u)
+
+    Triton's `tl.exp` is not torch's `expf` (on the GPU it is an `ex2.approx` of a scaled argument), so y can
+    differ from HF's ops in the last bit of T. An element's value depends on its own gate and up alone (no
+    reduction): the same in any kernel that computes it with these ops, whatever the tile (launches use
+    `enable_fp_fusion=False`, so no FMA contraction either)."""
     s = round_to(tl.div_rn(g, 1.0 + tl.exp(-g)), T)
     return round_to(s * u, T)
 

@@ -1,20 +1,13 @@
 """Route ``rl4bit.kernels.quantize`` / ``requantize`` to the Triton kernels; None = no kernel here.
 
-``api.py`` calls this on CUDA (unless RL4BIT_KERNELS=reference). Every function
-returns a QTensor in exactly the reference's layout (``qtensor.py``), bitwise
-equal to what the reference would return, or None when no kernel covers the
-case (16x16 tiles, FLOOR scales, bad arguments): the reference then runs and
-raises its own error message. A non-finite input is found by the kernel (a
-flag), and the reference's ``checks.check_input`` raises the same ValueError
-it would have raised; reading the flag is one device sync per call.
+    q = quantize(x, "nvfp4", outer="row")      # api.py on CUDA (unless RL4BIT_KERNELS=reference); None: reference
+    with deferred_checks(): ...                # CUDA graphs, decode steps: one non-finite check at exit
 
-Deferred checks (CUDA graphs, decode steps): inside ``with deferred_checks():``
-no call reads its flag; the kernels keep OR-ing into the persistent per-device
-flag (``formats_triton.nonfinite_flag``) and the block's exit reads it once
-(``check_deferred()``), raising ValueError if any quantize in the block saw
-NaN/Inf (which tensor is not known then: rerun the step without deferring to
-find it). A captured graph replays the same flag writes, so after
-``graph.replay()`` call ``check_deferred()`` (or replay inside the block).
+Every function returns a QTensor in exactly the reference's layout (``qtensor.py``), bitwise equal to what the
+reference would return, or None when no kernel covers the case (16x16 tiles, FLOOR scales, bad arguments):
+the reference then runs and raises its own error message. A non-finite input is found by the kernel (a flag),
+and ``checks.check_input`` raises the reference's ValueError; reading the flag is one device sync per call,
+which ``deferred_checks`` gathers into one read at the block's exit (its docstring: CUDA graphs, replays).
 
 Leaves out: autotuning (tile sizes are fixed heuristics in each ``*_triton.py``).
 """
@@ -50,6 +43,12 @@ def deferred_checks(host: bool = False):
     parallel stop raises on every rank, whichever rank's quantize met the NaN).
     ``host=True`` defers the host-side checks too (``checks.host_deferred``: the
     reference quantizers, every quantize on the CPU).
+
+    Inside the block no call reads its flag; the kernels keep OR-ing into the persistent per-device flag
+    (``formats_triton.nonfinite_flag``) and the exit reads it once (``check_deferred()``), raising ValueError if
+    any quantize in the block saw NaN/Inf (which tensor is not known then: rerun the step without deferring to
+    find it). A captured graph replays the same flag writes, so after ``graph.replay()`` call
+    ``check_deferred()`` (or replay inside the block).
     """
     if host:
         with checks.host_deferred(), deferred_checks():
