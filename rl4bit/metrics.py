@@ -17,10 +17,12 @@ Leaves out: remote trackers (W&B, MLflow); point them at metrics.jsonl.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -94,6 +96,49 @@ class PhasePeaks:
     def job(self, m: dict) -> None:
         if self._on():
             m["memory/job_peak_gib"] = self._fold() / 2**30
+
+
+class StepPhases:
+    """Which phase the job is in, and what each phase of an RL step took.
+
+        with phases("sample", peak=True):   # phases.name is "sample" until the next phase begins
+            ...
+        phases.seconds["sample"]             # its wall time; phases.memory: memory/sample_peak_gib (PhasePeaks)
+
+    `name` is what an out-of-memory error reports ("setup" before the first phase); `step` is the RL step being
+    run (0 before the run's first). `begin_step(step)` starts a step's clock, `end_step(m)` adds time/step_s and
+    the job's memory peak to the step's metrics `m`.
+    """
+
+    def __init__(self, peaks: PhasePeaks):
+        self.peaks, self.name, self.step = peaks, "setup", 0
+        self.seconds: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
+        self._t_step = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, *, peak: bool = False):
+        self.name = name
+        if peak:
+            self.peaks.start()
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - t0
+        if peak:
+            self.peaks.end(name, self.memory)
+
+    def begin_step(self, step: int) -> None:
+        self.step, self.seconds, self.memory = step, {}, {}
+        self._t_step = time.perf_counter()
+        self.peaks.step_start(self.memory)
+
+    def times(self, *names: str) -> dict[str, float]:
+        """time/{name}_s of the phases `names`."""
+        return {f"time/{n}_s": self.seconds[n] for n in names}
+
+    def end_step(self, m: dict) -> None:
+        m["time/step_s"] = time.perf_counter() - self._t_step
+        self.peaks.job(m)  # after the evaluation: the job's peak so far, every phase included
 
 
 PLOTS = {

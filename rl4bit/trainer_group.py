@@ -7,6 +7,7 @@
     bucket = group.weight_bucket(i)                    # all ranks all-gather bucket i's layers; rank 0's bucket
     group.save_checkpoint(run_dir, step, {"data": ...}, keep=2)   # per-rank shards + manifest.json
     meta = group.load_checkpoint(run_dir)              # -> state.json (step, "data", ...); trainer state restored
+                                                       # (a one-rank Trainer has the same two, as futures)
     group.shutdown()
 
 Each rank is a `RankWorker` (one process: it joins the torch.distributed group,
