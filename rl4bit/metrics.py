@@ -33,8 +33,8 @@ STEP_KEYS = (
     "reward/mean", "reward/std", "reward/errors", "reward/zero_spread_frac",
     "rollout/clipped_frac", "rollout/completion_len_mean", "rollout/completion_len_max", "rollout/prompt_len_mean",
     "rollout/tokens_per_s", "ppo/clip_frac", "ratio/mean", "ratio/min", "ratio/max", "tis/truncated_frac",
-    "mismatch/k3", "mismatch/max_abs", "policy/entropy", "policy/version", "loss", "grad_norm", "sync/bytes", "sync/seconds",
-    "sync/direct", "time/sample_s", "time/score_s", "time/train_s", "time/sync_s", "time/step_s",
+    "mismatch/k3", "mismatch/max_abs", "policy/entropy", "policy/version", "loss", "grad_norm", "sync/bytes",
+    "sync/seconds", "sync/direct", "time/sample_s", "time/score_s", "time/train_s", "time/sync_s", "time/step_s",
 )
 """Logged every RL step."""
 MEMORY_KEYS = ("memory/step_start_gib", "memory/graph_pools_gib", "memory/sample_peak_gib", "memory/train_peak_gib",
@@ -158,7 +158,8 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"),
+                                    purge_step=start_step + 1 if start_step else None)
         from rich.console import Console
 
         self.console = Console(stderr=True)
@@ -205,7 +206,8 @@ class MetricsLogger:
             self.warn(f"step {step}: EVERY completion hit sampler.max_new_tokens; rewards cannot tell them apart. "
                       "Raise sampler.max_new_tokens or add a stop string.")
         if m.get("reward/zero_spread_frac") == 1.0:
-            self.warn(f"step {step}: EVERY group has zero reward spread, so every advantage is 0 and nothing is learned. "
+            self.warn(f"step {step}: EVERY group has zero reward spread, so every advantage is 0 and nothing is "
+                      "learned. "
                       "The task is too hard or too easy for the policy: change the prompts (data.digits for the "
                       "arithmetic task, the prompt file otherwise), the warm start or the reward.")
 

@@ -1,4 +1,5 @@
-"""The Sampler actor with `backend: vllm`: built from a converted model, synced through rl4bit.trainer.weight_sync buckets.
+"""The Sampler actor with `backend: vllm`: built from a converted model, synced through rl4bit.trainer.weight_sync
+buckets.
 
 Run: bash scripts/test_vllm.sh
 """
