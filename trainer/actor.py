@@ -31,6 +31,7 @@ from rl4bit.common.checkpoint import load_checkpoint, save_checkpoint
 from rl4bit.common.checkpoint_format import CheckpointError
 from rl4bit.kernels import NonFiniteInputError, deferred_checks, invariant
 from rl4bit.trainer import grpo
+from rl4bit.trainer.batch import TrainBatch, microbatches, pad, stack
 from rl4bit.trainer.config import ModelConfig, RLConfig, TrainerConfig
 from rl4bit.trainer.logprobs import sequence_logprobs
 from rl4bit.trainer.models import autocast_dtype, build_model
@@ -43,33 +44,6 @@ from rl4bit.trainer.weight_sync import WeightSender
 
 class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a NaN/Inf loss or gradient."""
-
-
-@dataclass
-class TrainBatch:
-    """One RL step's rollouts, group after group (samples_per_prompt consecutive rows share a prompt)."""
-
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    sampler_logprobs: list[list[float]]
-    advantages: list[float]
-
-
-# --------------------------------------------------------------------------- micro-batches
-
-
-def microbatches(lengths: list[int], tokens_per_microbatch: int) -> list[list[int]]:
-    """Consecutive index groups whose summed lengths stay within the budget (a longer sequence goes alone)."""
-    out, cur, used = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and used + n > tokens_per_microbatch:
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        out.append(cur)
-    return out
 
 
 @dataclass
@@ -96,21 +70,6 @@ class _StepState:
         lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.prompt_ids))]
         mbs = [[keep[j] for j in mb] for mb in microbatches([lengths[i] for i in keep], tokens_per_microbatch)]
         return cls(keep, mbs, float(sum(len(batch.completion_ids[i]) for i in keep)), float(len(keep)))
-
-
-def _pad(seqs: list[list[float]], dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, mask) [len(seqs), longest] fp32, zero-padded; built on the host, one copy to `dev`."""
-    t = max(len(s) for s in seqs)
-    vals = torch.zeros(len(seqs), t)
-    mask = torch.zeros(len(seqs), t)
-    for i, s in enumerate(seqs):
-        vals[i, : len(s)] = torch.as_tensor(s, dtype=torch.float32)
-        mask[i, : len(s)] = 1
-    return to_device(vals, dev), to_device(mask, dev)
-
-
-def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -404,9 +363,9 @@ class Trainer:
                     for i, lp in zip(mb, self._logprobs(self.ref_model, batch, mb)[0]):
                         ref[i] = lp
             sums["entropy"] += entropy.item()
-        logp, mask = _stack(logp_list), _pad([batch.completion_ids[i] for i in mb], self.device)[1]
-        old_lp = _stack([old[i] for i in mb])
-        samp = _pad([batch.sampler_logprobs[i] for i in mb], self.device)[0]
+        logp, mask = stack(logp_list), pad([batch.completion_ids[i] for i in mb], self.device)[1]
+        old_lp = stack([old[i] for i in mb])
+        samp = pad([batch.sampler_logprobs[i] for i in mb], self.device)[0]
         if epoch == 0:
             # KL(sampler || trainer), in float64: an FP32 k3 is rounding noise below ~1e-7 a token
             sums["k3"] += grpo.k3(samp.double(), old_lp.double())[mask.bool()].sum().item()
@@ -414,7 +373,7 @@ class Trainer:
             sums["max_abs"] = max(sums["max_abs"], gap.max().item() if gap.numel() else 0.0)
         adv = to_device(torch.tensor([batch.advantages[i] for i in mb]), self.device)
         return grpo.ppo_clip_loss(logp, old_lp, adv, mask, clip_eps=rl.clip_eps, agg=rl.loss_agg, sampler_logp=samp,
-                                  ref_logp=_stack([ref[i] for i in mb]) if ref else None, kl_coef=rl.kl_coef,
+                                  ref_logp=stack([ref[i] for i in mb]) if ref else None, kl_coef=rl.kl_coef,
                                   **loss_kw)
 
     def _dummy_microbatch(self, epoch: int) -> None:
