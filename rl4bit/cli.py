@@ -53,7 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("train", help="run an RL fine-tuning job", description="Run an RL job from a YAML config; writes a run dir.")
+    p = sub.add_parser("train", help="run an RL fine-tuning job",
+                       description="Run an RL job from a YAML config; writes a run dir.")
     p.add_argument("config", nargs="?", help="YAML job file, e.g. configs/quickstart.yaml (not needed with --resume)")
     p.add_argument("--out", help="run directory (default runs/<name>-<timestamp>)")
     p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
@@ -89,7 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                        description="compressed-tensors (default): the quantized tensors, read by vLLM and rl4bit, not "
                                    "by plain transformers. hf: a plain BF16 Hugging Face checkpoint of the same "
                                    "weights (dequantized), read by transformers, lm-eval-harness, PEFT.")
-    p.add_argument("source", help="a config file (its model, quantized by its recipe) or a run dir (its latest checkpoint)")
+    p.add_argument("source",
+                   help="a config file (its model, quantized by its recipe) or a run dir (its latest checkpoint)")
     p.add_argument("--out", required=True)
     p.add_argument("--format", default="compressed-tensors", choices=["compressed-tensors", "hf"],
                    help="compressed-tensors (vLLM; default) or hf (plain BF16 for transformers)")
@@ -201,7 +203,8 @@ def cmd_train(args) -> int:
 
 def cmd_parity(args) -> int:
     mod = _require("rl4bit.parity", "`rl4bit parity` (reward parity runs)")
-    return mod.main(args.config, recipes=args.recipes.split(","), seeds=args.seeds, out=args.out, overrides=args.override)
+    return mod.main(args.config, recipes=args.recipes.split(","), seeds=args.seeds, out=args.out,
+                    overrides=args.override)
 
 
 def cmd_export(args) -> int:

@@ -61,7 +61,8 @@ class RewardsConfig:
     workers: int = 1
     """Reward worker processes."""
     memory_mb: int = 2048
-    """Memory (MiB) a reward worker may add after start-up, imports included (resource.setrlimit RLIMIT_DATA); 0 = no limit."""
+    """Memory (MiB) a reward worker may add after start-up, imports included (resource.setrlimit RLIMIT_DATA);
+    0 = no limit."""
     cpu_s: Optional[float] = None
     """CPU seconds one reward call may use (soft RLIMIT_CPU; past it the worker is killed and restarted, the
     sample masked); None = 2 x timeout_s; 0 = no limit."""
@@ -71,7 +72,8 @@ class RewardsConfig:
             raise ConfigError(f"{path}.functions: empty; give at least one reward, e.g. rl4bit.rewards:exact_match")
         for i, r in enumerate(self.functions):
             if ":" not in r.fn:
-                raise ConfigError(f"{path}.functions[{i}].fn: {r.fn!r} must be 'pkg.module:function' or 'path/file.py:function'")
+                raise ConfigError(f"{path}.functions[{i}].fn: {r.fn!r} must be 'pkg.module:function' or "
+                                  "'path/file.py:function'")
         if self.timeout_s <= 0:
             raise ConfigError(f"{path}.timeout_s: {self.timeout_s} must be > 0")
         if not 0 <= self.max_error_fraction <= 1:
@@ -201,7 +203,8 @@ class RunConfig:
     warmup_batch_size: int = 64
     """Prompts (with their answers) per step of the supervised warm start."""
     cpu_threads: int = 0
-    """torch intra-op threads in every process of the job (0 = torch's default); tiny models on a shared CPU run fastest with 1."""
+    """torch intra-op threads in every process of the job (0 = torch's default); tiny models on a shared CPU run
+    fastest with 1."""
     samples_every: int = 5
     """Keep the completions of `samples_prompts` prompts every this many RL steps in samples.jsonl (with their
     rewards, advantages and sampler logprobs; `rl4bit inspect RUN --samples`) and TensorBoard; 0 = never."""
@@ -393,7 +396,8 @@ def validate(cfg: JobConfig) -> None:
                           "samples a request; use a smaller group")
     if cfg.sampler.max_new_tokens >= cfg.model.max_seq_len:
         raise ConfigError(
-            f"sampler.max_new_tokens: {cfg.sampler.max_new_tokens} leaves no room for the prompt within model.max_seq_len={cfg.model.max_seq_len}"
+            f"sampler.max_new_tokens: {cfg.sampler.max_new_tokens} leaves no room for the prompt within "
+            f"model.max_seq_len={cfg.model.max_seq_len}"
         )
     if cfg.trainer.tokens_per_microbatch <= cfg.sampler.max_new_tokens:
         # a rollout is its prompt (>= 1 token) + up to max_new_tokens; one that does not fit a micro-batch is
@@ -410,16 +414,18 @@ def validate(cfg: JobConfig) -> None:
             "does not train on); set it, or run.warmup_sft_steps: 0 (a pretrained model.path needs none), or "
             "run.warmup_prompts: train to warm-start on RL's own prompts (their answers are then memorised)")
     if cfg.rl.samples_per_prompt == 1:
-        raise ConfigError("rl.samples_per_prompt: 1 gives every GRPO group zero reward spread (no learning signal); use >= 2")
+        raise ConfigError("rl.samples_per_prompt: 1 gives every GRPO group zero reward spread (no learning signal); "
+                          "use >= 2")
     if cfg.model.invariant_kernels and cfg.sampler.backend != "embedded":
         raise ConfigError(
-            f"model.invariant_kernels: needs sampler.backend: embedded (the {cfg.sampler.backend} backend keeps its own "
-            "kernels, so trainer and sampler could not agree bitwise); set it to false or use the embedded sampler"
+            f"model.invariant_kernels: needs sampler.backend: embedded (the {cfg.sampler.backend} backend keeps its "
+            "own kernels, so trainer and sampler could not agree bitwise); set it to false or use the embedded sampler"
         )
     _check_seed(cfg.recipe.seed, "recipe.seed")  # the recipe refuses < 0 itself; the upper bound is shared
     if cfg.model.num_experts % cfg.trainer.expert_parallel:
         raise ConfigError(
-            f"trainer.expert_parallel: {cfg.trainer.expert_parallel} does not divide model.num_experts={cfg.model.num_experts}"
+            f"trainer.expert_parallel: {cfg.trainer.expert_parallel} does not divide "
+            f"model.num_experts={cfg.model.num_experts}"
         )
 
 
@@ -455,7 +461,8 @@ def anchored(cfg: JobConfig) -> JobConfig:
         return None if path is None else str(Path(path).expanduser().resolve())
 
     fns = [dataclasses.replace(r, fn=absolute_reward_spec(r.fn)) for r in cfg.rewards.functions]
-    data = dataclasses.replace(cfg.data, train_file=absolute(cfg.data.train_file), eval_file=absolute(cfg.data.eval_file))
+    data = dataclasses.replace(cfg.data, train_file=absolute(cfg.data.train_file),
+                               eval_file=absolute(cfg.data.eval_file))
     return dataclasses.replace(cfg, rewards=dataclasses.replace(cfg.rewards, functions=fns), data=data,
                                parity=dataclasses.replace(cfg.parity, reference=absolute(cfg.parity.reference)))
 

@@ -10,16 +10,20 @@
         log       metrics.jsonl + TensorBoard + progress bar
         checkpoint every run.checkpoint_every steps (and at the end)
 
+`run` is that loop, one call a phase; the set-up before it is in named helpers
+(`load_inputs`, `start_actors`, `warm_start` or `restore`, `open_logger`).
 Actors are plain classes (`Trainer`, `Sampler`, `RewardPool`) built through
 `rl4bit.actors.Cluster`: Ray actors in `ray` mode, in-process objects in
 `local` mode; every call below is `get(actor.method(...))` either way.
 `trainer.world_size` = N > 1: the Trainer is a `rl4bit.trainer_group.TrainerGroup`
 of N ranks (FSDP2, and expert parallelism when `trainer.expert_parallel` = N):
 Ray actors in `ray` mode, `python -m rl4bit.trainer_group` processes in `local`
-mode, with the Trainer's methods. It checkpoints itself (every rank writes its
-shard into rl4bit.common.checkpoint's one format: `shard_RRRRR.safetensors` + the same
-manifest, pointer and errors), `--resume` needs the same N, and the group is
-shut down (barrier, process group destroyed) before the cluster. Its
+mode, with the Trainer's methods. Checkpoints take one path for both
+(`save_trainer`, `restore`): every rank writes its own state into
+rl4bit.common.checkpoint's one format (one rank: `state.safetensors`; N ranks:
+`shard_RRRRR.safetensors` each, the same manifest, pointer and errors);
+`--resume` needs the same N, and the group is shut down (barrier, process
+group destroyed) before the cluster. Its
 train_step metrics are logged as they come, including the expert-parallel
 wire bytes `comm/*`.
 Before any actor starts, every reward is imported and called once in a
@@ -72,15 +76,21 @@ import os
 import statistics
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
 from rl4bit import samples as samples_log
 from rl4bit.actors import ActorDiedError, Cluster, get, is_local, wait_alive
 from rl4bit.common.atomic import atomic_write_text
-from rl4bit.common.checkpoint import latest_dir, load_checkpoint, save_checkpoint, step_of
+from rl4bit.common.checkpoint import (
+    latest_dir,
+    load_checkpoint,  # noqa: F401 - re-exported: tests read a run's checkpoint here
+    open_checkpoint,
+    step_of,
+)
 from rl4bit.common.checkpoint_format import CheckpointError
 from rl4bit.config import (
     ConfigError,
@@ -92,16 +102,24 @@ from rl4bit.config import (
     trainer_args,
     warm_start_args,
 )
+from rl4bit.job_errors import (
+    ERROR_FILE,
+    JOB_ERRORS,
+    OutOfMemory,  # noqa: F401 - re-exported: callers catch driver.OutOfMemory
+    keep_error,
+    out_of_memory,
+    resume_hint,
+)
 from rl4bit.kernels import invariant
 from rl4bit.kernels.philox import derive_seed
-from rl4bit.metrics import MetricsLogger, PhasePeaks, plot, read_metrics
+from rl4bit.metrics import MetricsLogger, PhasePeaks, StepPhases, plot, read_metrics
 from rl4bit.parity_stats import check_reference, live_parity_metrics
 from rl4bit.reward_log import RewardLog, failure_metrics
 from rl4bit.rewards import RewardPool, check_rewards, exact_match
 from rl4bit.rundir import SUBDIRS, create_run_dir
 from rl4bit.sampler.types import MAX_SEED, Request, SamplingParams
 from rl4bit.tasks import PromptStream, check_batch_fits, check_prompt_lengths, load_task, warmup_split
-from rl4bit.trainer.actor import NonFiniteError, TrainBatch, Trainer
+from rl4bit.trainer.actor import TrainBatch, Trainer
 from rl4bit.trainer.cuda_ipc import described_bytes
 from rl4bit.trainer.grpo import group_advantages
 from rl4bit.trainer.models import autocast_dtype, build_policy_model
@@ -111,28 +129,15 @@ from rl4bit.trainer.weight_sync import WeightSyncError, update_bytes
 from rl4bit.trainer_group import TrainerGroup
 
 
-class OutOfMemory(RuntimeError):
-    """The job ran out of GPU memory: the message names the phase and the step, the settings that shrink that
-    phase (with this job's values) and where to continue from. Checkpoints already written stay as they are.
-    `phase`, `step` (0: before the run's first RL step) and `detail` (torch's first two sentences) for callers
-    that word their own message (`bench step`)."""
-
-    def __init__(self, message: str, phase: str, step: int, detail: str):
-        super().__init__(message)
-        self.phase, self.step, self.detail = phase, step, detail
-
-
-JOB_ERRORS = (ActorDiedError, NonFiniteError, WeightSyncError, CheckpointError, OutOfMemory)
-"""Failures that stop a running job: `main` prints them as one clear line and returns 1."""
-
-
 def main(config_path, out=None, resume=None, overrides=None) -> int:
     if resume is not None:
         run_dir = Path(resume).expanduser().resolve()
         if not run_dir.is_dir():
-            raise FileNotFoundError(f"--resume {resume}: {run_dir} does not exist; pass the run dir a `rl4bit train` wrote")
+            raise FileNotFoundError(f"--resume {resume}: {run_dir} does not exist; "
+                                    "pass the run dir a `rl4bit train` wrote")
         if not (run_dir / "config.yaml").is_file():
-            raise FileNotFoundError(f"--resume {resume}: {run_dir / 'config.yaml'} is missing; pass the run dir a `rl4bit train` wrote")
+            raise FileNotFoundError(f"--resume {resume}: {run_dir / 'config.yaml'} is missing; "
+                                    "pass the run dir a `rl4bit train` wrote")
         if not (run_dir / "checkpoints" / "latest.json").is_file():  # before any actor starts
             again = " ".join([f"rl4bit train {run_dir / 'config.yaml'} --out NEW_DIR",
                               *(f"-o {o}" for o in overrides or [])])
@@ -156,35 +161,13 @@ def main(config_path, out=None, resume=None, overrides=None) -> int:
         print(f"rl4bit train: error: {e}" + (f" (kept in {kept})" if kept.is_file() else ""), file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C: the actors are shut down by `run`; what was saved stays
-        print(f"rl4bit train: interrupted. {_resume_hint(run_dir)}", file=sys.stderr)
+        print(f"rl4bit train: interrupted. {resume_hint(run_dir)}", file=sys.stderr)
         return 130
     finally:
         if not finished and resume is None:
             _forget_unstarted(run_dir, created)
     return 0
 
-
-ERROR_FILE = "error.txt"
-"""Under the run dir's logs/: the traceback of every failure that stopped a started run (its actors up), the latest
-last. A job refused before that (bad data, a reward that does not load) only prints its error."""
-
-
-def keep_error(run_dir: Path, err: BaseException) -> Path | None:
-    """Append `err` with its traceback to RUN_DIR/logs/error.txt (atomic: the old text plus the new, renamed into
-    place), so the run dir says why it stopped after the terminal is gone; the path, or None when it could not be
-    written (the original error matters more than this record)."""
-    import traceback
-
-    path = Path(run_dir) / "logs" / ERROR_FILE
-    try:
-        before = path.read_text() if path.is_file() else ""
-        text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-        stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, f"{before}--- {stamp}: {type(err).__name__}\n{text}")
-    except OSError:
-        return None
-    return path
 
 
 def _forget_unstarted(run_dir: Path, created: bool = False) -> None:
@@ -216,10 +199,110 @@ def checked_out_dir(out: str | Path) -> Path:
     return path
 
 
-def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
+
+def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False,
+        on_step: Callable[[int, dict], None] | None = None) -> list[dict]:
     """The job; `on_step(step, metrics)` is called after each step is logged (the soak bench's hook)."""
     if cfg.run.cpu_threads:
         torch.set_num_threads(cfg.run.cpu_threads)
+    data = load_inputs(cfg)  # prompts, tokenizer and rewards, checked before any actor starts
+    reward_log = RewardLog(run_dir)
+    cluster = Cluster(cfg, run_dir)
+    phases = StepPhases(PhasePeaks(torch.device(cfg.trainer.device) if cfg.trainer.device.startswith("cuda") else None))
+    actors = logger = None
+    G = cfg.rl.samples_per_prompt
+    try:
+        actors = start_actors(cfg, cluster, data)
+        trainer, samplers, pool, recover = actors.trainer, actors.samplers, actors.pool, actors.recover
+        start = restore(trainer, data.stream, run_dir, cfg) if resume else warm_start(trainer, data, cfg, phases)
+        logger = open_logger(cfg, run_dir, start, resume)
+        with phases("sync"):
+            sync_all(trainer, samplers, recover)
+        if not resume:  # step 0: the warm-started model, before any RL step
+            with phases("evaluate"):
+                logger.log(0, evaluate(cfg, data.tokenizer, samplers, pool, data.eval_set, recover, log=reward_log))
+        try:
+            for step in range(start + 1, cfg.rl.steps + 1):
+                phases.begin_step(step)
+                with phases("sample", peak=True):
+                    prompts = data.stream.next(cfg.rl.prompts_per_step)
+                    rollouts = generate(samplers, rollout_requests(cfg, data.tokenizer, prompts, step), recover)
+                with phases("score"):
+                    scores, totals = score(pool, prompts, rollouts, G)
+                if line := reward_log.write(step, "train", scores):
+                    print(f"rl4bit: {line}", file=sys.stderr)
+                adv = advantages(totals, cfg)
+                batch = train_batch(rollouts, totals, adv)
+                with phases("train", peak=True):
+                    m = get(trainer.train_step(batch))
+                with phases("sync", peak=True):
+                    sync_bytes, sync_s = sync_all(trainer, samplers, recover)
+                m |= phases.memory | rollout_metrics(rollouts, totals, scores, G, phases.seconds["sample"])
+                m |= {"sync/bytes": sync_bytes, "sync/seconds": sync_s, "sync/direct": float(actors.direct),
+                      **phases.times("sample", "score", "train"), "time/sync_s": sync_s,
+                      "rollout/sampler_restarts": float(recover.used)}
+                if step % cfg.data.eval_every == 0 or step == cfg.rl.steps:
+                    with phases("evaluate"):
+                        m |= evaluate(cfg, data.tokenizer, samplers, pool, data.eval_set, recover, log=reward_log,
+                                      step=step)
+                if cfg.parity.reference:  # live parity against a finished reference run
+                    m |= parity_metrics(cfg, run_dir, step, m, logger)
+                phases.end_step(m)
+                logger.log(step, m)
+                every = cfg.run.samples_every
+                if every and (step % every == 0 or step == start + 1):  # the first step too: an early look
+                    keep_samples(run_dir, logger, samples_log.sample_record(
+                        step, prompts, rollouts, totals, adv, G, cfg.run.samples_prompts, m))
+                if on_step is not None:
+                    on_step(step, m)
+                with phases("checkpoint"):
+                    if _due(cfg.run.checkpoint_every, step) or step == cfg.rl.steps:
+                        save_trainer(trainer, run_dir, step, {"data": data.stream.state(), "job": job_settings(cfg)},
+                                     keep=cfg.run.keep_checkpoints)
+        except ActorDiedError as e:  # a Sampler past its restarts, the Trainer, the reward pool
+            raise ActorDiedError(e.actor, e.detail, f"the job stops at step {phases.step}. {resume_hint(run_dir)}",
+                                 label=e.label) from None
+    except torch.OutOfMemoryError as e:  # an actor's, re-raised as itself by `get`, or this process's (local mode)
+        err = out_of_memory(cfg, phases.name, phases.step, e, run_dir)  # step 0: before the run's first RL step
+        keep_error(run_dir, err)
+        raise err from None
+    except Exception as e:  # the run started (its actors did): the run dir keeps why it stopped
+        keep_error(run_dir, e)
+        raise
+    finally:
+        invariant.set_mode(False)  # local mode: the trainer and samplers turned it on in this process
+        if logger is not None:
+            logger.close()
+        if actors is not None:
+            stop_actors(actors)
+        cluster.shutdown()
+
+    records = read_metrics(run_dir)
+    plot(run_dir)
+    print_summary(run_dir, records)
+    return records
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+@dataclass
+class Inputs:
+    """What a job reads before any actor starts, checked (`load_inputs`)."""
+
+    tokenizer: Any
+    train_set: list[dict]  # the prompts RL trains on
+    eval_set: list[dict]  # the held-out split `evaluate` scores
+    warm_set: list[dict]  # the supervised warm start's prompts (run.warmup_prompts)
+    stream: PromptStream  # train_set in the seeded order the steps draw it
+    reward_specs: list[str]  # each reward's import path, made absolute
+    reward_limits: dict  # RewardPool's per-call limits (`reward_limits`)
+
+
+def load_inputs(cfg: JobConfig) -> Inputs:
+    """The task's prompts, the tokenizer and the rewards, each checked: prompt lengths against model.max_seq_len
+    (a warning), a step's batch against the trainer's budget, every reward imported and called once in a reward
+    worker (fail fast, naming the reward)."""
     tokenizer = build_tokenizer(cfg.model)
     train_set, eval_set = load_task(cfg.data)
     train_set, warm_set = warmup_split(train_set, cfg.data, cfg.run)
@@ -240,243 +323,202 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False, on_step: Callabl
         print(warning, file=sys.stderr)
     check_batch_fits(cfg, train_set, count_tokens([s["prompt"] for s in train_set]),
                      cfg.data.train_file or f"the arithmetic task ({cfg.data.digits} digits)")
-    stream = PromptStream(train_set, cfg.data.seed)
     specs = [absolute_reward_spec(r.fn) for r in cfg.rewards.functions]
     limits = reward_limits(cfg)
     check_rewards(specs, train_set[0], **limits)
+    return Inputs(tokenizer, train_set, eval_set, warm_set, PromptStream(train_set, cfg.data.seed), specs, limits)
 
-    reward_log = RewardLog(run_dir)
-    cluster = Cluster(cfg, run_dir)
-    logger = pool = trainer = None
-    world = int(getattr(cfg.trainer, "world_size", 1))
-    phase, step, start = "setup", 0, 0  # where an out-of-memory error is reported to have happened
+
+@dataclass
+class Actors:
+    """The job's actors (`start_actors`); every call on them is `get(actor.method(...))`."""
+
+    trainer: Any = None  # a Trainer actor, or a TrainerGroup of trainer.world_size ranks
+    samplers: list = field(default_factory=list)  # sampler.replicas Sampler actors
+    pool: Any = None  # the RewardPool actor
+    recover: SamplerRecovery | None = None  # what a dead Sampler's restart needs
+    direct: bool = False  # the path every sync_weights takes (`direct_sync`; logged as sync/direct)
+
+
+def start_actors(cfg: JobConfig, cluster: Cluster, data: Inputs) -> Actors:
+    """The Trainer (or trainer group), the Samplers and the RewardPool on `cluster`; those started are stopped
+    again (`stop_actors`) when a later one fails."""
+    from rl4bit.sampler.actor import Sampler
+
+    actors = Actors()
     try:
-        from rl4bit.sampler.actor import Sampler
-
-        device = cfg.trainer.device if cfg.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        if device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError(f"trainer.device: {device!r}, but this torch sees no CUDA device (a CPU build, or no "
-                              f"GPU visible); use trainer.device=auto or cpu, or run on a GPU machine")
-        if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
-            raise ConfigError(f"trainer.device: {device!r}, but this machine shows {torch.cuda.device_count()} CUDA "
-                              f"device(s) (cuda:0 ..); pick one of them or trainer.device=cuda")
+        device = _device(cfg)
         gpu = 1 if device.startswith("cuda") else 0
-        trainer = TrainerGroup(cfg, world, cluster=cluster) if world > 1 else cluster.actor(Trainer, **trainer_args(cfg), num_gpus=gpu)
+        world = int(getattr(cfg.trainer, "world_size", 1))
+        actors.trainer = (TrainerGroup(cfg, world, cluster=cluster) if world > 1 else
+                          cluster.actor(Trainer, **trainer_args(cfg), num_gpus=gpu))
         builder = functools.partial(build_policy_model, cfg.model, cfg.recipe, cfg.run.seed)
         restarts = int(getattr(cfg.ray, "sampler_restarts", 3))
-        samplers = [cluster.actor(Sampler, builder, tokenizer, cfg.sampler, device=device, max_seq_len=cfg.model.max_seq_len,
-                                  autocast=autocast_dtype(cfg.model), invariant_kernels=cfg.model.invariant_kernels,
-                                  num_gpus=gpu, restarts=restarts, label=_replica(i, cfg.sampler.replicas))
-                    for i in range(cfg.sampler.replicas)]
-        pool = cluster.actor(RewardPool, specs, [r.weight for r in cfg.rewards.functions], workers=cfg.rewards.workers,
-                             max_error_fraction=cfg.rewards.max_error_fraction, **limits)
-        recover = SamplerRecovery(trainer, samplers, restarts)
-        direct = direct_sync(trainer, samplers)  # the path every sync_weights below takes (logged as sync/direct)
-
-        start = 0
-        if resume and world > 1:
-            get(trainer.setup_rl())
-            meta = trainer.load_checkpoint(run_dir)  # manifest + state.json here, every rank verifies its own shard
-            _check_job(meta, cfg)  # after the ranks loaded their pieces, before any step or write
-            stream.load_state(meta["data"])
-            start = meta["step"]
-        elif resume:
-            tensors, meta = load_checkpoint(run_dir, world=1)
-            _check_job(meta, cfg)
-            get(trainer.setup_rl())
-            get(trainer.load_state(tensors, meta["trainer"]))
-            stream.load_state(meta["data"])
-            start = meta["step"]
-        if resume:
-            _record_config(run_dir, cfg, start)
-        else:
-            if cfg.run.warmup_sft_steps:
-                phase = "warm start"
-                warm = get(trainer.warm_start(warm_set, **warm_start_args(cfg)))
-                which = ("RL's own train prompts (run.warmup_prompts: train)" if cfg.run.warmup_prompts == "train"
-                         else f"{len(warm_set)} held-out prompts RL does not train on")
-                how = (f"reused from the cache {warm['warmup/cache']}" if warm.get("warmup/cached")
-                       else "trained" + (f", cached in {warm['warmup/cache']}" if warm.get("warmup/cache") else ""))
-                print(f"warm start: {cfg.run.warmup_sft_steps} steps on {which}, loss {warm['warmup/loss_first']:.3f} "
-                      f"-> {warm['warmup/loss_last']:.3f} ({how})")
-                phase = "setup"
-            get(trainer.setup_rl())
-        logger = MetricsLogger(run_dir, total_steps=cfg.rl.steps, tensorboard=cfg.run.tensorboard,
-                               progress=cfg.run.progress, start_step=start)
-        if resume:
-            logger.truncate(start)
-            samples_log.truncate(run_dir, start)
-        phase = "sync"
-        sync_bytes, sync_s = sync_all(trainer, samplers, recover)
-        if not resume:
-            phase = "evaluate"
-            logger.log(0, evaluate(cfg, tokenizer, samplers, pool, eval_set, recover, log=reward_log, step=0))
-
-        step = start
-        peaks = PhasePeaks(torch.device(cfg.trainer.device) if cfg.trainer.device.startswith("cuda") else None)
-        try:
-            for step in range(start + 1, cfg.rl.steps + 1):
-                t_step = time.perf_counter()
-                mem: dict = {}
-                peaks.step_start(mem)
-                # sample
-                phase = "sample"
-                peaks.start()
-                t0 = time.perf_counter()
-                prompts = stream.next(cfg.rl.prompts_per_step)
-                # seeds folded to 63 bits, as the engines fold them into their noise keys anyway (the same noise)
-                requests = [_request(cfg, tokenizer, p, n=cfg.rl.samples_per_prompt,
-                                     seed=derive_seed(cfg.run.seed, step, i) & MAX_SEED, rid=f"{step}-{i}")
-                            for i, p in enumerate(prompts)]
-                rollouts = generate(samplers, requests, recover)
-                t_sample = time.perf_counter() - t0
-                peaks.end("sample", mem)
-                # score
-                phase = "score"
-                t0 = time.perf_counter()
-                G = cfg.rl.samples_per_prompt
-                samples = [prompts[k // G] for k in range(len(rollouts))]
-                scores = get(pool.score([(s["prompt"], r.text, s) for s, r in zip(samples, rollouts)]))
-                totals = [None if r.finish_reason == "error" else v for r, v in zip(rollouts, scores.totals)]
-                t_score = time.perf_counter() - t0
-                if line := reward_log.write(step, "train", scores):
-                    print(f"rl4bit: {line}", file=sys.stderr)
-                # advantages
-                rewards = torch.tensor([0.0 if v is None else v for v in totals])
-                valid = torch.tensor([v is not None for v in totals])  # failed samples: no part in their group
-                adv = group_advantages(rewards, G, valid=valid, normalize_std=cfg.rl.normalize_std)
-                batch = TrainBatch(
-                    prompt_ids=[r.prompt_ids for r in rollouts],
-                    completion_ids=[r.completion_ids if v is not None else [] for r, v in zip(rollouts, totals)],
-                    sampler_logprobs=[r.logprobs for r in rollouts],
-                    advantages=adv.tolist(),
-                )
-                # train
-                phase = "train"
-                peaks.start()
-                t0 = time.perf_counter()
-                m = get(trainer.train_step(batch))
-                t_train = time.perf_counter() - t0
-                peaks.end("train", mem)
-                # sync
-                phase = "sync"
-                peaks.start()
-                sync_bytes, sync_s = sync_all(trainer, samplers, recover)
-                peaks.end("sync", mem)
-                m.update(mem)
-                # log (and evaluate)
-                m.update(rollout_metrics(rollouts, totals, scores, G, t_sample))
-                m.update({"sync/bytes": sync_bytes, "sync/seconds": sync_s, "sync/direct": float(direct),
-                          "time/sample_s": t_sample, "time/score_s": t_score, "time/train_s": t_train, "time/sync_s": sync_s})
-                m["rollout/sampler_restarts"] = float(recover.used)
-                if step % cfg.data.eval_every == 0 or step == cfg.rl.steps:
-                    phase = "evaluate"
-                    m.update(evaluate(cfg, tokenizer, samplers, pool, eval_set, recover, log=reward_log, step=step))
-                if cfg.parity.reference:  # live parity against a finished reference run
-                    m.update(live_parity_metrics(cfg.parity.reference, run_dir, step, m["reward/mean"], cfg.parity.threshold))
-                    if m.get("parity/diverged"):
-                        logger.warn(f"reward diverges from the reference run {cfg.parity.reference}: "
-                                    f"trailing gap {m['parity/reward_gap_trailing']:+.3f} beyond {cfg.parity.threshold}")
-                m["time/step_s"] = time.perf_counter() - t_step
-                peaks.job(m)  # after the evaluation: the job's peak so far, every phase included
-                logger.log(step, m)
-                every = cfg.run.samples_every
-                if every and (step % every == 0 or step == start + 1):  # the first step too: an early look
-                    record = samples_log.sample_record(step, prompts, rollouts, totals, adv.tolist(), G,
-                                                       cfg.run.samples_prompts, m)
-                    samples_log.append(run_dir, record)
-                    logger.text("samples", samples_log.as_markdown(record), step)
-                if on_step is not None:
-                    on_step(step, m)
-                # checkpoint
-                phase = "checkpoint"
-                every = cfg.run.checkpoint_every
-                if (every and step % every == 0) or step == cfg.rl.steps:
-                    if world > 1:  # every rank writes its own shard into the one checkpoint format
-                        trainer.save_checkpoint(run_dir, step, {"data": stream.state(), "job": job_settings(cfg)},
-                                                keep=cfg.run.keep_checkpoints)
-                    else:
-                        tensors, meta = get(trainer.state())
-                        save_checkpoint(run_dir, step, tensors, {"trainer": meta, "data": stream.state(),
-                                                                 "job": job_settings(cfg)},
-                                        keep=cfg.run.keep_checkpoints)
-        except ActorDiedError as e:  # a Sampler past its restarts, the Trainer, the reward pool
-            raise ActorDiedError(e.actor, e.detail, f"the job stops at step {step}. {_resume_hint(run_dir)}",
-                                 label=e.label) from None
-    except torch.OutOfMemoryError as e:  # an actor's, re-raised as itself by `get`, or this process's (local mode)
-        detail = ". ".join(str(e).split(". ")[:2])[:200]  # "CUDA out of memory. Tried to allocate X GiB"
-        at = step if step > start else 0  # 0: before the run's first RL step (after a resume too)
-        err = OutOfMemory(_out_of_memory(cfg, phase, at, detail, run_dir), phase, at, detail)
-        keep_error(run_dir, err)
-        raise err from None
-    except Exception as e:  # the run started (its actors did): the run dir keeps why it stopped
-        keep_error(run_dir, e)
+        actors.samplers = [
+            cluster.actor(Sampler, builder, data.tokenizer, cfg.sampler, device=device,
+                          max_seq_len=cfg.model.max_seq_len, autocast=autocast_dtype(cfg.model),
+                          invariant_kernels=cfg.model.invariant_kernels, num_gpus=gpu, restarts=restarts,
+                          label=_replica(i, cfg.sampler.replicas))
+            for i in range(cfg.sampler.replicas)]
+        actors.pool = cluster.actor(RewardPool, data.reward_specs, [r.weight for r in cfg.rewards.functions],
+                                    workers=cfg.rewards.workers, max_error_fraction=cfg.rewards.max_error_fraction,
+                                    **data.reward_limits)
+        actors.recover = SamplerRecovery(actors.trainer, actors.samplers, restarts)
+        actors.direct = direct_sync(actors.trainer, actors.samplers)
+    except BaseException:
+        stop_actors(actors)
         raise
-    finally:
-        invariant.set_mode(False)  # local mode: the trainer and samplers turned it on in this process
-        if logger is not None:
-            logger.close()
-        if pool is not None:
-            try:
-                get(pool.close())
-            except Exception:  # the actor may be the thing that failed; Ray shutdown below reaps it
-                pass
-        if isinstance(trainer, TrainerGroup):  # barrier + destroy the process group while the ranks still live
-            try:
-                trainer.shutdown()
-            except Exception as e:  # a failed rank: the group ends its processes; Ray shutdown reaps its actors
-                print(f"rl4bit: trainer group shutdown: {type(e).__name__}: {e}", file=sys.stderr)
-        cluster.shutdown()
+    return actors
 
-    records = read_metrics(run_dir)
-    plot(run_dir)
-    print_summary(run_dir, records)
-    return records
+
+def stop_actors(actors: Actors) -> None:
+    """Close the reward pool; shut a trainer group down (barrier, process group destroyed) while its ranks still
+    live. The cluster's shutdown ends whatever is left."""
+    if actors.pool is not None:
+        try:
+            get(actors.pool.close())
+        except Exception:  # the actor may be the thing that failed; Ray shutdown reaps it
+            pass
+    if isinstance(actors.trainer, TrainerGroup):
+        try:
+            actors.trainer.shutdown()
+        except Exception as e:  # a failed rank: the group ends its processes; Ray shutdown reaps its actors
+            print(f"rl4bit: trainer group shutdown: {type(e).__name__}: {e}", file=sys.stderr)
+
+
+def _device(cfg: JobConfig) -> str:
+    """The samplers' device (trainer.device, `auto` resolved), checked against what this torch sees."""
+    device = cfg.trainer.device if cfg.trainer.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"trainer.device: {device!r}, but this torch sees no CUDA device (a CPU build, or no "
+                          f"GPU visible); use trainer.device=auto or cpu, or run on a GPU machine")
+    if device.startswith("cuda:") and int(device[5:]) >= torch.cuda.device_count():
+        raise ConfigError(f"trainer.device: {device!r}, but this machine shows {torch.cuda.device_count()} CUDA "
+                          f"device(s) (cuda:0 ..); pick one of them or trainer.device=cuda")
+    return device
+
+
+def warm_start(trainer, data: Inputs, cfg: JobConfig, phases: StepPhases) -> int:
+    """A new run: the supervised warm start (when run.warmup_sft_steps), then the RL set-up; the step RL starts
+    after (0)."""
+    if cfg.run.warmup_sft_steps:
+        with phases("warm start"):
+            warm = get(trainer.warm_start(data.warm_set, **warm_start_args(cfg)))
+        phases.name = "setup"
+        which = ("RL's own train prompts (run.warmup_prompts: train)" if cfg.run.warmup_prompts == "train"
+                 else f"{len(data.warm_set)} held-out prompts RL does not train on")
+        how = (f"reused from the cache {warm['warmup/cache']}" if warm.get("warmup/cached")
+               else "trained" + (f", cached in {warm['warmup/cache']}" if warm.get("warmup/cache") else ""))
+        print(f"warm start: {cfg.run.warmup_sft_steps} steps on {which}, loss {warm['warmup/loss_first']:.3f} "
+              f"-> {warm['warmup/loss_last']:.3f} ({how})")
+    get(trainer.setup_rl())
+    return 0
+
+
+def restore(trainer, stream: PromptStream, run_dir: Path, cfg: JobConfig) -> int:
+    """A resumed run: the RL set-up, then the trainer's state and the prompt stream's position from the latest
+    checkpoint, once its state.json was checked against `cfg` (`_check_job`, before any state loads); config.yaml
+    then says what this resume runs (`_record_config`). The step the checkpoint was written at."""
+    _check_job(open_checkpoint(run_dir, int(getattr(cfg.trainer, "world_size", 1)))[2], cfg)
+    get(trainer.setup_rl())
+    meta = load_trainer(trainer, run_dir)
+    stream.load_state(meta["data"])
+    _record_config(run_dir, cfg, meta["step"])
+    return meta["step"]
+
+
+def open_logger(cfg: JobConfig, run_dir: Path, start: int, resume: bool) -> MetricsLogger:
+    """metrics.jsonl, TensorBoard and the progress bar; a resume drops what was logged past its checkpoint."""
+    logger = MetricsLogger(run_dir, total_steps=cfg.rl.steps, tensorboard=cfg.run.tensorboard,
+                           progress=cfg.run.progress, start_step=start)
+    if resume:
+        logger.truncate(start)
+        samples_log.truncate(run_dir, start)
+    return logger
+
+
+# --------------------------------------------------------------------------- checkpoints: one path for any trainer
+
+
+def save_trainer(trainer, run_dir: Path, step: int, meta: dict, keep: int) -> None:
+    """Checkpoint `step` (rl4bit.common.checkpoint's one format): every rank writes its own state, a Trainer actor
+    its one file (`Trainer.save_checkpoint`), a trainer group a shard per rank (`TrainerGroup.save_checkpoint`);
+    `meta` goes into state.json beside the trainer's."""
+    done = trainer.save_checkpoint(str(Path(run_dir).resolve()), step, meta, keep=keep)
+    if not isinstance(trainer, TrainerGroup):  # an actor's call is a future; the group's returns once written
+        get(done)
+
+
+def load_trainer(trainer, run_dir: Path) -> dict:
+    """Restore the trainer from the run's latest checkpoint (after setup_rl), each rank its own part; state.json."""
+    meta = trainer.load_checkpoint(str(Path(run_dir).resolve()))
+    return meta if isinstance(trainer, TrainerGroup) else get(meta)
+
+
+def _due(every: int, step: int) -> bool:
+    """Whether `step` is one of every `every` steps (0: never)."""
+    return bool(every) and step % every == 0
 
 
 # --------------------------------------------------------------------------- the steps' pieces
 
 
+def rollout_requests(cfg: JobConfig, tokenizer, prompts: list[dict], step: int) -> list[Request]:
+    """A request of rl.samples_per_prompt completions per prompt, seeded by (run.seed, step, prompt index) so
+    a redone step samples the same rollouts."""
+    # seeds folded to 63 bits, as the engines fold them into their noise keys anyway (the same noise)
+    return [_request(cfg, tokenizer, p, n=cfg.rl.samples_per_prompt,
+                     seed=derive_seed(cfg.run.seed, step, i) & MAX_SEED, rid=f"{step}-{i}")
+            for i, p in enumerate(prompts)]
+
+
+def score(pool, prompts: list[dict], rollouts, group: int):
+    """Every rollout scored by the RewardPool against its prompt's sample; (scores, totals), a total None where
+    the rollout failed (finish_reason "error") or its reward did."""
+    samples = [prompts[k // group] for k in range(len(rollouts))]
+    scores = get(pool.score([(s["prompt"], r.text, s) for s, r in zip(samples, rollouts)]))
+    return scores, [None if r.finish_reason == "error" else v for r, v in zip(rollouts, scores.totals)]
+
+
+def advantages(totals: list[float | None], cfg: JobConfig) -> list[float]:
+    """GRPO advantages, normalized within each prompt's group; a failed sample (None) takes no part in its group."""
+    rewards = torch.tensor([0.0 if v is None else v for v in totals])
+    valid = torch.tensor([v is not None for v in totals])
+    return group_advantages(rewards, cfg.rl.samples_per_prompt, valid=valid,
+                            normalize_std=cfg.rl.normalize_std).tolist()
+
+
+def train_batch(rollouts, totals: list[float | None], adv: list[float]) -> TrainBatch:
+    """The trainer's batch; a failed sample keeps its row with no completion (it trains nothing)."""
+    return TrainBatch(
+        prompt_ids=[r.prompt_ids for r in rollouts],
+        completion_ids=[r.completion_ids if v is not None else [] for r, v in zip(rollouts, totals)],
+        sampler_logprobs=[r.logprobs for r in rollouts],
+        advantages=adv,
+    )
+
+
+def parity_metrics(cfg: JobConfig, run_dir: Path, step: int, m: dict, logger: MetricsLogger) -> dict:
+    """parity/* against the finished reference run (parity.reference); a warning when the reward diverges."""
+    p = live_parity_metrics(cfg.parity.reference, run_dir, step, m["reward/mean"], cfg.parity.threshold)
+    if p.get("parity/diverged"):
+        logger.warn(f"reward diverges from the reference run {cfg.parity.reference}: "
+                    f"trailing gap {p['parity/reward_gap_trailing']:+.3f} beyond {cfg.parity.threshold}")
+    return p
+
+
+def keep_samples(run_dir: Path, logger: MetricsLogger, record: dict) -> None:
+    """A step's samples record into samples.jsonl and TensorBoard (run.samples_every; the first step too)."""
+    samples_log.append(run_dir, record)
+    logger.text("samples", samples_log.as_markdown(record), record["step"])
+
+
 def reward_limits(cfg: JobConfig) -> dict:
     """RewardPool's per-call limits from the rewards section (memory_mb / cpu_s default where the config lacks them)."""
     r = cfg.rewards
-    return {"timeout_s": r.timeout_s, "memory_mb": int(getattr(r, "memory_mb", 2048)), "cpu_s": getattr(r, "cpu_s", None)}
+    return {"timeout_s": r.timeout_s, "memory_mb": int(getattr(r, "memory_mb", 2048)),
+            "cpu_s": getattr(r, "cpu_s", None)}
 
-
-def _out_of_memory(cfg: JobConfig, phase: str, step: int, detail: str, run_dir: Path) -> str:
-    """The OutOfMemory message: where, what makes that phase fit (with this job's values), where to continue."""
-    s, t, r = cfg.sampler, cfg.trainer, cfg.rl
-    sampler = (f"lower sampler.gpu_memory_utilization (now {s.gpu_memory_utilization}: vLLM's share of the GPU)"
-               if s.backend == "vllm" else
-               f"lower sampler.max_batch_size (now {s.max_batch_size}: the KV cache is allocated for that many "
-               f"sequences of model.max_seq_len={cfg.model.max_seq_len} tokens)")
-    train = (f"lower trainer.tokens_per_microbatch (now {t.tokens_per_microbatch}: the same update in smaller "
-             f"micro-batches)" + ("" if t.recompute else " or set trainer.recompute=true (activations recomputed in "
-                                  "the backward, the same gradients)"))
-    advice = {
-        "setup": f"a smaller model (model.*), or {sampler}",
-        "warm start": f"lower run.warmup_batch_size (now {cfg.run.warmup_batch_size})",
-        "sample": f"{sampler}, or sample fewer rollouts a step (rl.prompts_per_step={r.prompts_per_step} x "
-                  f"rl.samples_per_prompt={r.samples_per_prompt})",
-        "evaluate": f"{sampler}, or lower data.eval_size (now {cfg.data.eval_size})",
-        "train": train,
-        "sync": f"{sampler}: trainer and samplers hold their weights while the update passes between them",
-        "checkpoint": f"{sampler} (the samplers' caches stay allocated while the trainer's state is copied out)",
-        "score": "keep the reward functions off the GPU",
-    }[phase]
-    where = "before its first RL step" if step == 0 else f"at step {step}"
-    return (f"the job ran out of GPU memory in its {phase} phase {where} ({detail}). To fit: {advice}. "
-            f"{_resume_hint(run_dir)}")
-
-
-def _resume_hint(run_dir: Path) -> str:
-    latest = Path(run_dir) / "checkpoints" / "latest.json"
-    if not latest.is_file():
-        return f"There is no checkpoint yet in {run_dir}; start the run again into a new --out"
-    import json
-
-    step = json.loads(latest.read_text()).get("step")
-    return f"Continue from the last checkpoint (step {step}): rl4bit train --resume {run_dir}"
 
 
 def _check_steps_left(run_dir: Path, cfg: JobConfig) -> None:
@@ -519,6 +561,7 @@ def _check_job(meta: dict, cfg: JobConfig) -> None:
     problem = config_problem(meta.get("job"), cfg)
     if problem:
         raise CheckpointError(problem)
+
 
 
 def _replica(i: int, replicas: int) -> str:
@@ -734,7 +777,8 @@ def print_summary(run_dir: Path, records: list[dict]) -> None:
         table.add_row(f"eval/accuracy (step {evals[0]['step']} -> {evals[-1]['step']})",
                       f"{evals[0]['eval/accuracy']:.3f}", f"{evals[-1]['eval/accuracy']:.3f}")
     if steps:
-        table.add_row("reward/mean (first -> last step)", f"{steps[0]['reward/mean']:.3f}", f"{steps[-1]['reward/mean']:.3f}")
+        table.add_row("reward/mean (first -> last step)", f"{steps[0]['reward/mean']:.3f}",
+                      f"{steps[-1]['reward/mean']:.3f}")
         table.add_row("mismatch/k3 (max over steps)", "", f"{max(r['mismatch/k3'] for r in steps):.3g}")
         wall = sum(r.get("time/step_s", 0) for r in steps)
         table.add_row("RL wall time (s)", "", f"{wall:.0f}")

@@ -134,7 +134,8 @@ def _report_accuracy(run_dir: Path, cfg, path: Path) -> None:
         print("eval: the run's eval split has no answers; no accuracy to compare")
         return
     own = [r for r in read_metrics(run_dir) if isinstance(r.get("eval/accuracy"), (int, float))]
-    theirs = f"{own[-1]['eval/accuracy']:.3f} at step {own[-1]['step']} (the run's own numerics)" if own else "none logged"
+    theirs = (f"{own[-1]['eval/accuracy']:.3f} at step {own[-1]['step']} (the run's own numerics)" if own
+              else "none logged")
     print(f"eval: greedy accuracy on the run's {len(eval_set)} eval prompts: {acc:.3f} with transformers in BF16 "
           f"({time.perf_counter() - t0:.0f} s); the run's eval/accuracy: {theirs}")
 
@@ -196,7 +197,8 @@ def inspect_main(path: str, samples: bool = False) -> int:
                       ("vs bf16", "right")):
         table.add_column(col, justify=just)
     for r in rows:
-        table.add_row(r["module"], r["format"], f"{r['bits']:.2f}", f"{r['bytes']:,}", f"{r['bytes'] / r['bf16_bytes']:.3f}x")
+        table.add_row(r["module"], r["format"], f"{r['bits']:.2f}", f"{r['bytes']:,}",
+                      f"{r['bytes'] / r['bf16_bytes']:.3f}x")
     table.add_section()
     for label, sel in (("quantized", lambda r: r["format"] in BITS), ("total", lambda r: True)):
         rs = [r for r in rows if sel(r)]
@@ -206,7 +208,8 @@ def inspect_main(path: str, samples: bool = False) -> int:
         table.add_row(label, "", f"{8 * b / max(n, 1):.2f}", f"{b:,}", f"{b / bf:.3f}x")
     Console(width=140).print(table)
     layout = json.loads((path / "rl4bit_layout.json").read_text())
-    print(f"recipe {layout.get('recipe', '?')}, policy v{layout.get('policy_version', '?')}, source {layout.get('source', '?')}")
+    print(f"recipe {layout.get('recipe', '?')}, policy v{layout.get('policy_version', '?')}, "
+          f"source {layout.get('source', '?')}")
     print(f"form: compressed-tensors (quantized); read by: {layout.get('consumers', CT_CONSUMERS)}")
     return 0
 
@@ -228,6 +231,7 @@ def _inspect_hf(path: Path) -> int:
                 dtypes.add(sl.get_dtype())
                 nbytes += 2 * n if sl.get_dtype() in ("BF16", "F16") else 4 * n
     print(f"{path}: {numel:,} values, {nbytes:,} bytes, dtypes {', '.join(sorted(dtypes))}")
-    print(f"recipe {info.get('recipe', '?')}, policy v{info.get('policy_version', '?')}, source {info.get('source', '?')}")
+    print(f"recipe {info.get('recipe', '?')}, policy v{info.get('policy_version', '?')}, "
+          f"source {info.get('source', '?')}")
     print(f"form: hf (plain BF16, {info.get('weights', '')}); read by: {info.get('consumers', '')}")
     return 0

@@ -17,10 +17,12 @@ Leaves out: remote trackers (W&B, MLflow); point them at metrics.jsonl.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -31,8 +33,8 @@ STEP_KEYS = (
     "reward/mean", "reward/std", "reward/errors", "reward/zero_spread_frac",
     "rollout/clipped_frac", "rollout/completion_len_mean", "rollout/completion_len_max", "rollout/prompt_len_mean",
     "rollout/tokens_per_s", "ppo/clip_frac", "ratio/mean", "ratio/min", "ratio/max", "tis/truncated_frac",
-    "mismatch/k3", "mismatch/max_abs", "policy/entropy", "policy/version", "loss", "grad_norm", "sync/bytes", "sync/seconds",
-    "sync/direct", "time/sample_s", "time/score_s", "time/train_s", "time/sync_s", "time/step_s",
+    "mismatch/k3", "mismatch/max_abs", "policy/entropy", "policy/version", "loss", "grad_norm", "sync/bytes",
+    "sync/seconds", "sync/direct", "time/sample_s", "time/score_s", "time/train_s", "time/sync_s", "time/step_s",
 )
 """Logged every RL step."""
 MEMORY_KEYS = ("memory/step_start_gib", "memory/graph_pools_gib", "memory/sample_peak_gib", "memory/train_peak_gib",
@@ -96,6 +98,49 @@ class PhasePeaks:
             m["memory/job_peak_gib"] = self._fold() / 2**30
 
 
+class StepPhases:
+    """Which phase the job is in, and what each phase of an RL step took.
+
+        with phases("sample", peak=True):   # phases.name is "sample" until the next phase begins
+            ...
+        phases.seconds["sample"]             # its wall time; phases.memory: memory/sample_peak_gib (PhasePeaks)
+
+    `name` is what an out-of-memory error reports ("setup" before the first phase); `step` is the RL step being
+    run (0 before the run's first). `begin_step(step)` starts a step's clock, `end_step(m)` adds time/step_s and
+    the job's memory peak to the step's metrics `m`.
+    """
+
+    def __init__(self, peaks: PhasePeaks):
+        self.peaks, self.name, self.step = peaks, "setup", 0
+        self.seconds: dict[str, float] = {}
+        self.memory: dict[str, float] = {}
+        self._t_step = time.perf_counter()
+
+    @contextlib.contextmanager
+    def __call__(self, name: str, *, peak: bool = False):
+        self.name = name
+        if peak:
+            self.peaks.start()
+        t0 = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - t0
+        if peak:
+            self.peaks.end(name, self.memory)
+
+    def begin_step(self, step: int) -> None:
+        self.step, self.seconds, self.memory = step, {}, {}
+        self._t_step = time.perf_counter()
+        self.peaks.step_start(self.memory)
+
+    def times(self, *names: str) -> dict[str, float]:
+        """time/{name}_s of the phases `names`."""
+        return {f"time/{n}_s": self.seconds[n] for n in names}
+
+    def end_step(self, m: dict) -> None:
+        m["time/step_s"] = time.perf_counter() - self._t_step
+        self.peaks.job(m)  # after the evaluation: the job's peak so far, every phase included
+
+
 PLOTS = {
     "reward": ["reward/mean"],
     "accuracy": ["eval/accuracy"],
@@ -113,7 +158,8 @@ class MetricsLogger:
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1 if start_step else None)
+            self.tb = SummaryWriter(str(self.run_dir / "tensorboard"),
+                                    purge_step=start_step + 1 if start_step else None)
         from rich.console import Console
 
         self.console = Console(stderr=True)
@@ -160,7 +206,8 @@ class MetricsLogger:
             self.warn(f"step {step}: EVERY completion hit sampler.max_new_tokens; rewards cannot tell them apart. "
                       "Raise sampler.max_new_tokens or add a stop string.")
         if m.get("reward/zero_spread_frac") == 1.0:
-            self.warn(f"step {step}: EVERY group has zero reward spread, so every advantage is 0 and nothing is learned. "
+            self.warn(f"step {step}: EVERY group has zero reward spread, so every advantage is 0 and nothing is "
+                      "learned. "
                       "The task is too hard or too easy for the policy: change the prompts (data.digits for the "
                       "arithmetic task, the prompt file otherwise), the warm start or the reward.")
 

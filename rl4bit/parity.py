@@ -114,7 +114,8 @@ def run_all(config: Path, plan: list[tuple[str, int]], out: Path, overrides: lis
                 continue
             active.remove(item)
             wall = time.perf_counter() - t0 + _wall(job["run_dir"])
-            atomic_write_text(job["run_dir"] / "parity_run.json", json.dumps({"wall_s": wall, "returncode": proc.returncode}))
+            atomic_write_text(job["run_dir"] / "parity_run.json",
+                              json.dumps({"wall_s": wall, "returncode": proc.returncode}))
             if proc.returncode != 0:
                 for _, p, _ in active:
                     p.terminate()
@@ -159,7 +160,8 @@ def _launch(config: Path, job: dict, out: Path) -> subprocess.Popen:
         for o in job["overrides"]:
             cmd += ["-o", o]
     log = open(out / "logs" / f"{run_dir_name(job['recipe'], job['seed'])}.log", "a")
-    print(f"{'resuming' if job['state'] == 'partial' else 'running'} {job['run_dir'].name} (log: {log.name})", flush=True)
+    print(f"{'resuming' if job['state'] == 'partial' else 'running'} {job['run_dir'].name} (log: {log.name})",
+          flush=True)
     with log:
         return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
@@ -224,7 +226,8 @@ def analyze(runs: list[dict], recipes: list[str], *, threshold: float, eval_size
     outcomes = [c["verdict"]["outcome"] for c in head]
     outcome = "fails" if "fails" in outcomes else "holds" if all(o == "holds" for o in outcomes) else "inconclusive"
     word = {"holds": "parity holds", "fails": "parity FAILS", "inconclusive": "parity not established"}[outcome]
-    text = f"VERDICT ({cand} vs {ref}, threshold {threshold:g}): {word} | " + " | ".join(c["verdict"]["text"] for c in head)
+    text = (f"VERDICT ({cand} vs {ref}, threshold {threshold:g}): {word} | "
+            + " | ".join(c["verdict"]["text"] for c in head))
     return {
         "threshold": threshold, "reference": ref, "candidate": cand, "reward_window": window, "eval_size": eval_size,
         "rl_steps": steps, "target_reward": target, "target_rule": "start + 0.8 x (reference final reward - start), "
@@ -281,9 +284,9 @@ def plot(runs: list[dict], recipes: list[str], report: dict, path: Path) -> None
     ax.set_title("final eval accuracy (95% t interval over seeds)")
     ax.grid(alpha=0.3)
     head = [c for c in report["comparisons"] if c["a"] == report["candidate"] and c["metric"] != "initial_accuracy"]
+    diffs = "; ".join(f"{c['metric']} diff {c['diff']:+.3f} {_span(c['lo'], c['hi'], '+.3f')}" for c in head)
     fig.suptitle(f"{report['candidate']} vs {report['reference']}: parity {report['verdict']['outcome']}"
-                 f" (threshold {report['threshold']:g}); " + "; ".join(
-                     f"{c['metric']} diff {c['diff']:+.3f} {_span(c['lo'], c['hi'], '+.3f')}" for c in head), fontsize=10)
+                 f" (threshold {report['threshold']:g}); {diffs}", fontsize=10)
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp.png")
     fig.savefig(tmp, dpi=90)
@@ -309,7 +312,8 @@ def markdown(report: dict, config, recipes: list[str], seeds: int, overrides: li
         a, w = r["final_accuracy"], r["final_reward"]
         stt = r["steps_to_target"] if r["steps_to_target"] is not None else f"not reached in {report['rl_steps']}"
         L.append(f"| {k} | {a['mean']:.3f} {_span(a['lo'], a['hi'])} | {w['mean']:.3f} {_span(w['lo'], w['hi'])} "
-                 f"| {stt} | {r['wall_s']:.0f} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} | {r['mismatch_k3_max']:.2g} "
+                 f"| {stt} | {r['wall_s']:.0f} | {r['step_s']:.2f} | {r['tokens_per_s']:.0f} "
+                 f"| {r['mismatch_k3_max']:.2g} "
                  f"| {r['initial_accuracy']['mean']:.3f} |")
     L += ["", "## Differences to the reference", "",
           "| a - b | metric | difference | 95% CI (t) | 90% CI (t) | 95% seed bootstrap | verdict |",
@@ -317,14 +321,16 @@ def markdown(report: dict, config, recipes: list[str], seeds: int, overrides: li
     for c in report["comparisons"]:
         judged = "(step 0, not judged)" if c["metric"] == "initial_accuracy" else c["verdict"]["outcome"]
         L.append(f"| {c['a']} - {c['b']} | {c['metric']} | {c['diff']:+.4f} | {_span(c['lo'], c['hi'], '+.4f')} "
-                 f"| {_span(c['eq_lo'], c['eq_hi'], '+.4f')} | {_span(c['boot_lo'], c['boot_hi'], '+.4f')} | {judged} |")
+                 f"| {_span(c['eq_lo'], c['eq_hi'], '+.4f')} | {_span(c['boot_lo'], c['boot_hi'], '+.4f')} "
+                 f"| {judged} |")
     t = report["threshold"]
     L += ["", f"Parity holds when the 90% interval lies inside +/-{t:g} (`parity.threshold`; two one-sided tests "
           f"at 5%), for both final accuracy and final reward; it fails when the 95% interval lies wholly beyond "
           f"+/-{t:g}; otherwise it is not established (inconclusive). The seed bootstrap is narrower than the t "
           "interval at a few seeds and is shown, not judged on. The step-0 row is the warm-started model under each "
           "recipe's forward, before any RL step: the part of the final gap that RL did not cause.", "",
-          "## Runs", "", "| run | final accuracy | initial accuracy | final reward | wall (s) |", "|---|---|---|---|---|"]
+          "## Runs", "", "| run | final accuracy | initial accuracy | final reward | wall (s) |",
+          "|---|---|---|---|---|"]
     for p in report["runs"]:
         L.append(f"| {Path(p['run_dir']).name} | {p['final_accuracy']:.3f} | {p['initial_accuracy']:.3f} "
                  f"| {p['final_reward']:.3f} | {p['wall_s']:.0f} |")

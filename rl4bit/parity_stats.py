@@ -256,4 +256,5 @@ def live_parity_metrics(reference_run_dir: str | Path, run_dir: str | Path, step
             if g is not None:
                 gaps.append(g)
     trail = float(np.mean(gaps))
-    return {"parity/reward_gap": gap, "parity/reward_gap_trailing": trail, "parity/diverged": float(abs(trail) > threshold)}
+    return {"parity/reward_gap": gap, "parity/reward_gap_trailing": trail,
+            "parity/diverged": float(abs(trail) > threshold)}

@@ -129,8 +129,8 @@ def load_reward(spec: str) -> Callable:
     once per process however many of its functions are named. Meant for the worker processes: the sys.path
     entry stays, for imports a reward makes when called. Two reward files in different folders that each import
     a module of one name from their own folder (two `helpers.py`) are refused: the process would hold the first
-    folder's for both (a module both import only when called is not detected). A module name is imported as is, from the installed
-    packages: the worker does not put the working directory on sys.path.
+    folder's for both (a module both import only when called is not detected). A module name is imported as is,
+    from the installed packages: the worker does not put the working directory on sys.path.
     """
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
@@ -156,7 +156,8 @@ def load_reward(spec: str) -> Callable:
 def _load_file(spec: str, path: Path):
     """Execute the reward file `path` as a module (see `load_reward`); an error names the spec and the file."""
     if not path.is_file():
-        raise RewardError(f"reward {spec!r}: file {str(path)!r} does not exist (paths are relative to the working directory)")
+        raise RewardError(f"reward {spec!r}: file {str(path)!r} does not exist (paths are relative to the working "
+                          "directory)")
     resolved = path.resolve()
     mod_name = f"rl4bit_reward_{abs(hash(str(resolved))):x}"
     if mod_name in sys.modules:  # another function of the same file
@@ -375,7 +376,8 @@ def _limit_cpu(cpu_s: float) -> None:
 
 
 def _worker_main(argv: list[str]) -> None:
-    """`python -m rl4bit.rewards [--memory-mb M] [--cpu-s C] SPEC...`: JSON lines in on stdin, out on stdout (nothing pickled)."""
+    """`python -m rl4bit.rewards [--memory-mb M] [--cpu-s C] SPEC...`: JSON lines in on stdin, out on stdout
+    (nothing pickled)."""
     memory_mb, cpu_s = 0, 0.0
     while argv and argv[0] in ("--memory-mb", "--cpu-s"):
         flag, value, argv = argv[0], argv[1], argv[2:]
@@ -485,8 +487,8 @@ class RewardPool:
 
     def _spawn(self) -> subprocess.Popen:
         return subprocess.Popen(
-            [sys.executable, "-P", "-m", "rl4bit.rewards", "--memory-mb", str(self.memory_mb), "--cpu-s", str(self.cpu_s),
-             *self.specs],
+            [sys.executable, "-P", "-m", "rl4bit.rewards", "--memory-mb", str(self.memory_mb),
+             "--cpu-s", str(self.cpu_s), *self.specs],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1, start_new_session=True,
         )
 
@@ -494,7 +496,8 @@ class RewardPool:
         """Read a started worker's first line; RewardError (the worker killed) unless it says it is ready."""
         line = proc.stdout.readline()
         reply = json.loads(line) if line else {
-            "load_error": f"the reward worker for {self.specs} exited at start-up (exit code {proc.wait()}; its stderr says why)"}
+            "load_error": f"the reward worker for {self.specs} exited at start-up (exit code {proc.wait()}; "
+                          "its stderr says why)"}
         if "load_error" in reply:
             _kill(proc)
             raise RewardError(reply["load_error"])

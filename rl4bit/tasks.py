@@ -45,11 +45,13 @@ class PromptFileError(ConfigError):
 def arithmetic_task(digits: int, eval_size: int, seed: int) -> tuple[list[dict], list[dict]]:
     """(train, eval) samples of `a+b=` with a, b < 10**digits; disjoint splits."""
     if not 1 <= digits <= MAX_DIGITS:  # the same bound as DataConfig, for callers that skip load_config
-        raise ConfigError(f"data.digits: {digits} must be 1 to {MAX_DIGITS} (all 10**(2*digits) pairs are built in memory)")
+        raise ConfigError(f"data.digits: {digits} must be 1 to {MAX_DIGITS} (all 10**(2*digits) pairs are built in "
+                          "memory)")
     n = 10**digits
     pairs = [(a, b) for a in range(n) for b in range(n)]
     if eval_size >= len(pairs):
-        raise ConfigError(f"data.eval_size: {eval_size} leaves no training prompts out of {len(pairs)} {digits}-digit sums; lower it or raise data.digits")
+        raise ConfigError(f"data.eval_size: {eval_size} leaves no training prompts out of {len(pairs)} "
+                          f"{digits}-digit sums; lower it or raise data.digits")
     random.Random(seed).shuffle(pairs)
     samples = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in pairs]
     return samples[eval_size:], samples[:eval_size]
@@ -64,7 +66,8 @@ def load_prompt_file(path: str | Path) -> list[dict]:
         try:
             import pyarrow.parquet as pq
         except ModuleNotFoundError:
-            raise PromptFileError(f"{path}: reading Parquet needs pyarrow; `pip install pyarrow` or convert the file to JSONL") from None
+            raise PromptFileError(f"{path}: reading Parquet needs pyarrow; `pip install pyarrow` or convert the file "
+                                  "to JSONL") from None
         try:
             rows = pq.read_table(path).to_pylist()
         except Exception as e:  # pyarrow's errors (ArrowInvalid, OSError, ...) share no base class but Exception
@@ -85,7 +88,8 @@ def load_prompt_file(path: str | Path) -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as e:
-            raise PromptFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line must be one JSON object") from None
+            raise PromptFileError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno}); each line must be "
+                                  "one JSON object") from None
         _check_row(row, f"{path}:{lineno}")
         samples.append(row)
     return _nonempty(samples, path)
@@ -136,7 +140,7 @@ def load_task(data: DataConfig, quiet: bool = False) -> tuple[list[dict], list[d
         print(f"data: no data.eval_file, so {len(evals)} of the {len(train) + len(evals)} prompts of "
               f"{data.train_file} are held out as the eval split (data.eval_fraction={data.eval_fraction}, at most "
               f"data.eval_size={data.eval_size}); RL trains on the other {len(train)}"
-              if evals else f"data: no data.eval_file and data.eval_fraction=0: this job has no evaluation",
+              if evals else "data: no data.eval_file and data.eval_fraction=0: this job has no evaluation",
               file=sys.stderr)
     return train, evals
 

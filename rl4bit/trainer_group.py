@@ -7,6 +7,7 @@
     bucket = group.weight_bucket(i)                    # all ranks all-gather bucket i's layers; rank 0's bucket
     group.save_checkpoint(run_dir, step, {"data": ...}, keep=2)   # per-rank shards + manifest.json
     meta = group.load_checkpoint(run_dir)              # -> state.json (step, "data", ...); trainer state restored
+                                                       # (a one-rank Trainer has the same two, as futures)
     group.shutdown()
 
 Each rank is a `RankWorker` (one process: it joins the torch.distributed group,
@@ -61,7 +62,8 @@ from rl4bit.trainer.actor import Trainer
 START_TIMEOUT_S = 600.0
 """Most seconds for the local rank processes to start and connect (imports on a loaded machine)."""
 ERROR_GRACE_S = 30.0
-"""After one rank failed, seconds the others get to answer before the group is stopped (they may hang in a collective)."""
+"""After one rank failed, seconds the others get to answer before the group is stopped (they may hang in a
+collective)."""
 CLOSE_TIMEOUT_S = 60.0
 """Most seconds `shutdown` waits for the ranks' barrier + destroy_process_group before ending them."""
 
@@ -288,7 +290,9 @@ class TrainerGroup:
         addr, port = "127.0.0.1", free_port()
         self._procs, self._conns, self._actors = [], [], []
         if cluster is not None and cluster.mode == "ray":
-            gpu = 1 if str(cfg.trainer.device).startswith("cuda") or (cfg.trainer.device == "auto" and torch.cuda.is_available()) else 0
+            cuda = str(cfg.trainer.device).startswith("cuda") or (cfg.trainer.device == "auto"
+                                                                  and torch.cuda.is_available())
+            gpu = 1 if cuda else 0
             self._actors = [cluster.actor(RankWorker, cfg, r, self.world, addr, port, 0, num_gpus=gpu)
                             for r in range(self.world)]
             return
@@ -306,7 +310,8 @@ class TrainerGroup:
                 self._check_alive("start")
                 if time.monotonic() > deadline:
                     self._kill()
-                    raise TimeoutError(f"trainer ranks did not connect within {START_TIMEOUT_S:.0f} s; the group was stopped")
+                    raise TimeoutError(f"trainer ranks did not connect within {START_TIMEOUT_S:.0f} s; "
+                                       "the group was stopped")
                 try:
                     conn, _ = server.accept()
                 except TimeoutError:
@@ -342,7 +347,8 @@ class TrainerGroup:
                     if error is not None:  # the others hang in a collective the failed rank left
                         _raise(*error)
                     raise TimeoutError(f"trainer ranks {sorted(pending.values())} did not answer {what} within "
-                                       f"{self.timeout_s:.0f} s (a rank failed or hangs in a collective); the group was stopped")
+                                       f"{self.timeout_s:.0f} s (a rank failed or hangs in a collective); "
+                                       "the group was stopped")
                 self._check_alive(what, set(pending.values()))
                 continue
             for conn in ready:

@@ -209,7 +209,8 @@ def build(out: Path, torch_version: str, python: str, vllm: str | None = None, a
                               f"release for that torch (known: {VLLM_FOR_TORCH})")
     (out / "wheels").mkdir()
     other_pythons = rf"\.cpython-3(?!{python.split('.')[1]}-)\d+-x86_64-linux-gnu\.so$"  # per-Python builds of others
-    dropped = drop_members(wheel, ALWAYS_UNUSED + UNUSED_ON.get(arch, []) + [other_pythons], out / "wheels" / wheel.name)
+    unused = ALWAYS_UNUSED + UNUSED_ON.get(arch, []) + [other_pythons]
+    dropped = drop_members(wheel, unused, out / "wheels" / wheel.name)
     shutil.rmtree(raw)
     download(OFFLINE_DEPS[version], out / "wheels", python)
     download(FALLBACKS, out / "fallback", python)

@@ -74,8 +74,15 @@ from rl4bit.common.atomic import fsync_tree, replace_dir
 from rl4bit.kernels import QTensor, dequantize
 from rl4bit.kernels.checks import qtensor_problems
 from rl4bit.kernels.philox import derive_seed
-from rl4bit.sampler.types import (Request, Rollout, SamplingParams, WeightUpdate, failed_rollouts,
-                                  nonfinite_logprob_error, request_error)
+from rl4bit.sampler.types import (
+    Request,
+    Rollout,
+    SamplingParams,
+    WeightUpdate,
+    failed_rollouts,
+    nonfinite_logprob_error,
+    request_error,
+)
 
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Linears vLLM fuses into one layer (qkv_proj, gate_up_proj): one NVFP4 global scale per fused layer."""
@@ -413,7 +420,8 @@ class VLLMEngine:
         if p.temperature > 0:
             seed = derive_seed(p.seed if p.seed is not None else self._rng.getrandbits(62), i) & (2**63 - 1)
         return VP(n=1, temperature=p.temperature, top_p=p.top_p, top_k=max(p.top_k, 0), min_p=p.min_p,  # -1: 0, off
-                  max_tokens=max_new, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids), include_stop_str_in_output=True,
+                  max_tokens=max_new, stop=list(p.stop) or None, stop_token_ids=list(p.stop_token_ids),
+                  include_stop_str_in_output=True,
                   ignore_eos=bool(getattr(p, "ignore_eos", False)), seed=seed, logprobs=0, skip_special_tokens=True)
 
     def generate(self, requests: list[Request]) -> list[Rollout]:

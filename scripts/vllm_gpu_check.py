@@ -35,9 +35,9 @@ def build(size: str, seed: int, max_len: int, tail: float):
     """(converted trainer model on CUDA, plan) of a random Qwen3-MoE under the nvfp4 recipe."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rl4bit.trainer.tokenizer import build_tokenizer
     from rl4bit.trainer.recipe import RecipeConfig
     from rl4bit.trainer.surgery import convert_model
+    from rl4bit.trainer.tokenizer import build_tokenizer
 
     cfg = AutoConfig.for_model("qwen3_moe", vocab_size=len(build_tokenizer()), max_position_embeddings=max_len,
                                norm_topk_prob=True, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
@@ -99,8 +99,8 @@ def main(argv=None) -> int:
     from rl4bit.sampler.engine import EmbeddedEngine
     from rl4bit.sampler.types import Request, SamplingParams
     from rl4bit.sampler.vllm_engine import VLLMEngine
-    from rl4bit.trainer.tokenizer import build_tokenizer
     from rl4bit.trainer.surgery import load_quantized, quantized_weights
+    from rl4bit.trainer.tokenizer import build_tokenizer
 
     res: dict = dict(vllm=vllm.__version__, torch=torch.__version__, gpu=torch.cuda.get_device_name(),
                      args=vars(a))

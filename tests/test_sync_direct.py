@@ -144,7 +144,8 @@ def _damaged(update: WeightUpdate, quantized: dict, damage: str, version: int):
     elif damage == "shape_dense":
         dense[last_dense] = dense[last_dense][:-1]
     elif damage == "inf_outer":
-        q[module][param] = dataclasses.replace(q[module][param], outer=torch.full_like(q[module][param].outer, float("inf")))
+        old = q[module][param]
+        q[module][param] = dataclasses.replace(old, outer=torch.full_like(old.outer, float("inf")))
     elif damage == "shape_codes":
         qt = q[module][param]
         q[module][param] = dataclasses.replace(qt, data=qt.data[..., :-1].contiguous())
@@ -255,8 +256,8 @@ def test_sync_weights_fails_stop_on_a_bad_direct_update(tmp_path, monkeypatch):
     cfg = _cfg("nvfp4")
     cluster = Cluster(cfg, tmp_path)
     trainer_p = cluster.actor(Trainer, **trainer_args(cfg))
-    sampler_p = cluster.actor(Sampler, lambda: build_policy_model(cfg.model, cfg.recipe, cfg.run.seed + 1), build_tokenizer(),
-                              cfg.sampler, device="cpu", max_seq_len=cfg.model.max_seq_len)
+    sampler_p = cluster.actor(Sampler, lambda: build_policy_model(cfg.model, cfg.recipe, cfg.run.seed + 1),
+                              build_tokenizer(), cfg.sampler, device="cpu", max_seq_len=cfg.model.max_seq_len)
     trainer, sampler = trainer_p._obj, sampler_p._obj
     trainer.setup_rl()
     calls = _spy(monkeypatch)

@@ -9,6 +9,7 @@ A plain class (Ray wraps it in `rl4bit.actors`; `local` mode calls it directly):
     version, count, layout = trainer.weight_header()   # weight sync (rl4bit.trainer.weight_sync), then
     bucket = trainer.weight_bucket(i)                  #   bucket i of 0..count-1, for the samplers
     update, quantized = trainer.weight_tensors()       # or, samplers in this process: the same values as tensors
+    trainer.save_checkpoint(run_dir, step, {"data": ...})  # its state, as each rank of a TrainerGroup writes its own
 
 Logprobs are recomputed through the embedded sampler's batch-invariant forward (`rl4bit.trainer.logprobs`), so
 on the same weights they equal the sampler's bitwise and `mismatch/k3` is 0 on CPU. Sharded (`rank`,
@@ -21,13 +22,16 @@ from __future__ import annotations
 import copy
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from rl4bit.common.checkpoint import load_checkpoint, save_checkpoint
 from rl4bit.common.checkpoint_format import CheckpointError
 from rl4bit.kernels import NonFiniteInputError, deferred_checks, invariant
 from rl4bit.trainer import cuda_ipc, grpo
+from rl4bit.trainer.batch import TrainBatch, microbatches, pad, stack
 from rl4bit.trainer.config import ModelConfig, RLConfig, TrainerConfig
 from rl4bit.trainer.logprobs import sequence_logprobs
 from rl4bit.trainer.models import autocast_dtype, build_model
@@ -43,45 +47,29 @@ class NonFiniteError(RuntimeError):
 
 
 @dataclass
-class TrainBatch:
-    """One RL step's rollouts, group after group (samples_per_prompt consecutive rows share a prompt)."""
+class _StepState:
+    """One RL step inside the trainer: its micro-batches and what its epochs accumulate."""
 
-    prompt_ids: list[list[int]]
-    completion_ids: list[list[int]]
-    sampler_logprobs: list[list[float]]
-    advantages: list[float]
+    keep: list[int]  # the rows that train (a failed rollout has no completion)
+    mbs: list[list[int]]  # micro-batches of rows, each within trainer.tokens_per_microbatch
+    total_tokens: float  # completion tokens of the kept rows (the loss's normalisation)
+    total_seqs: float
+    old: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> epoch 0's logprobs (the PPO ratio's "old")
+    ref: dict[int, torch.Tensor] = field(default_factory=dict)  # row -> the KL reference model's logprobs
+    sums: dict[str, float] = field(default_factory=lambda: dict(
+        loss=0.0, clipped=0.0, ratio_sum=0.0, tokens=0.0, tis_truncated=0.0, kl_ref_sum=0.0, entropy=0.0, k3=0.0,
+        max_abs=0.0))
+    rmin: float = math.inf
+    rmax: float = -math.inf
+    norms: list[float] = field(default_factory=list)  # the grad norm of every optimizer step taken or skipped
+    skipped: int = 0
 
-
-# --------------------------------------------------------------------------- micro-batches
-
-
-def microbatches(lengths: list[int], tokens_per_microbatch: int) -> list[list[int]]:
-    """Consecutive index groups whose summed lengths stay within the budget (a longer sequence goes alone)."""
-    out, cur, used = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and used + n > tokens_per_microbatch:
-            out.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        out.append(cur)
-    return out
-
-
-def _pad(seqs: list[list[float]], dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values, mask) [len(seqs), longest] fp32, zero-padded; built on the host, one copy to `dev`."""
-    t = max(len(s) for s in seqs)
-    vals = torch.zeros(len(seqs), t)
-    mask = torch.zeros(len(seqs), t)
-    for i, s in enumerate(seqs):
-        vals[i, : len(s)] = torch.as_tensor(s, dtype=torch.float32)
-        mask[i, : len(s)] = 1
-    return to_device(vals, dev), to_device(mask, dev)
-
-
-def _stack(parts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.utils.rnn.pad_sequence(parts, batch_first=True)
+    @classmethod
+    def plan(cls, batch: TrainBatch, tokens_per_microbatch: int) -> _StepState:
+        keep = [i for i, c in enumerate(batch.completion_ids) if c]
+        lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.prompt_ids))]
+        mbs = [[keep[j] for j in mb] for mb in microbatches([lengths[i] for i in keep], tokens_per_microbatch)]
+        return cls(keep, mbs, float(sum(len(batch.completion_ids[i]) for i in keep)), float(len(keep)))
 
 
 # --------------------------------------------------------------------------- the trainer
@@ -227,85 +215,94 @@ class Trainer:
                                      self.temperature, self.model_cfg.max_seq_len)
 
     def train_step(self, batch: TrainBatch) -> dict:
-        """`ppo_epochs` optimizer steps on one RL step's rollouts; returns the step's metrics."""
-        rl, t = self.rl, self.trainer_cfg
-        keep = [i for i, c in enumerate(batch.completion_ids) if c]
-        lengths = [len(batch.prompt_ids[i]) + len(batch.completion_ids[i]) for i in range(len(batch.prompt_ids))]
-        mbs = [[keep[j] for j in mb] for mb in microbatches([lengths[i] for i in keep], t.tokens_per_microbatch)]
-        total_tokens = float(sum(len(batch.completion_ids[i]) for i in keep))
-        total_seqs = float(len(keep))
-        tis_cap = self.tis_cap
-        old: dict[int, torch.Tensor] = {}
-        ref: dict[int, torch.Tensor] = {}
-        sums = dict(loss=0.0, clipped=0.0, ratio_sum=0.0, tokens=0.0, tis_truncated=0.0, kl_ref_sum=0.0,
-                    entropy=0.0, k3=0.0, max_abs=0.0)
-        rmin, rmax, norms, skipped = math.inf, -math.inf, [], 0
-        for epoch in range(rl.ppo_epochs):
-            self._set_step(self.opt_steps)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss_total = 0.0
-            for mb in (mbs if self.world == 1 else [mb[self.rank:: self.world] for mb in mbs]):
-                failed = False
-                before = dict(sums)  # a failed micro-batch's entropy and mismatch figures are not kept
-                try:
-                    # One read of the quantize kernels' NaN/Inf flag a micro-batch (at the block's exit), not one a
-                    # quantize: each read is a host sync that stops the host from running ahead of the GPU. The
-                    # host-side checks (every quantize on the CPU) wait for the exit too, so a rank never fails
-                    # mid-backward while the others are inside a collective. A rank without sequences runs a dummy
-                    # under the same checks: its collectives are the others'.
-                    with deferred_checks(host=True):
-                        if not mb:
-                            self._dummy_microbatch(epoch)
-                        else:
-                            loss, st = self._microbatch_loss(batch, mb, epoch, old, ref, sums, tis_cap=tis_cap,
-                                                             total_tokens=total_tokens, total_seqs=total_seqs)
-                            loss.backward()
-                except (FloatingPointError, NonFiniteInputError):  # NaN/Inf met by a quantized GEMM
-                    failed = True
-                if self._any_rank(failed):  # a non-finite step, on every rank: their next collectives must meet
-                    if epoch == 0:  # old logprobs the failed forward left NaN/Inf: no later epoch trains on them
-                        for i in mb:  # (finite ones stay: a NaN met in the backward alone leaves them valid; a
-                            # forward that met an Inf and saturated leaves finite garbage, but the weights are
-                            # unchanged, so the later epochs meet the same Inf and are skipped too)
-                            if i in old and not bool(torch.isfinite(old[i]).all()):
-                                del old[i]
-                    sums.update(before)
-                    loss_total = math.nan
-                    break
-                if not mb:
-                    continue
-                loss_total += loss.item()
-                for k in ("clipped", "ratio_sum", "tokens", "tis_truncated", "kl_ref_sum"):
-                    sums[k] += st.get(k, 0.0)
-                rmin, rmax = min(rmin, st["ratio_min"]), max(rmax, st["ratio_max"])
-            if self.world > 1:
-                from rl4bit.trainer.sharding import all_reduce
+        """`ppo_epochs` optimizer steps on one RL step's rollouts; returns the step's metrics.
 
-                loss_total = all_reduce([loss_total])[0]
-            sums["loss"] += loss_total
-            max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-            if self.world > 1:
-                from rl4bit.trainer.sharding import clip_grad_norm_
-
-                # the group's norm: every rank takes the same skip decision
-                norm = clip_grad_norm_(self.params, max_norm)
-            else:
-                norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-            norms.append(norm)
-            if math.isfinite(loss_total) and math.isfinite(norm):
-                self.optimizer.step()
-                self.nonfinite_in_a_row = 0
-            else:
-                skipped += 1
-                self.nonfinite_in_a_row += 1
-                if self.nonfinite_in_a_row >= t.max_nonfinite_steps:
-                    raise NonFiniteError(
-                        f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
-                        f"(loss {loss_total}, grad norm {norm}); lower trainer.lr or try recipe.name=mxfp8")
-            self.opt_steps += 1
-            if epoch == 0 and self._old_missing(mbs, old):
+        Each epoch is a `forward_backward` over the micro-batches, then an `optimizer_step`."""
+        step = _StepState.plan(batch, self.trainer_cfg.tokens_per_microbatch)
+        for epoch in range(self.rl.ppo_epochs):
+            loss = self.forward_backward(batch, step, epoch)
+            self.optimizer_step(loss, step)
+            if epoch == 0 and self._old_missing(step.mbs, step.old):
                 break  # epoch 0 records the old logprobs the later epochs need; it stopped early: no later epoch
         self.version += 1
+        return self._step_metrics(step)
+
+    def forward_backward(self, batch: TrainBatch, step: _StepState, epoch: int) -> float:
+        """Accumulate the gradients of every micro-batch of `step` (this rank's share); the epoch's loss (the
+        group's), NaN when a micro-batch met NaN/Inf on any rank (the epoch stops there, its statistics dropped)."""
+        self._set_step(self.opt_steps)
+        self.optimizer.zero_grad(set_to_none=True)
+        sums, loss_total = step.sums, 0.0
+        for mb in (step.mbs if self.world == 1 else [mb[self.rank:: self.world] for mb in step.mbs]):
+            failed = False
+            before = dict(sums)  # a failed micro-batch's entropy and mismatch figures are not kept
+            try:
+                # One read of the quantize kernels' NaN/Inf flag a micro-batch (at the block's exit), not one a
+                # quantize: each read is a host sync that stops the host from running ahead of the GPU. The
+                # host-side checks (every quantize on the CPU) wait for the exit too, so a rank never fails
+                # mid-backward while the others are inside a collective. A rank without sequences runs a dummy
+                # under the same checks: its collectives are the others'.
+                with deferred_checks(host=True):
+                    if not mb:
+                        self._dummy_microbatch(epoch)
+                    else:
+                        loss, st = self._microbatch_loss(batch, mb, epoch, step.old, step.ref, sums,
+                                                         tis_cap=self.tis_cap, total_tokens=step.total_tokens,
+                                                         total_seqs=step.total_seqs)
+                        loss.backward()
+            except (FloatingPointError, NonFiniteInputError):  # NaN/Inf met by a quantized GEMM
+                failed = True
+            if self._any_rank(failed):  # a non-finite step, on every rank: their next collectives must meet
+                if epoch == 0:  # old logprobs the failed forward left NaN/Inf: no later epoch trains on them
+                    for i in mb:  # (finite ones stay: a NaN met in the backward alone leaves them valid; a
+                        # forward that met an Inf and saturated leaves finite garbage, but the weights are
+                        # unchanged, so the later epochs meet the same Inf and are skipped too)
+                        if i in step.old and not bool(torch.isfinite(step.old[i]).all()):
+                            del step.old[i]
+                sums.update(before)
+                loss_total = math.nan
+                break
+            if not mb:
+                continue
+            loss_total += loss.item()
+            for k in ("clipped", "ratio_sum", "tokens", "tis_truncated", "kl_ref_sum"):
+                sums[k] += st.get(k, 0.0)
+            step.rmin, step.rmax = min(step.rmin, st["ratio_min"]), max(step.rmax, st["ratio_max"])
+        if self.world > 1:
+            from rl4bit.trainer.sharding import all_reduce
+
+            loss_total = all_reduce([loss_total])[0]
+        sums["loss"] += loss_total
+        return loss_total
+
+    def optimizer_step(self, loss: float, step: _StepState) -> None:
+        """Clip the accumulated gradients and take the AdamW step, or skip it when the loss or the gradient norm is
+        not finite (every rank alike: the norm is the group's); NonFiniteError after `trainer.max_nonfinite_steps`
+        skips in a row."""
+        t = self.trainer_cfg
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        if self.world > 1:
+            from rl4bit.trainer.sharding import clip_grad_norm_
+
+            norm = clip_grad_norm_(self.params, max_norm)
+        else:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        step.norms.append(norm)
+        if math.isfinite(loss) and math.isfinite(norm):
+            self.optimizer.step()
+            self.nonfinite_in_a_row = 0
+        else:
+            step.skipped += 1
+            self.nonfinite_in_a_row += 1
+            if self.nonfinite_in_a_row >= t.max_nonfinite_steps:
+                raise NonFiniteError(
+                    f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                    f"(loss {loss}, grad norm {norm}); lower trainer.lr or try recipe.name=mxfp8")
+        self.opt_steps += 1
+
+    def _step_metrics(self, step: _StepState) -> dict:
+        """The RL step's metrics from its statistics, reduced over the group."""
+        sums, rmin, rmax = step.sums, step.rmin, step.rmax
         if self.world > 1:
             from rl4bit.trainer.sharding import all_reduce
 
@@ -314,27 +311,28 @@ class Trainer:
             sums["max_abs"] = all_reduce([sums["max_abs"]], torch.distributed.ReduceOp.MAX)[0]
             rmin = all_reduce([rmin], torch.distributed.ReduceOp.MIN)[0]
             rmax = all_reduce([rmax], torch.distributed.ReduceOp.MAX)[0]
-        ntok = max(total_tokens, 1.0)
+        ntok = max(step.total_tokens, 1.0)
         nrat = max(sums["tokens"], 1.0)
         comm = {}
         if self.ep > 1:
             from rl4bit.trainer.expert_parallel import comm_metrics
 
             comm = comm_metrics([m for m in (self.model, self.ref_model) if m is not None], reduce=True)  # all ranks
+        norms = step.norms
         return comm | {
             "loss": sums["loss"] / len(norms),  # the epochs run (one if the first was non-finite)
             "grad_norm": sum(norms) / len(norms),
             "ppo/clip_frac": sums["clipped"] / nrat,
             "ratio/mean": sums["ratio_sum"] / nrat if sums["tokens"] else 1.0,
-            "ratio/min": rmin if keep else 1.0,
-            "ratio/max": rmax if keep else 1.0,
+            "ratio/min": rmin if step.keep else 1.0,
+            "ratio/max": rmax if step.keep else 1.0,
             "tis/truncated_frac": sums["tis_truncated"] / nrat,
-            "tis/enabled": float(tis_cap is not None),
+            "tis/enabled": float(self.tis_cap is not None),
             "kl/ref": sums["kl_ref_sum"] / nrat,
             "mismatch/k3": sums["k3"] / ntok,
             "mismatch/max_abs": sums["max_abs"],
             "policy/entropy": sums["entropy"] / ntok,
-            "train/skipped_steps": float(skipped),
+            "train/skipped_steps": float(step.skipped),
             "train/lr": self.optimizer.param_groups[0]["lr"],
             "policy/version": float(self.version),
         }
@@ -367,9 +365,9 @@ class Trainer:
                     for i, lp in zip(mb, self._logprobs(self.ref_model, batch, mb)[0]):
                         ref[i] = lp
             sums["entropy"] += entropy.item()
-        logp, mask = _stack(logp_list), _pad([batch.completion_ids[i] for i in mb], self.device)[1]
-        old_lp = _stack([old[i] for i in mb])
-        samp = _pad([batch.sampler_logprobs[i] for i in mb], self.device)[0]
+        logp, mask = stack(logp_list), pad([batch.completion_ids[i] for i in mb], self.device)[1]
+        old_lp = stack([old[i] for i in mb])
+        samp = pad([batch.sampler_logprobs[i] for i in mb], self.device)[0]
         if epoch == 0:
             # KL(sampler || trainer), in float64: an FP32 k3 is rounding noise below ~1e-7 a token
             sums["k3"] += grpo.k3(samp.double(), old_lp.double())[mask.bool()].sum().item()
@@ -377,7 +375,7 @@ class Trainer:
             sums["max_abs"] = max(sums["max_abs"], gap.max().item() if gap.numel() else 0.0)
         adv = to_device(torch.tensor([batch.advantages[i] for i in mb]), self.device)
         return grpo.ppo_clip_loss(logp, old_lp, adv, mask, clip_eps=rl.clip_eps, agg=rl.loss_agg, sampler_logp=samp,
-                                  ref_logp=_stack([ref[i] for i in mb]) if ref else None, kl_coef=rl.kl_coef,
+                                  ref_logp=stack([ref[i] for i in mb]) if ref else None, kl_coef=rl.kl_coef,
                                   **loss_kw)
 
     def _dummy_microbatch(self, epoch: int) -> None:
@@ -558,6 +556,27 @@ class Trainer:
         self.nonfinite_in_a_row = int(meta["nonfinite_in_a_row"])
         random.setstate(_to_py_rng(meta["python_rng"]))
 
+    def save_checkpoint(self, run_dir: str | Path, step: int, meta: dict, keep: int = 2) -> Path:
+        """Write `state()` as checkpoint `step` of `run_dir` (`rl4bit.common.checkpoint`, one tensor file) with
+        `meta` and this trainer's meta ("trainer") in its state.json; the checkpoint directory. One rank's form of
+        `TrainerGroup.save_checkpoint`: the trainer writes its own state, as every rank of a group writes its shard."""
+        self._one_rank("save_checkpoint")
+        tensors, mine = self.state()
+        return save_checkpoint(run_dir, step, tensors, {"trainer": mine, **meta}, keep=keep)
+
+    def load_checkpoint(self, run_dir: str | Path) -> dict:
+        """Restore the latest checkpoint of `run_dir` (call after setup_rl); its state.json. One rank's form of
+        `TrainerGroup.load_checkpoint`. FileNotFoundError when the run has none; CheckpointError for a damaged file
+        (named), a checkpoint of a trainer group, or a state that does not fit this trainer."""
+        self._one_rank("load_checkpoint")
+        tensors, meta = load_checkpoint(run_dir, world=1)
+        self.load_state(tensors, meta["trainer"])
+        return meta
+
+    def _one_rank(self, what: str) -> None:
+        if self.world != 1:
+            raise RuntimeError(f"{what} on trainer rank {self.rank} of {self.world}: a trainer group checkpoints "
+                               "through rl4bit.trainer_group.TrainerGroup (every rank writes its shard)")
 
     def _like(self, p, v: torch.Tensor) -> torch.Tensor:
         """An optimizer moment for parameter p from its stored piece (a DTensor shaped like p when sharded)."""

@@ -50,14 +50,17 @@ class ModelConfig:
         # Existence of `path` is checked where the model is loaded (rl4bit.trainer.models), not here:
         # a config for a cluster's checkpoint must validate on the laptop that edits it.
         if self.path is not None and not self.path.strip():
-            raise ConfigError(f"{path}.path: empty; point it at a local HF checkpoint or set it to null to build `tiny`")
+            raise ConfigError(f"{path}.path: empty; point it at a local HF checkpoint or set it to null to build "
+                              "`tiny`")
         for name, mult in (("hidden_size", 32), ("expert_intermediate_size", 32)):
             v = getattr(self, name)
             if v <= 0 or v % mult:
-                raise ConfigError(f"{path}.{name}: {v} must be a positive multiple of {mult} (NVFP4 blocks of 16, MXFP8 blocks of 32 along K)")
+                raise ConfigError(f"{path}.{name}: {v} must be a positive multiple of {mult} (NVFP4 blocks of 16, "
+                                  "MXFP8 blocks of 32 along K)")
         positive(self, path, "num_layers", "num_experts", "experts_per_token", "num_heads", "max_seq_len")
         if self.experts_per_token > self.num_experts:
-            raise ConfigError(f"{path}.experts_per_token: {self.experts_per_token} exceeds num_experts={self.num_experts}")
+            raise ConfigError(f"{path}.experts_per_token: {self.experts_per_token} exceeds "
+                              f"num_experts={self.num_experts}")
         if self.hidden_size % self.num_heads:
             raise ConfigError(f"{path}.num_heads: {self.num_heads} does not divide hidden_size={self.hidden_size}")
 
@@ -134,7 +137,8 @@ class RLConfig:
     loss_agg: Literal["token_mean", "seq_mean"] = "token_mean"
     """Loss aggregation: mean over all tokens, or mean of per-sequence token means."""
     tis_cap: Optional[float] = None
-    """Truncated importance sampling cap on pi_train/pi_sampler. None: on (cap 2) only when the sampler is not bitwise-matched (vLLM)."""
+    """Truncated importance sampling cap on pi_train/pi_sampler. None: on (cap 2) only when the sampler is not
+    bitwise-matched (vLLM)."""
     normalize_std: bool = True
     """Divide group-centred rewards by the group std (GRPO); False keeps only centring (Dr. GRPO)."""
 

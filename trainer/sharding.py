@@ -5,7 +5,8 @@
     with gathered(model, ["model.layers.0.mlp.experts", ...]):   # all ranks: all-gather those FSDP units
         ...                                       # the modules hold full, plain tensors here (weight sync)
     info = save_shard(tmp_dir, rank, world, tensors, global_shapes, meta)   # every rank, into the checkpoint's tmp dir
-    files, index = merge_shards(infos)            # the driver: manifest entries (rl4bit.common.checkpoint.commit_checkpoint)
+    files, index = merge_shards(infos)            # the group: manifest entries for
+                                                  #   rl4bit.common.checkpoint.commit_checkpoint
     tensors, meta = load_shard(ckpt_dir, rank, world)                       # every rank: its own piece, verified
 
 Every parameter is a DTensor sharded along dim 0 (masters, gradients and AdamW moments 1/world per rank); FSDP

@@ -216,7 +216,9 @@ class WeightReceiver:
         return self.target.model if hasattr(self.target, "update_weights") else self.target  # an engine, or the model
 
     def serving_version(self) -> int:
-        return int(getattr(self.target, "version", self.version)) if hasattr(self.target, "update_weights") else self.version
+        if hasattr(self.target, "update_weights"):
+            return int(getattr(self.target, "version", self.version))
+        return self.version
 
     def begin(self, version: int, count: int, layout: dict) -> None:
         self._staging = None
@@ -237,7 +239,8 @@ class WeightReceiver:
         if st is None or st["version"] != version:
             self._fail(f"bucket {index} of v{version} arrived outside an update (begin(v{version}) missing or dropped)")
         if not 0 <= index < st["count"] or index in st["buckets"]:
-            self._fail(f"bucket {index} of v{version} is out of range or duplicated (expected 0..{st['count'] - 1} once)")
+            self._fail(f"bucket {index} of v{version} is out of range or duplicated "
+                       f"(expected 0..{st['count'] - 1} once)")
         try:
             staged = unpack(payload, f"bucket {index}/{st['count']} of v{version}", sha256)
             stamp = bucket_stamp(payload)

@@ -95,12 +95,13 @@ def _rows_rollout(res) -> list[tuple]:
     rows = []
     for r in res.get("rows", []):
         b, e, h, q = r["batch"], r["engine"], r["hf"], r.get("engine_nvfp4")
-        rows.append((f"rollout batch {b}: engine BF16 tok/s", f"{e['gen_tok_s']:.0f}", f"HF generate {h['gen_tok_s']:.0f}",
-                     e["gen_tok_s"] / h["gen_tok_s"], ">= 20" if b == 64 else None))
+        rows.append((f"rollout batch {b}: engine BF16 tok/s", f"{e['gen_tok_s']:.0f}",
+                     f"HF generate {h['gen_tok_s']:.0f}", e["gen_tok_s"] / h["gen_tok_s"],
+                     ">= 20" if b == 64 else None))
         if q:
             target = ">= 2.5" if b <= 16 else (">= 1.8" if b == 64 else None)
-            rows.append((f"rollout batch {b}: engine NVFP4 tok/s", f"{q['gen_tok_s']:.0f}", f"engine BF16 {e['gen_tok_s']:.0f}",
-                         q["gen_tok_s"] / e["gen_tok_s"], target))
+            rows.append((f"rollout batch {b}: engine NVFP4 tok/s", f"{q['gen_tok_s']:.0f}",
+                         f"engine BF16 {e['gen_tok_s']:.0f}", q["gen_tok_s"] / e["gen_tok_s"], target))
     return rows
 
 
@@ -108,7 +109,8 @@ def _rows_sync(res) -> list[tuple]:
     nv, bf = res["rows"]["nvfp4"], res["rows"]["bf16"]
     return [("sync expert bytes (nvfp4)", f"{nv['expert_bytes']:,}", f"bf16 {bf['expert_bytes']:,}",
              nv["expert_bytes"] / bf["expert_bytes"], "<= 0.30"),
-            ("sync seconds (nvfp4)", f"{nv['seconds']:.3f}", f"bf16 {bf['seconds']:.3f}", bf["seconds"] / nv["seconds"], None)]
+            ("sync seconds (nvfp4)", f"{nv['seconds']:.3f}", f"bf16 {bf['seconds']:.3f}",
+             bf["seconds"] / nv["seconds"], None)]
 
 
 def _rows_step(res) -> list[tuple]:
@@ -181,7 +183,8 @@ def _print_summary(rows: list[tuple], device: str) -> None:
     from rich.table import Table
 
     gpu = torch.cuda.get_device_name() if device.startswith("cuda") and torch.cuda.is_available() else device
-    t = Table(title=f"rl4bit bench all: {gpu} (ratio > 1 = better than the baseline, except memory/bytes: ours / baseline)")
+    t = Table(title=f"rl4bit bench all: {gpu} "
+                    "(ratio > 1 = better than the baseline, except memory/bytes: ours / baseline)")
     for col in ("figure", "ours", "baseline / ceiling", "ratio", "target"):
         t.add_column(col, justify="left" if col in ("figure", "baseline / ceiling") else "right")
     for fig, ours, base, ratio, target in rows:

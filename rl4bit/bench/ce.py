@@ -195,8 +195,9 @@ def run(steps: int | None = None, quick: bool = False, out: str | None = None, d
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, 60 steps (a smoke run on a CPU: about 7 minutes on "
-                   "2 cores; its CE gaps move in steps of 1/60)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny model, 60 steps (a smoke run on a CPU: about 7 minutes on 2 cores; its CE gaps move in "
+                   "steps of 1/60)")
     p.add_argument("--steps", type=int, help="override the run length")
     p.add_argument("--device", default="cpu")
     p.add_argument("--out", help="directory for results.json and ce_curves.png")

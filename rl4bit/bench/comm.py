@@ -111,9 +111,11 @@ def _worker(rank: int, world: int, port: int, device_kind: str, shape: dict, rep
         results = {}
         for phase, fmt in FORMATS:
             if phase == "dispatch":
-                enc = (lambda: ep_codec.pack_nvfp4(ep_codec.gather_rows(quantize(x, "nvfp4", outer="row", four_over_six=True), tok))) \
-                    if fmt == "nvfp4" else (lambda: ep_codec.pack_dense(rows_out))
-                dec = (lambda b: ep_codec.unpack_nvfp4(b, h)) if fmt == "nvfp4" else (lambda b: ep_codec.unpack_dense(b, torch.bfloat16, h))
+                enc = ((lambda: ep_codec.pack_nvfp4(ep_codec.gather_rows(
+                           quantize(x, "nvfp4", outer="row", four_over_six=True), tok)))
+                       if fmt == "nvfp4" else (lambda: ep_codec.pack_dense(rows_out)))
+                dec = ((lambda b: ep_codec.unpack_nvfp4(b, h)) if fmt == "nvfp4"
+                       else (lambda b: ep_codec.unpack_dense(b, torch.bfloat16, h)))
                 s, r, src = send_s, recv_s, None
             else:  # the owner sends rows back; their values: what it received (expert outputs stand-in)
                 if rows_in is None:
@@ -141,9 +143,11 @@ def _worker(rank: int, world: int, port: int, device_kind: str, shape: dict, rep
                                                                     .view(torch.bfloat16).float() * wk)
                 sq = ep_codec.sqnr_db(exact, out)
                 row["sqnr_db"] = None if sq == float("inf") else sq  # None: exact (JSON has no inf)
-            vals = torch.tensor([row["encode_ms"], row["a2a_ms"], row["decode_ms"], row["bytes"]], dtype=torch.float64, device=device)
+            vals = torch.tensor([row["encode_ms"], row["a2a_ms"], row["decode_ms"], row["bytes"]], dtype=torch.float64,
+                                device=device)
             dist.all_reduce(vals, op=dist.ReduceOp.MAX)
-            row.update(encode_ms=vals[0].item(), a2a_ms=vals[1].item(), decode_ms=vals[2].item(), bytes=int(vals[3].item()))
+            row.update(encode_ms=vals[0].item(), a2a_ms=vals[1].item(), decode_ms=vals[2].item(),
+                       bytes=int(vals[3].item()))
             results[f"{phase}/{fmt}"] = row
         dist.barrier()
         if rank == 0:
@@ -223,8 +227,9 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, repeat
     for world in worlds:
         rows = _launch(world, dev, shape, repeats)
         result["worlds"][str(world)] = rows
-        table = Table(title=f"EP all-to-all, {world} ranks ({'nccl' if dev == 'cuda' else 'gloo'}; hidden {shape['hidden']}, "
-                            f"{shape['experts']} experts, top-{shape['top_k']}, {shape['tokens']} tokens/rank)")
+        table = Table(title=f"EP all-to-all, {world} ranks ({'nccl' if dev == 'cuda' else 'gloo'}; "
+                            f"hidden {shape['hidden']}, {shape['experts']} experts, top-{shape['top_k']}, "
+                            f"{shape['tokens']} tokens/rank)")
         for col in ("phase", "format", "bits/value", "bytes sent/rank", "x bf16", "encode ms", "a2a ms",
                     "a2a x bf16", "decode ms", "total ms", "total x bf16", "SQNR dB"):
             table.add_column(col, justify="right")
@@ -234,7 +239,8 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, repeat
             tot = r["encode_ms"] + r["a2a_ms"] + r["decode_ms"]
             btot = base["encode_ms"] + base["a2a_ms"] + base["decode_ms"]
             r["total_ms"] = tot
-            table.add_row(phase, fmt, f"{r['bits_per_value']:.3f}", f"{r['bytes']:,}", f"{r['bytes'] / max(base['bytes'], 1):.3f}",
+            table.add_row(phase, fmt, f"{r['bits_per_value']:.3f}", f"{r['bytes']:,}",
+                          f"{r['bytes'] / max(base['bytes'], 1):.3f}",
                           f"{r['encode_ms']:.2f}", f"{r['a2a_ms']:.2f}", f"{r['a2a_ms'] / base['a2a_ms']:.2f}",
                           f"{r['decode_ms']:.2f}", f"{tot:.2f}", f"{tot / btot:.2f}",
                           sqnr_text(r))

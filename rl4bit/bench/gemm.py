@@ -86,7 +86,8 @@ def decode_cases(device: str, shapes, ms, experts_shapes, top_k: int, gbps: floa
             touched = sum(1 for c in counts if c)
             x = _weights((r, k), device, 2, torch.bfloat16) * 50
             qx = quantize_activation(x, spec)
-            qws = _copies(lambda i: q0 if i == 0 else quantize(_weights((e, n, k), device, 10 + i), "nvfp4", outer="group"),
+            qws = _copies(lambda i: q0 if i == 0 else quantize(_weights((e, n, k), device, 10 + i), "nvfp4",
+                                                                 outer="group"),
                           per_expert * touched, device)
             us = time_us([lambda q=q: fwd(qx, q, counts, torch.bfloat16) for q in qws], device, reps)
             us_q = time_us([lambda q=q: fwd(quantize_activation(x, spec), q, counts, torch.bfloat16) for q in qws],
@@ -188,7 +189,8 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, decod
     if device == "cpu" and not quick:
         raise SystemExit("bench_gemm: the CPU runs the reference path only; pass --quick (tiny shapes)")
     if quick:
-        shapes, ms, exp, top_k, train_rows, experts, reps = [(64, 96)], (1, 4), [("experts up", 8, 64, 32)], 2, 256, 8, 3
+        shapes, ms, exp = [(64, 96)], (1, 4), [("experts up", 8, 64, 32)]
+        top_k, train_rows, experts, reps = 2, 256, 8, 3
         train_shapes = [("gate_up", 64, 32)]
     else:
         shapes, ms, top_k, train_rows, experts, reps = [DENSE], DECODE_M, TOP_K, TRAIN_ROWS, EXPERTS, 30

@@ -115,10 +115,13 @@ def _triton_cases(device: str, tokens, hidden: int, inter: int, experts: int, sq
         xh = _bf16((t, hidden), device, 1)
         xi = _bf16((t, inter), device, 2)
         rb = _nbytes(xh)
-        cases.append(Case("nvfp4 4/6, per-token outer", f"{t}x{hidden}", nv(xh, outer="row", four_over_six=True), rb, TARGET))
-        cases.append(Case("nvfp4 4/6, per-token outer", f"{t}x{inter}", nv(xi, outer="row", four_over_six=True), _nbytes(xi), TARGET))
+        cases.append(Case("nvfp4 4/6, per-token outer", f"{t}x{hidden}", nv(xh, outer="row", four_over_six=True), rb,
+                          TARGET))
+        cases.append(Case("nvfp4 4/6, per-token outer", f"{t}x{inter}", nv(xi, outer="row", four_over_six=True),
+                          _nbytes(xi), TARGET))
         cases.append(Case("nvfp4, per-token outer", f"{t}x{hidden}", nv(xh, outer="row"), rb))
-        cases.append(Case("nvfp4 SR, per-tensor outer", f"{t}x{hidden}", nv(xh, outer="tensor", stochastic=True, seed=SEED), rb))
+        cases.append(Case("nvfp4 SR, per-tensor outer", f"{t}x{hidden}",
+                          nv(xh, outer="tensor", stochastic=True, seed=SEED), rb))
         cases.append(Case("mxfp8 rowwise", f"{t}x{hidden}", lambda x=xh: mxfp8_triton.quantize_rows(x)[:2], rb))
         cases.append(Case("mxfp8 rowwise SR", f"{t}x{hidden}",
                           lambda x=xh: mxfp8_triton.quantize_rows(x, stochastic=True, seed=SEED)[:2], rb))
@@ -142,7 +145,8 @@ def _triton_cases(device: str, tokens, hidden: int, inter: int, experts: int, sq
     if square:
         xs = _bf16((square, square), device, 4)
         label = f"{square}x{square}"
-        cases.append(Case("nvfp4 4/6, per-token outer", label, nv(xs, outer="row", four_over_six=True), _nbytes(xs), TARGET))
+        cases.append(Case("nvfp4 4/6, per-token outer", label, nv(xs, outer="row", four_over_six=True), _nbytes(xs),
+                          TARGET))
         cases.append(Case("mxfp8 rowwise", label, lambda: mxfp8_triton.quantize_rows(xs)[:2], _nbytes(xs)))
         fn, qb = requant(xs, "row")
         cases.append(Case("requantize nvfp4->mxfp8^T SR", label, fn, qb, TARGET))
@@ -168,7 +172,8 @@ def _reference_cases(device: str, tokens, hidden: int, inter: int, experts: int)
                           _nbytes(q), TARGET))
         cases.append(Case("rht + s2f6 encode", label, lambda: quantize_s2f6(rht(x, SEED)), rb))
         qs = quantize_s2f6(rht(x, SEED))
-        cases.append(Case("s2f6 decode + inverse rht", label, lambda: inverse_rht(dequantize_s2f6(qs), SEED), _nbytes(qs)))
+        cases.append(Case("s2f6 decode + inverse rht", label, lambda: inverse_rht(dequantize_s2f6(qs), SEED),
+                          _nbytes(qs)))
     w = _bf16((experts, inter, hidden), device, 3)
     cases.append(Case("nvfp4 weights, per-expert outer", "x".join(map(str, w.shape)),
                       lambda: quantize_reference(w, "nvfp4", outer="group"), _nbytes(w)))

@@ -161,7 +161,8 @@ def read_floor(name: str, batch: int, prompt: int, new: int, experts: str) -> di
     c = MODELS[name]
     h, layers, e, k, d = (c["hidden_size"], c["num_hidden_layers"], c["num_experts"], c["num_experts_per_tok"],
                           c["head_dim"])
-    attn_params = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) + 2 * d + 2 * h  # q k v o, norms
+    # q k v o, and the norms
+    attn_params = h * d * (2 * c["num_attention_heads"] + 2 * c["num_key_value_heads"]) + 2 * d + 2 * h
     expert = 3 * h * c["moe_intermediate_size"] * EXPERT_BYTES[experts]
     router = e * h * 4
     table = c["vocab_size"] * h * 2  # the LM head, and the embedding table (same shape, untied)
@@ -264,7 +265,8 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
         if samples > 1:
             sp = rows[-1]["shared_prefix"] = bench_shared_prefix(bmodel, prompts, new, device, samples)
             print(f"batch {b} x {samples} samples: prefill {sp['shared']['prefill_s']:.3f} s shared / "
-                  f"{sp['own']['prefill_s']:.3f} s one per sample ({sp['own']['prefill_s'] / sp['shared']['prefill_s']:.2f}x), "
+                  f"{sp['own']['prefill_s']:.3f} s one per sample "
+                  f"({sp['own']['prefill_s'] / sp['shared']['prefill_s']:.2f}x), "
                   f"whole generate {sp['shared']['total_s']:.3f} / {sp['own']['total_s']:.3f} s "
                   f"({sp['own']['total_s'] / sp['shared']['total_s']:.2f}x)", flush=True)
     results = dict(device=device, model=name, params=n_params, dtype=str(dtype), prompt_len=p, new_tokens=new,

@@ -93,7 +93,8 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, config
                           f"give --steps {warmup + 1} or more")
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("bench soak on cuda needs a GPU (use --device cpu)")
-    o = (QUICK if quick else []) + [f"rl.steps={steps}", "ray.mode=local", "run.progress=false", f"trainer.device={device}"]
+    o = (QUICK if quick else []) + [f"rl.steps={steps}", "ray.mode=local", "run.progress=false",
+                                    f"trainer.device={device}"]
     cfg = load_config(config or CONFIG, o + list(override or []))
     me = psutil.Process()
     rows: list[dict] = []
@@ -103,11 +104,12 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, config
         row = {"step": step, "rss_mib": _mib(me.memory_info().rss), "reward_workers_rss_mib": _mib(kids),
                "step_s": m.get("time/step_s")}
         if torch.cuda.is_available() and device.startswith("cuda"):
-            row.update(cuda_alloc_mib=_mib(torch.cuda.memory_allocated()), cuda_reserved_mib=_mib(torch.cuda.memory_reserved()))
+            row.update(cuda_alloc_mib=_mib(torch.cuda.memory_allocated()),
+                       cuda_reserved_mib=_mib(torch.cuda.memory_reserved()))
         rows.append(row)
         gpu = f"  cuda alloc {row['cuda_alloc_mib']:.1f} MiB" if "cuda_alloc_mib" in row else ""
-        print(f"soak step {step:>5}: rss {row['rss_mib']:.1f} MiB  reward workers {row['reward_workers_rss_mib']:.1f} MiB{gpu}",
-              flush=True)
+        print(f"soak step {step:>5}: rss {row['rss_mib']:.1f} MiB  "
+              f"reward workers {row['reward_workers_rss_mib']:.1f} MiB{gpu}", flush=True)
 
     with tempfile.TemporaryDirectory(prefix="rl4bit-soak-") as tmp:
         run_dir = create_run_dir(cfg, Path(out) / "run" if out else Path(tmp) / "run")
@@ -116,9 +118,11 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, config
             print("(that run dir is temporary and is removed now; bench soak --out DIR keeps it as DIR/run)")
     v = verdict(rows, warmup)
     print(f"soak: RSS after the {v['warmup_steps']}-step warm-up {v['rss_at_warmup_mib']:.1f} MiB, grew "
-          f"{v['rss_growth_mib']:+.1f} MiB over {steps - v['warmup_steps']} steps (bound {v['rss_bound_mib']:.1f} MiB = "
+          f"{v['rss_growth_mib']:+.1f} MiB over {steps - v['warmup_steps']} steps "
+          f"(bound {v['rss_bound_mib']:.1f} MiB = "
           f"{RSS_BOUND_MIB:.0f} + {RSS_BOUND_FRAC:.0%}), slope {v['rss_slope_mib_per_step']:+.3f} MiB/step"
-          + (f"; GPU allocated grew {v['cuda_growth_mib']:+.1f} MiB (bound {CUDA_BOUND_MIB:.0f})" if "cuda_growth_mib" in v else "")
+          + (f"; GPU allocated grew {v['cuda_growth_mib']:+.1f} MiB (bound {CUDA_BOUND_MIB:.0f})"
+             if "cuda_growth_mib" in v else "")
           + f": {'FLAT' if v['flat'] else 'NOT FLAT'}")
     result = {"config": str(config or CONFIG), "device": device, "steps": steps, "rows": rows, "verdict": v}
     if out:

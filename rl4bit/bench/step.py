@@ -52,8 +52,8 @@ from pathlib import Path
 import torch
 
 from rl4bit.common.atomic import atomic_write_text
-from rl4bit.driver import JOB_ERRORS
-from rl4bit.driver import OutOfMemory as JobOutOfMemory
+from rl4bit.job_errors import JOB_ERRORS
+from rl4bit.job_errors import OutOfMemory as JobOutOfMemory
 from rl4bit.metrics import MEMORY_KEYS
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpu-h200.yaml"
@@ -85,7 +85,8 @@ def memory_sites(snapshot: dict, top: int) -> list[tuple[str, float]]:
             if b["state"] != "active_allocated":
                 continue
             frames = b.get("frames") or []
-            own = [f for f in frames if any(k in f["filename"] for k in OWN_CODE) and "site-packages" not in f["filename"]]
+            own = [f for f in frames
+                   if any(k in f["filename"] for k in OWN_CODE) and "site-packages" not in f["filename"]]
             f = (own or frames or [{"filename": "?", "line": 0, "name": "?"}])[0]
             site = f"{Path(f['filename']).name}:{f['line']} {f['name']}{pool}"
             sizes[site] = sizes.get(site, 0) + b["size"]
@@ -184,7 +185,8 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0, kee
             "held_at_start_gib": held / 2**30 if cuda else None,
             "memory_gib": phase_peaks if cuda else None,
             "per_step_s": {p: [round(r[f"time/{p}_s"], 3) for r in records] for p in ("sample", "train", "sync")},
-            "mismatch": {k: [float(f"{r.get(f'mismatch/{k}', math.nan):.3g}") for r in records] for k in ("k3", "max_abs")},
+            "mismatch": {k: [float(f"{r.get(f'mismatch/{k}', math.nan):.3g}") for r in records]
+                         for k in ("k3", "max_abs")},
             "reward": statistics.fmean(r["reward/mean"] for r in records), "memory_sites": found}
 
 
@@ -224,7 +226,8 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, confi
     for k in ("k3", "max_abs"):  # sampler vs trainer logprobs of the sampled tokens
         print(f"{k + ', every step':<22}{q['mismatch'][k]} / {b['mismatch'][k]}")
     if q["peak_gib"] is not None:
-        print(f"{'peak GPU GiB':<22}{q['peak_gib']:>12.1f}{b['peak_gib']:>12.1f}{q['peak_gib'] / b['peak_gib']:>12.2f}  (nvfp4/bf16)")
+        print(f"{'peak GPU GiB':<22}{q['peak_gib']:>12.1f}{b['peak_gib']:>12.1f}"
+              f"{q['peak_gib'] / b['peak_gib']:>12.2f}  (nvfp4/bf16)")
         print(f"{'held at start GiB':<22}{q['held_at_start_gib']:>12.1f}{b['held_at_start_gib']:>12.1f}")
         for k in q["memory_gib"]:
             qm, bm = q["memory_gib"][k], b["memory_gib"][k]

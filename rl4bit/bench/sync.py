@@ -102,7 +102,8 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, repeat
     ratios = {k: nv[k] / bf[k] for k in ("bytes", "expert_bytes", "seconds", "encode_s", "transfer_s")}
     s = _shape(quick)
     table = Table(title=f"weight sync over Ray ({device}; Qwen3-MoE {s['num_hidden_layers']} layers x "
-                        f"{s['num_experts']} experts, hidden {s['hidden_size']}, expert width {s['moe_intermediate_size']})")
+                        f"{s['num_experts']} experts, hidden {s['hidden_size']}, "
+                        f"expert width {s['moe_intermediate_size']})")
     for col in ("recipe", "buckets", "expert bytes", "total bytes", "encode s", "transfer+apply s", "s / sync"):
         table.add_column(col, justify="right")
     for r in (nv, bf):

@@ -73,34 +73,46 @@ def ceilings(device: str, quick: bool) -> dict:
 
 def gemm_table(size: dict, device: str, quick: bool) -> list[dict]:
     """Forward and forward+backward TFLOP/s of the two expert GEMMs per recipe, tokens spread evenly over experts."""
-    from rl4bit.trainer.qgemm import GemmSpec, grouped_gemm
-
     m = size["model"]
     e, h, i, k = m["num_experts"], m["hidden_size"], m["moe_intermediate_size"], m["num_experts_per_tok"]
     rows = size["batch"] * size["seq"] * k
     counts = [rows // e] * e
-    rows = sum(counts)
     reps = 1 if quick else 3
+    return [row for gemm, (n, kk) in {"gate_up": (2 * i, h), "down": (h, i)}.items()
+            for row in _gemm_rows(gemm, n, kk, counts, device, reps)]
+
+
+def _gemm_rows(gemm: str, n: int, kk: int, counts: list[int], device: str, reps: int) -> list[dict]:
+    """One expert GEMM ([rows, kk] x [experts, n, kk]) timed under every recipe; its tensors are freed on return."""
+    from rl4bit.trainer.qgemm import GemmSpec, grouped_gemm
+
+    rows, e = sum(counts), len(counts)
+    x = torch.randn(rows, kk, device=device, dtype=torch.bfloat16)
+    w = (torch.randn(e, n, kk, device=device) * 0.02).requires_grad_()
+    dy = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
+    flops = 2 * rows * n * kk
     table = []
-    for gemm, (n, kk) in {"gate_up": (2 * i, h), "down": (h, i)}.items():
-        x = torch.randn(rows, kk, device=device, dtype=torch.bfloat16)
-        w = (torch.randn(e, n, kk, device=device) * 0.02).requires_grad_()
-        dy = torch.randn(rows, n, device=device, dtype=torch.bfloat16)
-        flops = 2 * rows * n * kk
-        for recipe in RECIPES:
-            spec = GemmSpec(recipe)
-            xg = x.clone().requires_grad_()
-            fwd = _timeit(lambda: grouped_gemm(x, w.detach(), counts, spec), device, reps)
-            both = _timeit(lambda: grouped_gemm(xg, w, counts, spec).backward(dy), device, reps)
-            table.append({"gemm": gemm, "recipe": recipe, "M": rows, "N": n, "K": kk, "experts": e,
-                          "fwd_ms": 1e3 * fwd, "fwd_bwd_ms": 1e3 * both,
-                          "fwd_tflops": flops / fwd / 1e12, "fwd_bwd_tflops": 3 * flops / both / 1e12})
-        del x, w, dy
+    for recipe in RECIPES:
+        spec = GemmSpec(recipe)
+        xg = x.clone().requires_grad_()
+        fwd = _timeit(lambda: grouped_gemm(x, w.detach(), counts, spec), device, reps)
+        both = _timeit(lambda: grouped_gemm(xg, w, counts, spec).backward(dy), device, reps)
+        table.append({"gemm": gemm, "recipe": recipe, "M": rows, "N": n, "K": kk, "experts": e,
+                      "fwd_ms": 1e3 * fwd, "fwd_bwd_ms": 1e3 * both,
+                      "fwd_tflops": flops / fwd / 1e12, "fwd_bwd_tflops": 3 * flops / both / 1e12})
     return table
 
 
 def train_speed(recipe: str, size: dict, device: str) -> dict:
     """Tokens/s, step seconds and peak memory of `size['steps']` training steps under one recipe."""
+    out = _train_steps(recipe, size, device)  # its model and optimizer are freed on return
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def _train_steps(recipe: str, size: dict, device: str) -> dict:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     from rl4bit.trainer.recipe import RecipeConfig
@@ -135,14 +147,9 @@ def train_speed(recipe: str, size: dict, device: str) -> dict:
         loss = step(size["warmup"] + i)
     sync(device)
     dt = (time.perf_counter() - t0) / size["steps"]
-    out = {"recipe": recipe, "params": params, "tokens_per_step": ids.numel(), "step_s": dt,
-           "tokens_per_s": ids.numel() / dt, "loss": loss.item(),
-           "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
-    del model, opt
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return out
+    return {"recipe": recipe, "params": params, "tokens_per_step": ids.numel(), "step_s": dt,
+            "tokens_per_s": ids.numel() / dt, "loss": loss.item(),
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None}
 
 
 def run(quick: bool = False, out: str | None = None, device: str = "cuda", recipes=RECIPES, gemms: bool = True) -> dict:

@@ -98,7 +98,8 @@ def _write(path: Path, data: bytes) -> dict:
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
 
 
-def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict, keep: int = 2) -> Path:
+def save_checkpoint(run_dir: str | Path, step: int, tensors: dict[str, torch.Tensor], meta: dict,
+                    keep: int = 2) -> Path:
     """Write checkpoint `step` atomically and prune to the newest `keep`; returns its directory."""
     tmp = begin_checkpoint(run_dir, step)
     try:
@@ -201,7 +202,8 @@ def read_manifest(ckpt: str | Path) -> dict:
         if not isinstance(manifest["files"], dict):
             raise TypeError
     except FileNotFoundError:
-        raise _bad(ckpt, f"{ckpt / MANIFEST} is missing (an incomplete checkpoint or one from an older rl4bit)") from None
+        raise _bad(ckpt, f"{ckpt / MANIFEST} is missing (an incomplete checkpoint or one from an older "
+                         "rl4bit)") from None
     except (ValueError, KeyError, TypeError):
         raise _bad(ckpt, f"{ckpt / MANIFEST} is corrupt (not the JSON rl4bit writes)") from None
     problem = _manifest_problem(manifest)
@@ -258,7 +260,8 @@ def latest_dir(run_dir: str | Path) -> Path:
     root = _dir(run_dir)
     pointer = root / "latest.json"
     if not pointer.is_file():
-        raise FileNotFoundError(f"{run_dir} has no checkpoint ({pointer} is missing); it stopped before run.checkpoint_every steps")
+        raise FileNotFoundError(f"{run_dir} has no checkpoint ({pointer} is missing); it stopped before "
+                                "run.checkpoint_every steps")
     ckpt = root / (_pointed(root) or "?")
     restore_dir(ckpt)  # a crash mid-swap of a rewritten step directory left it aside
     if not ckpt.is_dir():  # deleted by hand after a corruption report, or a damaged pointer: newest left
@@ -270,7 +273,8 @@ def latest_dir(run_dir: str | Path) -> Path:
 
 
 def open_checkpoint(run_dir: str | Path, world: int | None = 1) -> tuple[Path, dict, dict]:
-    """(directory, manifest, state.json) of the latest checkpoint, written by `world` trainer ranks (None: any); state.json verified.
+    """(directory, manifest, state.json) of the latest checkpoint, written by `world` trainer ranks (None: any);
+    state.json verified.
 
     The tensor files are not read here: `load_checkpoint`, or each rank (`read_verified` of its shard), checks them."""
     ckpt = latest_dir(run_dir)
@@ -281,7 +285,8 @@ def open_checkpoint(run_dir: str | Path, world: int | None = 1) -> tuple[Path, d
                               f"resume with -o trainer.world_size={written} (resharding is not supported)")
     meta = json.loads(read_verified(ckpt, STATE, manifest))
     if meta.get("format") != FORMAT:
-        raise CheckpointError(f"{ckpt}: checkpoint format {meta.get('format')} is not {FORMAT} (written by another rl4bit version)")
+        raise CheckpointError(f"{ckpt}: checkpoint format {meta.get('format')} is not {FORMAT} "
+                              "(written by another rl4bit version)")
     return ckpt, manifest, meta
 
 

@@ -4,11 +4,11 @@ One layout for export (`rl4bit.common.checkpoint_format`) and weight sync
 (`rl4bit.trainer.weight_sync`). Per planned module (`rl4bit.trainer.plan.quant_plan`,
 the single source of the quantization scope):
 
-| plan  | tensors, per expert `{experts}.{e}.{gate_proj,up_proj,down_proj}` or per linear `{linear}` |
-|-------|---------------------------------------------------------------------------------------------|
-| nvfp4 | `weight_packed` uint8 [N, K/2], `weight_scale` float8_e4m3fn [N, K/16], `weight_global_scale` fp32 [1] (ENCODE scale G), `input_global_scale` fp32 [1] |
-| mxfp8 | `weight` float8_e4m3fn [N, K], `weight_scale` uint8 [N, K/32] (E8M0 biased exponents) |
-| bf16  | `weight` in the dense dtype (experts split per expert as well) |
+tensors, per expert `{experts}.{e}.{gate_proj,up_proj,down_proj}` or per linear `{linear}`:
+- nvfp4: `weight_packed` uint8 [N, K/2], `weight_scale` float8_e4m3fn [N, K/16],
+  `weight_global_scale` fp32 [1] (ENCODE scale G), `input_global_scale` fp32 [1]
+- mxfp8: `weight` float8_e4m3fn [N, K], `weight_scale` uint8 [N, K/32] (E8M0 biased exponents)
+- bf16: `weight` in the dense dtype (experts split per expert as well)
 
 References checked (search tool, corpus code):
 - vLLM `vllm/model_executor/models/qwen3_moe.py` `get_expert_mapping` ->
@@ -229,7 +229,8 @@ def decode_qtensor(tensors: dict, module: str, param: str, fmt: str, shape, *, f
         g = torch.stack([_take(tensors, f"{row[0]}.weight_global_scale").reshape(()) for row in prefixes])
         for row in prefixes:  # gate and up share the expert's scale by construction
             for p in row[1:]:
-                if not torch.equal(_take(tensors, f"{p}.weight_global_scale"), _take(tensors, f"{row[0]}.weight_global_scale")):
+                first = _take(tensors, f"{row[0]}.weight_global_scale")
+                if not torch.equal(_take(tensors, f"{p}.weight_global_scale"), first):
                     raise ValueError(f"{p}.weight_global_scale differs from {row[0]}'s; rl4bit writes one per expert")
         if outer is not None:
             if len(outer) != n_exp:

@@ -22,7 +22,8 @@ def test_export_config_then_run_dir_then_inspect(tmp_path, capsys):
     from rl4bit.export import _build
     from rl4bit.trainer.surgery import quantized_weights
 
-    assert cli(["export", "configs/quickstart.yaml", "--out", str(tmp_path / "a"), *sum((["-o", o] for o in OVERRIDES), [])]) == 0
+    overrides = [a for o in OVERRIDES for a in ("-o", o)]
+    assert cli(["export", "configs/quickstart.yaml", "--out", str(tmp_path / "a"), *overrides]) == 0
     layout = json.loads((tmp_path / "a" / ckf.LAYOUT).read_text())
     assert layout["recipe"] == "nvfp4" and layout["policy_version"] == 0
 

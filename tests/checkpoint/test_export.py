@@ -149,7 +149,7 @@ def test_vllm_qwen3_moe_names_and_shapes(exported):
     cfg = make_config()
     tensors = ckf.read_tensors(exported)
     mapping = vllm_expert_mapping(cfg.num_experts)
-    E, H, I = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    E, H, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     for layer in range(2):  # the NVFP4 layers
         prefix = f"model.layers.{layer}.mlp."
         names = [k for k in tensors if k.startswith(prefix + "experts.")]
@@ -162,18 +162,19 @@ def test_vllm_qwen3_moe_names_and_shapes(exported):
             assert vllm_name.startswith(prefix + "experts.w")
             assert vllm_name[len(prefix + "experts."):] in VLLM_NVFP4_PARAMS, vllm_name
         for e in range(E):
-            for proj, n, k in (("gate_proj", I, H), ("up_proj", I, H), ("down_proj", H, I)):
+            for proj, n, k in (("gate_proj", inter, H), ("up_proj", inter, H), ("down_proj", H, inter)):
                 p = f"{prefix}experts.{e}.{proj}."
-                assert tensors[p + "weight_packed"].dtype == torch.uint8 and tuple(tensors[p + "weight_packed"].shape) == (n, k // 2)
-                assert tensors[p + "weight_scale"].dtype == torch.float8_e4m3fn and tuple(tensors[p + "weight_scale"].shape) == (n, k // 16)
-                assert tensors[p + "weight_global_scale"].dtype == torch.float32 and tensors[p + "weight_global_scale"].numel() == 1
-                assert tensors[p + "input_global_scale"].dtype == torch.float32 and tensors[p + "input_global_scale"].numel() == 1
+                packed, scale = tensors[p + "weight_packed"], tensors[p + "weight_scale"]
+                assert packed.dtype == torch.uint8 and tuple(packed.shape) == (n, k // 2)
+                assert scale.dtype == torch.float8_e4m3fn and tuple(scale.shape) == (n, k // 16)
+                for g in ("weight_global_scale", "input_global_scale"):
+                    assert tensors[p + g].dtype == torch.float32 and tensors[p + g].numel() == 1
             # vLLM keeps one w13 global scale per expert and warns unless gate == up
             assert torch.equal(tensors[f"{prefix}experts.{e}.gate_proj.weight_global_scale"],
                                tensors[f"{prefix}experts.{e}.up_proj.weight_global_scale"])
     mx = "model.layers.2.mlp.experts.0.gate_proj."
     assert tensors[mx + "weight"].dtype == torch.float8_e4m3fn and tensors[mx + "weight_scale"].dtype == torch.uint8
-    assert tuple(tensors[mx + "weight_scale"].shape) == (I, H // 32)
+    assert tuple(tensors[mx + "weight_scale"].shape) == (inter, H // 32)
 
 
 def test_loads_into_plain_transformers(exported, trainer_model):
@@ -218,7 +219,8 @@ def test_qtensors_roundtrip_bitwise(exported, trainer_model):
             r = back[module][param]
             assert r.fmt == q.fmt and r.shape == q.shape
             assert _ndiff(r.data, q.data) == 0 and _ndiff(r.scale, q.scale) == 0
-            assert _ndiff(r.outer.expand_as(q.outer) if r.outer.numel() <= q.outer.numel() else r.outer, q.outer.expand_as(r.outer)) == 0
+            r_outer = r.outer.expand_as(q.outer) if r.outer.numel() <= q.outer.numel() else r.outer
+            assert _ndiff(r_outer, q.outer.expand_as(r.outer)) == 0
 
 
 def _tensor_span(path, name):

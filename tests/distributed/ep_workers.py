@@ -173,9 +173,10 @@ def model_scenario(rank: int, world: int) -> dict:
     from rl4bit.trainer.recipe import RecipeConfig
     from rl4bit.trainer.surgery import convert_model
 
-    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=128, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-                               max_position_embeddings=64, num_hidden_layers=3, head_dim=16, intermediate_size=128,
-                               moe_intermediate_size=32, num_experts=EXPERTS, num_experts_per_tok=TOP_K, norm_topk_prob=True)
+    cfg = AutoConfig.for_model("qwen3_moe", vocab_size=128, hidden_size=64, num_attention_heads=4,
+                               num_key_value_heads=2, max_position_embeddings=64, num_hidden_layers=3, head_dim=16,
+                               intermediate_size=128, moe_intermediate_size=32, num_experts=EXPERTS,
+                               num_experts_per_tok=TOP_K, norm_topk_prob=True)
 
     def build():
         torch.manual_seed(0)
@@ -197,7 +198,8 @@ def model_scenario(rank: int, world: int) -> dict:
     expert_grads_ok = all(p.grad is not None and bool(torch.isfinite(p.grad).all()) and float(p.grad.abs().sum()) > 0
                           for n, p in ep.named_parameters() if ".experts." in n)
     sq = min(sqnr_db(grads[0][n], grads[1][n]) for n in grads[0])
-    return {"ep_layers": n_ep, "loss_diff": _diff(losses[0], losses[1]), "grad_names_equal": sorted(grads[0]) == sorted(grads[1]),
+    return {"ep_layers": n_ep, "loss_diff": _diff(losses[0], losses[1]),
+            "grad_names_equal": sorted(grads[0]) == sorted(grads[1]),
             "min_grad_sqnr": 1e9 if sq == float("inf") else sq, "expert_grads_ok": expert_grads_ok,
             "metrics": comm_metrics(ep)}
 
@@ -235,7 +237,8 @@ def main(rank: int, world: int, port: int, out_dir: str, what: str = "layer") ->
 
 
 def launch(world: int, out_dir: Path, what: str = "layer", timeout_s: float = 240.0) -> list[dict]:
-    """Run WORLD worker processes (`what`: "layer" scenarios, "cuda" the same on GPUs over NCCL, or "model"); raise with their stderr if one fails or the whole run exceeds timeout_s."""
+    """Run WORLD worker processes (`what`: "layer" scenarios, "cuda" the same on GPUs over NCCL, or "model");
+    raise with their stderr if one fails or the whole run exceeds timeout_s."""
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
     if what != "cuda":

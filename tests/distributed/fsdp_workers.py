@@ -21,7 +21,8 @@ TINY = [
     "model.num_heads=2", "model.max_seq_len=32", "model.dtype=float32", "recipe.name=nvfp4",
     "rl.ppo_epochs=2", "rl.kl_coef=0.0", "run.warmup_sft_steps=0", "run.cpu_threads=1", "run.progress=false",
     "trainer.device=cpu", "trainer.lr=1e-3",
-    "trainer.tokens_per_microbatch=40",  # 9 kept sequences of ~10 tokens: micro-batches of 4, 4, 1 (rank 1 runs a dummy)
+    # 9 kept sequences of ~10 tokens: micro-batches of 4, 4, 1 (rank 1 runs a dummy)
+    "trainer.tokens_per_microbatch=40",
 ]
 
 

@@ -1,4 +1,5 @@
-"""Expert parallelism (rl4bit.trainer.expert_parallel) on CPU gloo with 2 and 4 processes against the one-process recipe.
+"""Expert parallelism (rl4bit.trainer.expert_parallel) on CPU gloo with 2 and 4 processes against the one-process
+recipe.
 
 Each world size launches its worker processes once (ep_workers.launch: free
 MASTER_PORT, barrier + destroy_process_group, hard timeout) and every test
@@ -65,7 +66,8 @@ def test_bitwise_with_bf16_combine(ep_results, world):
 def test_rht_s2f6_within_s2f6_bound(ep_results, world, name):
     for rank, res in enumerate(ep_results(world)):
         r = res[name]
-        assert r["bound_ratio_max"] <= 1.0, f"rank {rank}: a token block's error is {r['bound_ratio_max']:.3f}x the S2F6 bound"
+        assert r["bound_ratio_max"] <= 1.0, (f"rank {rank}: a token block's error is {r['bound_ratio_max']:.3f}x "
+                                             "the S2F6 bound")
         assert r["diff"]["out"] > 0, "the combine did not quantize (rht_s2f6 output equals bf16)"
         for t, floor in SQNR_FLOOR_DB[name].items():
             assert r["sqnr"][t] >= floor, f"{name} rank {rank}/{world}: {t} SQNR {r['sqnr'][t]:.1f} dB < {floor} dB"
@@ -104,7 +106,8 @@ def test_wire_bytes(ep_results, world):
 
 
 MODEL_GRAD_SQNR_FLOOR_DB = 30.0
-"""Non-expert grads of the sharded tiny Qwen3-MoE vs unsharded (mm over other row counts; see ep_workers.model_scenario)."""
+"""Non-expert grads of the sharded tiny Qwen3-MoE vs unsharded (mm over other row counts; see
+ep_workers.model_scenario)."""
 
 
 @pytest.mark.slow  # its own 2-process launch that imports transformers: ~20-45 s on 2 busy cores

@@ -79,8 +79,8 @@ def _buckets(header, bucket) -> list:
     for i in range(count):
         b = bucket(i)
         tensors, outers = unpack(b.payload, f"bucket {i}", b.sha256)
-        out.append(({k: (v.dtype, v.shape, v.contiguous().view(-1).view(torch.uint8).tolist()) for k, v in tensors.items()},
-                    outers))
+        raw = {k: (v.dtype, v.shape, v.contiguous().view(-1).view(torch.uint8).tolist()) for k, v in tensors.items()}
+        out.append((raw, outers))
     return out
 
 
@@ -195,7 +195,8 @@ def test_rank_messages_are_json_and_safetensors_and_round_trip():
     from rl4bit.trainer.weight_sync import Bucket
     from rl4bit.trainer_group import recv_msg, send_msg
 
-    msg = {"args": [TrainBatch([[1, 2]], [[3]], [[-0.5]], [0.25]), 7, "run"], "t": torch.arange(4.0).to(torch.float8_e4m3fn),
+    msg = {"args": [TrainBatch([[1, 2]], [[3]], [[-0.5]], [0.25]), 7, "run"],
+           "t": torch.arange(4.0).to(torch.float8_e4m3fn),
            "bucket": Bucket(2, 0, 1, b"\x00payload", "ab"), "header": (3, 1, {"plan": {"a": "nvfp4"}}), "$": None,
            5: float("inf")}
     a, b = socket.socketpair()

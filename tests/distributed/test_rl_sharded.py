@@ -1,4 +1,5 @@
-"""The RL loop with the sharded Trainer: `rl4bit train` with trainer.world_size=2 (FSDP2, and FSDP2 + expert parallelism).
+"""The RL loop with the sharded Trainer: `rl4bit train` with trainer.world_size=2 (FSDP2, and FSDP2 + expert
+parallelism).
 
 What is checked, on the tests/rl tiny quickstart in local mode (2 gloo rank
 processes `python -m rl4bit.trainer_group`, CPU):
@@ -58,7 +59,8 @@ COMM = ("comm/dispatch_bytes", "comm/combine_bytes", "comm/combine_grad_bytes", 
 
 
 def _rl4bit(*args: str, overrides=()) -> tuple[int, str]:
-    """`rl4bit ARGS -o ...` in its own session; (exit status, stdout + stderr). Killed with its ranks past the timeout."""
+    """`rl4bit ARGS -o ...` in its own session; (exit status, stdout + stderr). Killed with its ranks past the
+    timeout."""
     cmd = [str(Path(sys.executable).with_name("rl4bit")), *args]
     for o in overrides:
         cmd += ["-o", o]
@@ -170,7 +172,8 @@ def _sharded(run_dir, step, world=2):
         infos.append(save_shard(tmp, r, world, {"w": full[start: start + n], "rng": torch.tensor([r, step])},
                                 {"w": (5, 3)}, {"rank": r}))
     files, index = merge_shards(infos)
-    return commit_checkpoint(tmp, step, {"trainer": {"rank": 0}, "data": {"pos": step}}, files, keep=3, index=index), full
+    meta = {"trainer": {"rank": 0}, "data": {"pos": step}}
+    return commit_checkpoint(tmp, step, meta, files, keep=3, index=index), full
 
 
 def test_sharded_checkpoint_is_the_one_format(tmp_path):
@@ -186,7 +189,8 @@ def test_sharded_checkpoint_is_the_one_format(tmp_path):
     assert manifest["tensors"]["w"] == {"shape": [5, 3], "dtype": "float32", "sharded": True, "rows": [[0, 3], [3, 2]]}
     assert manifest["tensors"]["rng"]["sharded"] is False
     pieces = [load_shard(ckpt, r, 2) for r in range(2)]
-    assert torch.equal(torch.cat([p[0]["w"] for p in pieces]), full) and [p[1] for p in pieces] == [{"rank": 0}, {"rank": 1}]
+    assert torch.equal(torch.cat([p[0]["w"] for p in pieces]), full)
+    assert [p[1] for p in pieces] == [{"rank": 0}, {"rank": 1}]
 
     tensors, meta = load_checkpoint(tmp_path)  # joined: the full state (rl4bit export of a sharded run)
     assert torch.equal(tensors["w"], full) and tensors["rng"].tolist() == [0, 2] and meta["step"] == 2
@@ -220,7 +224,8 @@ def test_a_killed_rank_stops_the_job_naming_the_trainer_and_leaves_no_process(tm
         while not (run / "checkpoints" / "latest.json").exists():
             assert proc.poll() is None and time.monotonic() < deadline, "the run ended before its first checkpoint"
             time.sleep(0.2)
-        rank1 = [pid for pid in _our_ranks(proc.pid) if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-3] == b"1"]
+        rank1 = [pid for pid in _our_ranks(proc.pid)
+                 if Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[-3] == b"1"]
         assert len(rank1) == 1, rank1
         os.kill(rank1[0], signal.SIGKILL)
         out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)

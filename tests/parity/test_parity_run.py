@@ -40,10 +40,11 @@ def test_tiny_parity_run_writes_the_three_files(tmp_path, capsys):
     diffs = {c["metric"]: c for c in rep["comparisons"]}
     assert set(diffs) == {"final_accuracy", "final_reward", "initial_accuracy"}
     by = {r["recipe"]: r for r in rep["runs"]}
-    assert diffs["final_accuracy"]["diff"] == pytest.approx(by["nvfp4"]["final_accuracy"] - by["mxfp8"]["final_accuracy"])
+    gap = by["nvfp4"]["final_accuracy"] - by["mxfp8"]["final_accuracy"]
+    assert diffs["final_accuracy"]["diff"] == pytest.approx(gap)
     # same seed: both recipes' warm starts (fp32, before the recipe conversion) run the same losses
-    warm = [next(line for line in (out / "logs" / f"{k}-seed0.log").read_text().splitlines() if line.startswith("warm start:"))
-            for k in ("nvfp4", "mxfp8")]
+    logs = [(out / "logs" / f"{k}-seed0.log").read_text().splitlines() for k in ("nvfp4", "mxfp8")]
+    warm = [next(line for line in lines if line.startswith("warm start:")) for lines in logs]
     assert warm[0] == warm[1], warm
 
     # a second call reuses the finished runs (no new process) and rewrites the same numbers
@@ -74,8 +75,9 @@ def test_live_tracking_logs_the_gap_to_a_reference_run(tmp_path):
     from rl4bit import driver
 
     ref, run = tmp_path / "ref", tmp_path / "run"
-    assert driver.main(QUICKSTART, out=str(ref), overrides=TINY + ["recipe.name=mxfp8", "run.progress=false"]) == 0
-    assert driver.main(QUICKSTART, out=str(run), overrides=TINY + [f"parity.reference={ref}", "run.progress=false"]) == 0
+    quiet = ["run.progress=false"]
+    assert driver.main(QUICKSTART, out=str(ref), overrides=TINY + ["recipe.name=mxfp8", *quiet]) == 0
+    assert driver.main(QUICKSTART, out=str(run), overrides=TINY + [f"parity.reference={ref}", *quiet]) == 0
     theirs = {r["step"]: r for r in read_metrics(ref)}
     steps = [r for r in read_metrics(run) if r["step"] > 0]
     assert len(steps) == 2

@@ -5,7 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from rl4bit import parity, parity_stats as ps
+from rl4bit import parity
+from rl4bit import parity_stats as ps
 
 THRESHOLD = 0.02
 
@@ -117,13 +118,17 @@ def _fake_run(tmp_path, recipe, seed, reward_end, acc_end, steps=20, rng=None):
         if t % 10 == 0:
             r["eval/accuracy"] = round(acc_end * 256) / 256 if t == steps else 0.5
         recs.append(r)
-    return {"recipe": recipe, "seed": seed, "run_dir": tmp_path / f"{recipe}-seed{seed}", "wall_s": 60.0, "records": recs}
+    return {"recipe": recipe, "seed": seed, "run_dir": tmp_path / f"{recipe}-seed{seed}", "wall_s": 60.0,
+            "records": recs}
 
 
 @pytest.mark.parametrize("gap, holds", [(0.0, True), (0.12, False)])
 def test_analyze_on_synthetic_runs(tmp_path, gap, holds):
     rng = np.random.default_rng(11)
-    runs = [_fake_run(tmp_path, r, s, 0.8 - (gap if r == "nvfp4" else 0.0), 0.7 - (gap if r == "nvfp4" else 0.0), rng=rng)
+    def lower(r):  # the gap the nvfp4 runs trail by
+        return gap if r == "nvfp4" else 0.0
+
+    runs = [_fake_run(tmp_path, r, s, 0.8 - lower(r), 0.7 - lower(r), rng=rng)
             for s in range(3) for r in ("nvfp4", "mxfp8")]
     rep = parity.analyze(runs, ["nvfp4", "mxfp8"], threshold=THRESHOLD, eval_size=256, steps=20)
     assert rep["verdict"]["holds"] is holds, rep["verdict"]["text"]

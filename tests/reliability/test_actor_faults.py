@@ -107,7 +107,8 @@ def test_sampler_killed_mid_rollout_then_trainer_killed_then_resume(tmp_path, sm
         code, out, err = finish(proc, timeout=170)
     finally:
         killer.stop = True
-    assert [k[0] for k in killer.killed] == ["ray::Sampler.generate", "ray::Trainer.train_step"], (killer.killed, err[-3000:])
+    killed = [k[0] for k in killer.killed]
+    assert killed == ["ray::Sampler.generate", "ray::Trainer.train_step"], (killer.killed, err[-3000:])
     assert code == 1, err[-3000:]
     assert "the Sampler actor died" in err and "redoing the rollouts" in err, err[-3000:]
     assert "rl4bit train: error: the Trainer actor died" in err, err[-3000:]
@@ -124,5 +125,6 @@ def test_sampler_killed_mid_rollout_then_trainer_killed_then_resume(tmp_path, sm
     got = learned(read_metrics(killed_dir), also=("rollout/sampler_restarts",))
     want = learned(read_metrics(full), also=("rollout/sampler_restarts",))
     assert [r["step"] for r in got] == list(range(STEPS + 1))
-    assert got == want, "a killed sampler and a killed trainer must lose nothing: metrics differ from an uninterrupted run"
+    assert got == want, ("a killed sampler and a killed trainer must lose nothing: "
+                         "metrics differ from an uninterrupted run")
     assert any(r.get("loss", 0) != 0 for r in want[1:]), "equality is vacuous if nothing trains"

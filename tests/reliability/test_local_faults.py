@@ -74,13 +74,16 @@ KILLER = textwrap.dedent('''
 @pytest.mark.parametrize("point", ["mid-file", "before-pointer"])
 def test_driver_killed_during_checkpoint_write_keeps_the_previous_one(tmp_path, reference, point):
     run_dir = tmp_path / "run"
-    r = subprocess.run([sys.executable, "-c", KILLER, point, str(run_dir), *CFG], capture_output=True, text=True, timeout=150)
+    r = subprocess.run([sys.executable, "-c", KILLER, point, str(run_dir), *CFG], capture_output=True, text=True,
+                       timeout=150)
     assert r.returncode == -9, f"the driver was to die by SIGKILL mid-write: {r.returncode}\n{r.stderr[-2000:]}"
     ck = run_dir / "checkpoints"
-    assert json.loads((ck / "latest.json").read_text())["step"] == 1, "the pointer must still name the previous checkpoint"
+    pointed = json.loads((ck / "latest.json").read_text())["step"]
+    assert pointed == 1, "the pointer must still name the previous checkpoint"
     tensors, meta = driver.load_checkpoint(run_dir)  # verified against its manifest: intact
     assert meta["step"] == 1
-    assert torch.equal(tensors["rng.torch_cpu"], load_file(str(reference / "checkpoints" / "step_000001" / "state.safetensors"))["rng.torch_cpu"])
+    ref = load_file(str(reference / "checkpoints" / "step_000001" / "state.safetensors"))
+    assert torch.equal(tensors["rng.torch_cpu"], ref["rng.torch_cpu"])
     assert driver.main(None, resume=str(run_dir)) == 0
     _same_as(reference, run_dir)
 
@@ -145,7 +148,8 @@ def test_bad_sync_bucket_stops_the_job_and_the_samplers_keep_their_version(tmp_p
     monkeypatch.setattr(Trainer, "weight_bucket", bucket)
     samplers, go = _run_capturing_samplers(cfg, tmp_path / "run", monkeypatch,
                                            on_step=lambda step, m: state.update(armed=step == 1))
-    with pytest.raises(driver.WeightSyncError, match=r"bucket 0/\d+ of v3 .*(SHA-256|truncated).*v2 keeps serving") as e:
+    rejected = r"bucket 0/\d+ of v3 .*(SHA-256|truncated).*v2 keeps serving"
+    with pytest.raises(driver.WeightSyncError, match=rejected) as e:
         go()
     assert "the job stops" in str(e.value)
     assert [s.version for s in samplers] == [2], "the sampler keeps serving the version of step 1 (v2)"
@@ -237,8 +241,8 @@ def test_non_finite_steps_are_skipped_counted_and_touch_nothing(tmp_path, monkey
     touched = [k for k in one if k.startswith(("model.", "optim.")) and not torch.equal(one[k], two[k])]
     assert not touched, f"a skipped step changed {touched[:3]}"
     assert any(k.startswith("optim.") and k.endswith(".exp_avg") for k in one), "AdamW state is in the comparison"
-    assert all(torch.isfinite(v).all() for k, v in load_file(str(run_dir / "checkpoints" / "step_000003" / "state.safetensors")).items()
-               if v.is_floating_point())
+    saved = load_file(str(run_dir / "checkpoints" / "step_000003" / "state.safetensors"))
+    assert all(torch.isfinite(v).all() for v in saved.values() if v.is_floating_point())
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -369,7 +373,8 @@ def test_ctrl_c_mid_run_says_where_to_continue_and_the_run_resumes(tmp_path, ref
     run_dir = tmp_path / "run"
     assert driver.main(QUICKSTART, out=str(run_dir), overrides=CFG) == 130
     err = capsys.readouterr().err
-    assert f"rl4bit train: interrupted. Continue from the last checkpoint (step 1): rl4bit train --resume {run_dir}" in err
+    hint = f"Continue from the last checkpoint (step 1): rl4bit train --resume {run_dir}"
+    assert f"rl4bit train: interrupted. {hint}" in err
     monkeypatch.setattr(Trainer, "train_step", real)
     assert driver.main(None, resume=str(run_dir)) == 0
     _same_as(reference, run_dir)

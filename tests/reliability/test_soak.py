@@ -38,4 +38,5 @@ def test_too_few_steps_are_refused_before_the_job_runs(monkeypatch, capsys):
 
     monkeypatch.setattr(driver, "run", never)
     assert main(["bench", "soak", "--steps", "2", "--device", "cpu", "--quick"]) == 1
-    assert "error: --steps 2 leaves fewer than 2 steps after the 2-step warm-up; give --steps 3" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "error: --steps 2 leaves fewer than 2 steps after the 2-step warm-up; give --steps 3" in err

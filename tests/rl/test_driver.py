@@ -63,16 +63,18 @@ def test_ray_mode_run_logs_every_metric(tmp_path, small, deadline):
     assert str(out) in r.stdout, "the run ends by printing its run dir"
     _check_run(out, 2)
     assert any((out / "ray").glob("session_*")), "Ray's session files belong under the run dir"
-    assert (out / "ray" / "auth_token").stat().st_mode & 0o077 == 0, "the cluster's auth token: under the run dir, private"
+    mode = (out / "ray" / "auth_token").stat().st_mode
+    assert mode & 0o077 == 0, "the cluster's auth token: under the run dir, private"
 
 
 def test_swapping_the_reward_changes_the_rewards(tmp_path, small, deadline):
     f = tmp_path / "my_rewards.py"
     f.write_text("def constant(prompt, completion, **sample):\n    return 0.25\n")
     one_step = small + ["ray.mode=local", "rl.steps=1", "run.warmup_sft_steps=0", "run.tensorboard=false"]
-    by_file = driver.main(QUICKSTART, out=str(tmp_path / "a"), overrides=one_step + [f"rewards.functions=[{{fn: '{f}:constant'}}]"])
-    by_import = driver.main(QUICKSTART, out=str(tmp_path / "b"),
-                            overrides=one_step + ["rewards.functions=[{fn: 'rl4bit.rewards:length_penalty', weight: 2.0}]"])
+    by_file = driver.main(QUICKSTART, out=str(tmp_path / "a"),
+                          overrides=one_step + [f"rewards.functions=[{{fn: '{f}:constant'}}]"])
+    by_import = driver.main(QUICKSTART, out=str(tmp_path / "b"), overrides=one_step + [
+        "rewards.functions=[{fn: 'rl4bit.rewards:length_penalty', weight: 2.0}]"])
     assert by_file == by_import == 0
     a, b = read_metrics(tmp_path / "a")[1], read_metrics(tmp_path / "b")[1]
     assert a["reward/mean"] == 0.25 and a["reward/constant"] == 0.25
@@ -83,7 +85,8 @@ def test_a_broken_reward_fails_fast_with_its_name(tmp_path, small):
     f = tmp_path / "broken.py"
     f.write_text("def explode(prompt, completion, **sample):\n    return 1 / 0\n")
     with pytest.raises(RewardError, match=r"explode.*ZeroDivisionError"):
-        driver.main(QUICKSTART, out=str(tmp_path / "run"), overrides=small + [f"rewards.functions=[{{fn: '{f}:explode'}}]"])
+        driver.main(QUICKSTART, out=str(tmp_path / "run"),
+                    overrides=small + [f"rewards.functions=[{{fn: '{f}:explode'}}]"])
     assert not (tmp_path / "run" / "metrics.jsonl").exists()  # failed before any actor or step
     # nothing started, so the same --out takes the corrected command (no "already holds a run")
     f.write_text("def explode(prompt, completion, **sample):\n    return 1.0\n")

@@ -75,7 +75,8 @@ def test_microbatch_totals_add_up_to_full_batch():
 def test_truncated_importance_sampling_and_k3():
     old = torch.zeros(1, 2)
     sampler = torch.log(torch.tensor([[0.25, 1.0]]))  # w = exp(old - sampler) = [4, 1] -> capped at 2
-    loss, st = grpo.ppo_clip_loss(old.clone(), old, torch.tensor([1.0]), torch.ones(1, 2), sampler_logp=sampler, tis_cap=2.0)
+    loss, st = grpo.ppo_clip_loss(old.clone(), old, torch.tensor([1.0]), torch.ones(1, 2), sampler_logp=sampler,
+                                  tis_cap=2.0)
     assert loss.item() == pytest.approx((-1 * 2 + -1 * 1) / 2)
     assert st["tis_truncated"] == 1
     # k3(p, q) = exp(q - p) - (q - p) - 1

@@ -135,6 +135,7 @@ def test_a_second_resume_from_one_checkpoint_keeps_every_earlier_config(tmp_path
     first = (run / "config.yaml").read_text()
     driver._record_config(run, load_config(QUICKSTART, ["rl.steps=40", "trainer.lr=1e-6"]), 10)
     logs = run / "logs"
-    assert sorted(p.name for p in logs.glob("config-*")) == ["config-before-step-11-1.yaml", "config-before-step-11.yaml"]
+    kept = sorted(p.name for p in logs.glob("config-*"))
+    assert kept == ["config-before-step-11-1.yaml", "config-before-step-11.yaml"]
     assert (logs / "config-before-step-11.yaml").read_text() == original
     assert (logs / "config-before-step-11-1.yaml").read_text() == first

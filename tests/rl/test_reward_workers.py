@@ -93,8 +93,9 @@ def test_two_folders_with_a_helper_of_one_name_are_refused_not_mixed(tmp_path):
 
 def test_same_named_helper_packages_are_caught_and_unused_ones_are_not(tmp_path):
     """Helper packages without __init__.py (namespace packages: no __file__) are caught too, and so is one that
-    loses to another folder's regular package of its name (f1 would silently get f3's V = 100); a folder that only holds a same-named module its reward
-    file does not import loads beside a regular package of that name, in either order."""
+    loses to another folder's regular package of its name (f1 would silently get f3's V = 100); a folder that only
+    holds a same-named module its reward file does not import loads beside a regular package of that name, in
+    either order."""
     def reward(folder, imports, body, init=False):
         (tmp_path / folder / "lib").mkdir(parents=True)
         (tmp_path / folder / "lib" / "helper.py").write_text("V = 1.0\n")
@@ -126,7 +127,8 @@ def test_same_named_helper_packages_are_caught_and_unused_ones_are_not(tmp_path)
 
 
 def test_a_module_name_that_is_not_found_suggests_the_file_form():
-    with pytest.raises(RewardError, match=r"cannot import module 'no_such_helpers'.*'path/to/no_such_helpers.py:score'"):
+    suggestion = r"cannot import module 'no_such_helpers'.*'path/to/no_such_helpers.py:score'"
+    with pytest.raises(RewardError, match=suggestion):
         load_reward("no_such_helpers:score")
 
 

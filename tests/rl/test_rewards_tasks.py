@@ -119,7 +119,8 @@ def test_prompt_stream_resumes_from_its_state():
 
 def test_prompt_files(tmp_path):
     good = tmp_path / "p.jsonl"
-    good.write_text(json.dumps({"prompt": "1+1=", "answer": 2, "level": "easy"}) + "\n\n" + json.dumps({"prompt": "x"}) + "\n")
+    lines = [json.dumps({"prompt": "1+1=", "answer": 2, "level": "easy"}), "", json.dumps({"prompt": "x"})]
+    good.write_text("\n".join(lines) + "\n")
     rows = load_prompt_file(good)
     assert rows[0] == {"prompt": "1+1=", "answer": "2", "level": "easy"} and rows[1] == {"prompt": "x"}
     bad = tmp_path / "bad.jsonl"

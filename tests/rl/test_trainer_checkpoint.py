@@ -30,10 +30,11 @@ def _sync(trainer, sampler) -> int:
 
 
 def _rollouts(cfg, trainer):
-    sampler = Sampler(lambda: build_policy_model(cfg.model, cfg.recipe, cfg.run.seed), trainer.tokenizer, cfg.sampler, device="cpu",
-                      max_seq_len=cfg.model.max_seq_len)
+    sampler = Sampler(lambda: build_policy_model(cfg.model, cfg.recipe, cfg.run.seed), trainer.tokenizer, cfg.sampler,
+                      device="cpu", max_seq_len=cfg.model.max_seq_len)
     _sync(trainer, sampler)
-    reqs = [Request(str(i), trainer.tokenizer(p, add_special_tokens=False).input_ids, SamplingParams(max_new_tokens=6, n=3, seed=i))
+    reqs = [Request(str(i), trainer.tokenizer(p, add_special_tokens=False).input_ids,
+                    SamplingParams(max_new_tokens=6, n=3, seed=i))
             for i, p in enumerate(["1+2=", "33+4=", "9+90="])]
     return sampler.generate(reqs)
 

@@ -67,8 +67,8 @@ def test_nvfp4_sync_ships_quantized_tensors_and_k3_stays_zero(tmp_path, small, m
                                            "model.expert_intermediate_size=64"])
     cluster = Cluster(cfg, tmp_path)
     trainer_p = cluster.actor(Trainer, **trainer_args(cfg))
-    sampler_p = cluster.actor(Sampler, lambda: build_policy_model(cfg.model, cfg.recipe, cfg.run.seed), build_tokenizer(), cfg.sampler, device="cpu",
-                              max_seq_len=cfg.model.max_seq_len)
+    sampler_p = cluster.actor(Sampler, lambda: build_policy_model(cfg.model, cfg.recipe, cfg.run.seed),
+                              build_tokenizer(), cfg.sampler, device="cpu", max_seq_len=cfg.model.max_seq_len)
     trainer, sampler = trainer_p._obj, sampler_p._obj  # local mode: the plain objects behind the proxies
     trainer.setup_rl()
     experts = [n for n, _ in sampler.engine.model.named_parameters() if "experts" in n]
@@ -92,7 +92,8 @@ def test_nvfp4_sync_ships_quantized_tensors_and_k3_stays_zero(tmp_path, small, m
 
     # fail-stop: a corrupt bucket is rejected, the previous version keeps serving, bit for bit
     served_before = {k: v.clone() for k, v in sampler.engine.model.state_dict().items()}
-    q_before = {n: {p: q.data.clone() for p, q in m.served.items()} for n, m in quant_modules(sampler.engine.model).items()}
+    q_before = {n: {p: q.data.clone() for p, q in m.served.items()}
+                for n, m in quant_modules(sampler.engine.model).items()}
     good = trainer.weight_bucket
 
     def corrupt(i):

@@ -1,8 +1,9 @@
 """Imported as `sitecustomize` (this folder on PYTHONPATH) by the trainer ranks of test_fsdp's non-finite test.
 
 On the rank named by RL4BIT_TEST_NONFINITE_RANK, the Nth `deferred_checks()` block (N =
-RL4BIT_TEST_NONFINITE_CALL, default 1: the first micro-batch) raises NonFiniteInputError at its exit: what a quantize kernel's NaN/Inf flag does on CUDA, after that micro-batch's
-forward and backward (and their collectives) have run on every rank. Any other process: does nothing.
+RL4BIT_TEST_NONFINITE_CALL, default 1: the first micro-batch) raises NonFiniteInputError at its exit: what a
+quantize kernel's NaN/Inf flag does on CUDA, after that micro-batch's forward and backward (and their
+collectives) have run on every rank. Any other process: does nothing.
 """
 
 import os
