@@ -21,10 +21,8 @@ tokens, batch 1/16/64. Full on CUDA: a ~1B Qwen3-MoE shape, 128 + 512, batch
 Engine columns: the same model converted by the trainer's recipes as a
 sampler holds it (`served_model`): bf16 (BF16 experts) and nvfp4 (frozen
 into serving mode, `rl4bit.trainer.surgery.load_quantized`): the same
-modules and fused kernels, so their ratio is the weights' alone (before the
-thirteenth session the BF16 column ran HF's experts module through the
-engine's experts path: more launches a layer). HF `generate` runs the plain
-HF model.
+modules and fused kernels, so their ratio is the weights' alone. HF
+`generate` runs the plain HF model.
 
 `--samples N`: also N samples a prompt (temperature 1), the engine sharing
 each prompt's prefill among its samples beside one prefill per sample.

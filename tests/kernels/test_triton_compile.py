@@ -9,7 +9,7 @@ no approximate division (``div.full`` / ``div.approx``) and no flush-to-zero
 allow one: the FP32 attention's `tl.dot`, which is FMAs like any FP32 GEMM). Run by hand:
 ``python tests/kernels/test_triton_compile.py``; with ``--count`` it also prints
 SASS instructions per element (cuobjdump; out-of-line subroutines such as
-div_rn's slow path left out), registers and top opcodes: kernels/PERF_NOTES.md.
+div_rn's slow path left out), registers and top opcodes (figures: docs/performance.md).
 """
 
 from __future__ import annotations
