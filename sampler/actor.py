@@ -131,8 +131,7 @@ class Sampler:
 
     def gpu_uuid(self) -> str | None:
         """The engine's GPU (None off CUDA): updates from a trainer on the same one come by CUDA IPC."""
-        device = self.engine.device
-        return cuda_ipc.gpu_uuid(device.index or 0) if device.type == "cuda" else None
+        return cuda_ipc.device_uuid(self.engine.device)
 
     def apply_tensors(self, update: WeightUpdate, quantized: dict) -> int:
         """Apply an in-process update (`Trainer.weight_tensors`: dense tensors + {module: {param: QTensor}}).

@@ -455,7 +455,7 @@ class Trainer:
 
     def gpu_uuid(self) -> str | None:
         """This trainer's GPU (None off CUDA): samplers on the same one take updates by CUDA IPC."""
-        return cuda_ipc.gpu_uuid(self.device.index or 0) if self.device.type == "cuda" else None
+        return cuda_ipc.device_uuid(self.device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The model's full tensors on rank 0, None elsewhere (collectives: every rank calls it; tests and exports)."""

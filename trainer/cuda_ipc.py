@@ -16,6 +16,8 @@ another GPU (NCCL's business) and CPU tensors.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rl4bit.common.weight_update import WeightUpdate
@@ -27,6 +29,11 @@ _FIELDS = ("size", "stride", "offset", "dtype", "device", "handle", "storage_siz
 
 def gpu_uuid(index: int) -> str:
     return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def device_uuid(device: torch.device) -> str | None:
+    """The UUID of `device`'s GPU, or None off CUDA (where nothing is shared by IPC)."""
+    return gpu_uuid(device.index or 0) if device.type == "cuda" else None
 
 
 def share(tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
@@ -98,10 +105,7 @@ def open_update(desc: dict) -> tuple[WeightUpdate, dict]:
 def described_bytes(desc: dict) -> int:
     """Bytes of the tensors a `share_update` description names (what a receiver reads from the GPU)."""
     def nbytes(d: dict) -> int:
-        n = 1
-        for x in d["size"]:
-            n *= x
-        return n * torch.empty((), dtype=getattr(torch, d["dtype"])).element_size()
+        return math.prod(d["size"]) * getattr(torch, d["dtype"]).itemsize
 
     total = sum(nbytes(d) for d in desc["dense"].values())
     return total + sum(nbytes(d) for params in desc["quantized"].values() for q in params.values()
