@@ -8,6 +8,7 @@ out=${OUT:-gpu-vllm-out}; mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.txt"; }
 run() { local name=$1 limit=$2; shift 2; log "start $name"; timeout "$limit" "$@" > "$out/$name.txt" 2>&1; log "end $name rc=$?"; }
 source scripts/device_env.sh
+# -P everywhere a module is named from the repo root: its kernels/ would shadow Hugging Face's `kernels`
 for step in "$@"; do case $step in
   install)
     if [ ! -f /tmp/site/vllm_env.sh ]; then
@@ -16,7 +17,7 @@ for step in "$@"; do case $step in
         && bash /tmp/house/install.sh /tmp/site 2>&1 | tee -a "$out/steps.txt"
     fi
     source /tmp/site/vllm_env.sh
-    run import 300 python3 -c "import vllm, torch, compressed_tensors; print(vllm.__version__, torch.__version__); from vllm import LLM; print('LLM ok')"
+    run import 300 python3 -P -c "import vllm, torch, compressed_tensors; print(vllm.__version__, torch.__version__); from vllm import LLM; print('LLM ok')"
     ;;
   check) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 run check ${CHECK_S:-240} python3 scripts/vllm_gpu_check.py ${CHECK_ARGS:-} --out /tmp/vllm-check ;;
   check-tiny) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 run check_tiny ${TINY_S:-150} python3 scripts/vllm_gpu_check.py --size tiny --batch 16 --new 32 --out /tmp/vllm-check-tiny ;;

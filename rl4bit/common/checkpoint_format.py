@@ -190,7 +190,7 @@ def tensor_crcs(tensors: dict[str, torch.Tensor]) -> dict[str, str]:
 
 
 def _raw(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes() if t.numel() else b""
 
 
 OUTER_KEY = "rl4bit.nvfp4_decode_outer"
