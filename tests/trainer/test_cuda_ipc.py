@@ -42,8 +42,9 @@ def test_another_process_opens_views_of_the_owners_memory():
     for v in shared.values():  # what a JSON channel needs; msgspec / Ray carry bytes as they are
         for k in ("handle", "ref_counter_handle", "event_handle"):
             v[k] = base64.b64encode(v[k]).decode() if v[k] is not None else None
-    r = subprocess.run([sys.executable, "-c", CHILD], input=json.dumps(shared), capture_output=True, text=True,
-                       check=True)
+    # -P: from the repository root, its rl4bit/ and kernels/ folders would shadow the installed packages
+    r = subprocess.run([sys.executable, "-P", "-c", CHILD], input=json.dumps(shared), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
     seen = json.loads(r.stdout.strip().splitlines()[-1])
     assert seen == {"a": ["torch.float32", [3, 4], 66.0], "b": ["torch.uint8", [4], 28.0]}
     torch.cuda.synchronize()
