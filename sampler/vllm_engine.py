@@ -379,6 +379,9 @@ class VLLMEngine:
             # strides outside the layerwise reload's copy-back (vLLM issues #48312, #41670); llm_kwargs may override
             kw.update(gpu_memory_utilization=gpu_memory_utilization, enforce_eager=True)
         kw.update(llm_kwargs)
+        # vLLM inspects the model in a `python -m` child, which puts the working directory first on sys.path: from
+        # an rl4bit checkout, its kernels/ would shadow Hugging Face's `kernels`, which transformers probes
+        os.environ.setdefault("PYTHONSAFEPATH", "1")
         self.llm = LLM(**kw)
         self.tokenizer = self.llm.get_tokenizer()
         self._version = 0
