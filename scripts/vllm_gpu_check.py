@@ -73,6 +73,18 @@ def nbytes(update, q) -> int:
     return n
 
 
+def digest(eng) -> dict:
+    """(sum, abs sum) of every parameter and buffer vLLM's worker holds, by name ({} where unreachable)."""
+    def sums(model):
+        items = list(model.named_parameters()) + list(model.named_buffers())
+        return {n: (float(t.float().sum()), float(t.float().abs().sum())) for n, t in items}
+    try:
+        return eng.llm.apply_model(sums)[0]
+    except Exception as e:  # multiprocess: the function must pickle; the check goes on without it
+        print("digest unavailable:", type(e).__name__, e, flush=True)
+        return {}
+
+
 def timed(fn, *args):
     torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -155,11 +167,18 @@ def main(argv=None) -> int:
         print("agreement:", res["agreement"], flush=True)
 
     va8 = eng.generate(reqs[:8])  # greedy is batch-variant in vLLM: compare batches of one size
-    ub, qb = update_of(mb, 1)
+    before = digest(eng)
+    ua0, qa0 = update_of(ma, 1)
+    eng.update_weights(ua0, qa0)  # A -> A: a reload of the same weights must change nothing
+    res["a_a"] = dict(same_greedy=all(x.completion_ids == y.completion_ids
+                                      for x, y in zip(eng.generate(reqs[:8]), va8)),
+                      changed=sorted(k for k, v in digest(eng).items() if before.get(k) != v)[:24])
+    print("A->A:", res["a_a"], flush=True)
+    ub, qb = update_of(mb, 2)
     res["update_bytes"] = nbytes(ub, qb)
     _, res["update_b_s"] = timed(eng.update_weights, ub, qb)
     vb = eng.generate(reqs[:8])
-    ua, qa = update_of(ma, 2)
+    ua, qa = update_of(ma, 3)
     _, res["update_a_s"] = timed(eng.update_weights, ua, qa)
     va2 = eng.generate(reqs[:8])
     res["a_b_a"] = dict(b_differs=any(x.completion_ids != y.completion_ids for x, y in zip(vb, va8)),
