@@ -322,6 +322,10 @@ class VLLMEngine:
     def __init__(self, checkpoint: str | Path, *, experts: str | None = None, workdir: str | Path | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, dtype: str = "bfloat16",
                  gpu_memory_utilization: float = 0.5, seed: int = 0, model=None, **llm_kwargs):
+        if llm_kwargs.get("enforce_eager", True) is not True:
+            raise ValueError("VLLMEngine takes no enforce_eager=False: under CUDA graphs vLLM keeps serving the "
+                             "weights it captured, not the ones a weight update loads (an A -> A reload changed "
+                             "greedy outputs on an H100, vLLM 0.26; docs/vllm.md). Leave enforce_eager out")
         try:
             import vllm
         except ImportError:
@@ -375,8 +379,7 @@ class VLLMEngine:
                   worker_extension_cls=f"{RepackMoE.__module__}.RepackMoE")
         if self.cpu:  # eager, no torch.compile (30+ s of compilation for tiny test models), small KV cache
             kw.update(enforce_eager=True, compilation_config={"mode": 0}, kv_cache_memory_bytes=64 << 20)
-        else:  # eager until reloads under CUDA graphs are checked on a GPU: NVFP4 MoE kernels keep scales and
-            # strides outside the layerwise reload's copy-back (vLLM issues #48312, #41670); llm_kwargs may override
+        else:  # eager: captured graphs keep reading the pre-reload tensors (vLLM issues #48312, #41670)
             kw.update(gpu_memory_utilization=gpu_memory_utilization, enforce_eager=True)
         kw.update(llm_kwargs)
         # vLLM inspects the model in a `python -m` child, which puts the working directory first on sys.path: from

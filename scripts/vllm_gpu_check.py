@@ -100,7 +100,6 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--tail", type=float, default=1 / 6, help="recipe.high_precision_tail (MXFP8 last layers)")
-    ap.add_argument("--eager", action="store_true", help="vLLM without CUDA graphs")
     ap.add_argument("--skip-embedded", action="store_true", help="vLLM alone (e.g. its multiprocess transport)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
@@ -125,7 +124,7 @@ def main(argv=None) -> int:
     export = write_checkpoint(out / "export-a", ma, plan, tokenizer=tok)
     eng, res["vllm_init_s"] = timed(lambda: VLLMEngine(export, experts="nvfp4", workdir=out / "w",
                                                        max_batch_size=a.batch, max_seq_len=max_len,
-                                                       gpu_memory_utilization=0.35, enforce_eager=a.eager))
+                                                       gpu_memory_utilization=0.35))
     res["transport"] = eng.transport
     res["served_formats"] = sorted({f"{e.fmt}->{eng.form.fmt[n]}" for n, e in eng.form.entries.items()})
     res["kernels"] = eng.kernels()
