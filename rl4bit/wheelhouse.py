@@ -10,8 +10,8 @@ Python and platform, plus small fallbacks that install only where the node
 lacks them. `--arch` drops libraries that architecture never loads (FA2 on
 sm_90, which runs FA3). Writes SHA256SUMS and install.sh; `--split` also
 writes the wheelhouse as one tar in parts (for transfers with a size cap) and
-its checksum. Leaves out: flashinfer (set VLLM_USE_FLASHINFER_SAMPLER=0),
-multimodal and structured-output extras beyond the fallbacks.
+its checksum. Leaves out: flashinfer (set VLLM_USE_FLASHINFER_SAMPLER=0) and
+multimodal extras.
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ OFFLINE_DEPS = {
                "msgspec==0.23.0", "pyzmq==27.3.0", "cbor2==6.3.0", "cachetools==8.0.3", "fastapi==0.136.3",
                "starlette==1.3.1", "openai==2.54.0", "jiter==0.19.0", "distro==1.9.0", "sniffio==1.3.1",
                "openai-harmony==0.0.8", "partial-json-parser==0.2.1.1.post7", "pybase64==1.5.1",
-               "compressed-tensors==0.17.0", "loguru==0.7.3", "typing-extensions==4.16.0"],
+               "compressed-tensors==0.17.0", "loguru==0.7.3", "typing-extensions==4.16.0",
+               "llguidance==1.6.1", "xgrammar==0.2.7", "apache-tvm-ffi==0.1.10"],
 }
 """vLLM version -> the wheels its offline `LLM` path imports beyond a CUDA PyTorch image (openai 3.x needs httpx2:
-2.x is pinned)."""
+2.x is pinned). The structured-output backends load at `LLM` import (class annotations): llguidance 1.6.1 is the
+newest this index holds (vLLM asks 1.7), xgrammar 0.2.7 the newest that takes vLLM's tvm-ffi 0.1.10 pin. Found by
+importing vLLM 0.26 on an H100."""
 
 FALLBACKS = ["blake3", "py-cpuinfo", "cloudpickle", "setproctitle", "einops", "prometheus-client",
              "python-json-logger", "ijson", "diskcache", "lark==1.2.2", "depyf==0.20.0", "astor", "dill", "watchfiles",

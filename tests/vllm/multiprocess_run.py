@@ -5,7 +5,7 @@
 
 Run with VLLM_ENABLE_V1_MULTIPROCESSING=1: vLLM starts its engine core and worker in processes of their own,
 so weight updates cannot travel as RPC arguments and `VLLMEngine` hands the workers a safetensors directory a
-version instead. Writes the greedy completions at each version (and the versions served) to OUT_JSON for the
+version instead (on CPU; on a GPU, CUDA IPC descriptions of its device tensors). Writes the greedy completions at each version (and the versions served) to OUT_JSON for the
 test to compare with in-process engines. A separate process because vLLM reads its environment once per
 process: the test session's engines are in-process.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import make_model, prompts, update_of  # noqa: E402 (this folder, not a package import: a child process)
+from conftest import GPU_ENGINE_KW, make_model, prompts, update_of  # noqa: E402 (this folder, not a package import: a child process)
 
 from rl4bit.sampler.types import Request, SamplingParams  # noqa: E402
 from rl4bit.sampler.vllm_engine import VLLMEngine  # noqa: E402
@@ -40,10 +40,10 @@ def greedy(engine) -> list[list[int]]:
 def main(export_a: str, workdir: str, out: str) -> None:
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "1":
         raise SystemExit("run with VLLM_ENABLE_V1_MULTIPROCESSING=1")
-    engine = VLLMEngine(export_a, workdir=workdir, max_batch_size=8, block_size=32)
+    engine = VLLMEngine(export_a, workdir=workdir, max_batch_size=8, block_size=32, **GPU_ENGINE_KW)
     if not engine.multiprocess:
         raise SystemExit("the engine is not multiprocess")
-    result = {"prompts": PROMPTS, "a": greedy(engine)}
+    result = {"prompts": PROMPTS, "transport": engine.transport, "a": greedy(engine)}
     engine.update_weights(*update_of(make_model(1), 1))
     result["b"] = greedy(engine)
     engine.update_weights(*update_of(make_model(0), 2))

@@ -14,7 +14,11 @@ from rl4bit.sampler.types import Request, SamplingParams, WeightUpdate
 from rl4bit.trainer.tokenizer import build_tokenizer
 from rl4bit.trainer.weight_sync import WeightSender, WeightSyncError
 
-from .conftest import ALIVE, make_model, prompts
+from .conftest import ALIVE, SAMPLER_GPU_MEMORY, make_model, prompts
+
+
+CONFIG = SamplerConfig(backend="vllm", max_batch_size=8, gpu_memory_utilization=SAMPLER_GPU_MEMORY)
+"""On a GPU, a small share each: the session's other engines hold theirs (conftest.GPU_ENGINE_KW)."""
 
 
 def _greedy(s, ps):
@@ -25,7 +29,7 @@ def _greedy(s, ps):
 def test_vllm_sampler_syncs_buckets_from_the_trainer(engine, engine_b, models, tmp_path):
     ps = prompts(4, seed=17)
     model_a, _ = make_model(0)
-    s = Sampler(model_a, build_tokenizer(), SamplerConfig(backend="vllm", max_batch_size=8), max_seq_len=128,
+    s = Sampler(model_a, build_tokenizer(), CONFIG, max_seq_len=128,
                 workdir=str(tmp_path / "sampler"))
     ALIVE.append(s)
     assert _greedy(s, ps) == _greedy(engine, ps)  # its own export of A = the fixture's (every test leaves A served)
@@ -59,7 +63,7 @@ def test_a_sampler_without_workdir_owns_its_temporary_export():
     from pathlib import Path
 
     model, _ = make_model(0)
-    s = Sampler(model, build_tokenizer(), SamplerConfig(backend="vllm", max_batch_size=8), max_seq_len=128)
+    s = Sampler(model, build_tokenizer(), CONFIG, max_seq_len=128)
     ALIVE.append(s)
     owned = [Path(t.name) for t in s.engine.temp_dirs if isinstance(t, tempfile.TemporaryDirectory)]
     assert any((d / "export" / "config.json").is_file() for d in owned)
@@ -75,7 +79,7 @@ def test_vllm_sampler_takes_the_trainers_tensors_and_keeps_its_own_copy(engine_b
 
     ps = prompts(4, seed=23)
     model_a, _ = make_model(0)
-    s = Sampler(model_a, build_tokenizer(), SamplerConfig(backend="vllm", max_batch_size=8), max_seq_len=128,
+    s = Sampler(model_a, build_tokenizer(), CONFIG, max_seq_len=128,
                 workdir=str(tmp_path / "sampler"))
     ALIVE.append(s)
     assert s.accepts_tensors()

@@ -2,6 +2,9 @@
 bad requests, sampling, and the logprob mismatch against the trainer as a metric.
 
 Run: bash scripts/test_vllm.sh   (the .venv-vllm environment; in-process vLLM engines)
+On a GPU (vLLM 0.26, scripts/gpu_vllm.sh step `tests`) the same tests run on the GPU form: experts NVFP4 too,
+NVFP4 linears through vLLM's Marlin kernel (weight-only on Hopper); where that changes what can be checked, a
+test branches on `ON_GPU` and says why.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from rl4bit.sampler.types import Request, SamplingParams
 from rl4bit.sampler.vllm_engine import VLLMEngine
 from rl4bit.trainer.surgery import load_quantized, quantized_weights
 
-from .conftest import export, make_model, prompts, update_of
+from .conftest import ON_GPU, export, make_model, prompts, update_of
 
 
 def _greedy(engine, ps, n_new=8):
@@ -23,14 +26,25 @@ def _greedy(engine, ps, n_new=8):
         [Request(str(i), p, SamplingParams(temperature=0.0, max_new_tokens=n_new)) for i, p in enumerate(ps)])]
 
 
-def test_serves_our_export_in_the_cpu_form(engine):
+def test_serves_our_export_in_the_form_of_its_device(engine):
+    """CPU: NVFP4 attention, experts decoded to BF16 (vLLM has no CPU MoE backend for NVFP4). GPU: the experts
+    stay NVFP4 too (VLLMEngine's default there), for vLLM's CompressedTensorsW4A4Nvfp4MoEMethod."""
     fmt = engine.form.fmt
-    assert fmt["model.layers.0.self_attn.q_proj.weight"] == "nvfp4"  # EmulationNvFp4LinearKernel (our plugin)
+    assert fmt["model.layers.0.self_attn.q_proj.weight"] == "nvfp4"  # CPU: EmulationNvFp4LinearKernel (our plugin)
     assert fmt["model.layers.1.self_attn.o_proj.weight"] == "nvfp4"
-    assert fmt["model.layers.0.mlp.experts.gate_up_proj"] == "bf16"  # decoded from our NVFP4 QTensors
     qc = engine.form.vllm_config()["quantization_config"]
-    assert "model.layers.0.mlp.experts" in qc["ignore"]
-    assert not any("experts" in t for g in qc["config_groups"].values() for t in g["targets"])
+    experts_targeted = any("experts" in t for g in qc["config_groups"].values() for t in g["targets"])
+    kernels = engine.kernels()
+    assert "CompressedTensorsW4A4Fp4" in kernels["CompressedTensorsLinearMethod"]
+    if ON_GPU:
+        assert fmt["model.layers.0.mlp.experts.gate_up_proj"] == "nvfp4"  # our NVFP4 QTensors as exported
+        assert "model.layers.0.mlp.experts" not in qc["ignore"] and experts_targeted
+        assert "CompressedTensorsW4A4Nvfp4MoEMethod" in kernels and "UnquantizedFusedMoEMethod" not in kernels
+    else:
+        assert fmt["model.layers.0.mlp.experts.gate_up_proj"] == "bf16"  # decoded from our NVFP4 QTensors
+        assert "model.layers.0.mlp.experts" in qc["ignore"] and not experts_targeted
+        assert "UnquantizedFusedMoEMethod" in kernels and "CompressedTensorsW4A4Nvfp4MoEMethod" not in kernels
+        assert "EmulationNvFp4LinearKernel" in kernels["CompressedTensorsLinearMethod"]
     out = engine.generate([Request(str(i), p, SamplingParams(temperature=0.0, max_new_tokens=6))
                            for i, p in enumerate(prompts(4))])
     for r in out:
@@ -247,12 +261,21 @@ def test_logprob_mismatch_against_trainer(engine, record_property):
 
 
 def _vllm_qkv_decoded(worker, layer: int):
-    """Runs in the vLLM worker: layer `layer`'s fused qkv weight decoded by vLLM's own NVFP4 emulation path."""
-    from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
-
+    """Runs in the vLLM worker: (the NVFP4 kernel class of layer `layer`'s fused qkv, that weight as vLLM decodes
+    it). CPU: vLLM's own NVFP4 emulation decode of the packed codes (uint8, as loaded). GPU: the kernel itself
+    decodes it, applied to the identity matrix: there the weights were repacked for Marlin (int32 tiles, S0E5M3
+    scales, a rescaled global scale), a layout no vLLM function decodes; Marlin is weight-only (W4A16) on
+    Hopper, so each output is one decoded weight times 1.0, rounded once to BF16."""
     qkv = worker.model_runner.get_model().model.layers[layer].self_attn.qkv_proj
-    return dequantize_to_dtype(qkv.weight.data, qkv.weight_scale.data, qkv.weight_global_scale, torch.bfloat16,
-                               16, swizzle=False).clone()
+    kernel = type(qkv.scheme.kernel).__name__
+    if not ON_GPU:
+        from vllm.model_executor.layers.quantization.utils.nvfp4_emulation_utils import dequantize_to_dtype
+
+        return kernel, dequantize_to_dtype(qkv.weight.data, qkv.weight_scale.data, qkv.weight_global_scale,
+                                           torch.bfloat16, 16, swizzle=False).clone()
+    eye = torch.eye(qkv.input_size_per_partition, dtype=torch.bfloat16, device=qkv.weight.device)
+    with torch.no_grad():
+        return kernel, qkv.quant_method.apply(qkv, eye).T.contiguous().cpu()
 
 
 def test_vllm_decodes_our_nvfp4_attention_weights(engine, models):
@@ -261,14 +284,18 @@ def test_vllm_decodes_our_nvfp4_attention_weights(engine, models):
     from rl4bit.kernels import dequantize
 
     model, _ = models["A"]
-    got = engine.llm.collective_rpc(_vllm_qkv_decoded, args=(1,))[0]
+    kernel, got = engine.llm.collective_rpc(_vllm_qkv_decoded, args=(1,))[0]
+    # the identity probe reads the weights only through a weight-only kernel: one with NVFP4 activations
+    # (W4A4, e.g. on Blackwell) would quantize the 1.0s too
+    assert kernel == ("MarlinNvFp4LinearKernel" if ON_GPU else "EmulationNvFp4LinearKernel"), kernel
     attn = model.model.layers[1].self_attn
     want = torch.cat([dequantize(m.quantized_weights()["weight"], torch.float32)[0]
                       for m in (attn.q_proj, attn.k_proj, attn.v_proj)]).bfloat16()
     assert got.shape == want.shape
+    got, want = (torch.where(t == 0, torch.zeros_like(t), t) for t in (got, want))  # -0 == +0 (a GEMM's sums)
     ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
-    print(f"\nvLLM vs rl4bit NVFP4 decode (qkv, layer 1): {int((ulps > 0).sum())} of {ulps.numel()} differ, "
-          f"max {int(ulps.max())} BF16 ulp")
+    print(f"\nvLLM ({kernel}) vs rl4bit NVFP4 decode (qkv, layer 1): {int((ulps > 0).sum())} of {ulps.numel()} "
+          f"differ, max {int(ulps.max())} BF16 ulp")
     assert int(ulps.max()) <= 1
 
 
@@ -287,18 +314,18 @@ def test_sampled_logprobs_match_vllm_rescoring(engine):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="NVFP4 MoE experts in vLLM need a GPU (no CPU backend)")
-@pytest.mark.parametrize("eager", [True, False])
-def test_nvfp4_experts_on_gpu(export_a, models, tmp_path, eager):
-    """UNRUN here (no GPU, and the lent GPU image has no vLLM): experts served as NVFP4 through vLLM's
-    CompressedTensorsW4A4Nvfp4MoEMethod, then A -> B -> A through reload_weights; the engine updated to B must
-    match a fresh engine built on B, eager (the default) and with CUDA graphs (what would allow that default
-    to change: vLLM issue #48312)."""
-    eng = VLLMEngine(export_a, experts="nvfp4", workdir=tmp_path / "w", max_batch_size=8, enforce_eager=eager)
+def test_nvfp4_experts_on_gpu(export_a, models, new_engine, tmp_path):
+    """Experts served as NVFP4 through vLLM's CompressedTensorsW4A4Nvfp4MoEMethod, then A -> B -> A through
+    reload_weights; the engine updated to B must match a fresh engine built on B. Eager only: with CUDA graphs
+    vLLM 0.26 served stale weights after a reload (measured on an H100: an A -> A reload of identical weights
+    changed greedy outputs, A -> B -> A did not restore A; vLLM issue #48312), so VLLMEngine refuses
+    enforce_eager=False (test_cuda_graphs_are_refused_before_vllm_starts)."""
+    eng = new_engine(export_a, experts="nvfp4")
     assert eng.form.fmt["model.layers.0.mlp.experts.gate_up_proj"] == "nvfp4"
+    assert "CompressedTensorsW4A4Nvfp4MoEMethod" in eng.kernels()
     ps = prompts(4, seed=3)
     want_a = _greedy(eng, ps)
-    fresh_b = VLLMEngine(export(*models["B"], tmp_path / "b"), experts="nvfp4", workdir=tmp_path / "wb",
-                         max_batch_size=8, enforce_eager=eager, gpu_memory_utilization=0.3)
+    fresh_b = new_engine(export(*models["B"], tmp_path / "b"), experts="nvfp4")
     want_b = _greedy(fresh_b, ps)
     eng.update_weights(*update_of(models["B"], 1))
     assert _greedy(eng, ps) == want_b != want_a
@@ -306,11 +333,27 @@ def test_nvfp4_experts_on_gpu(export_a, models, tmp_path, eager):
     assert _greedy(eng, ps) == want_a
 
 
+def test_cuda_graphs_are_refused_before_vllm_starts(export_a, tmp_path, monkeypatch):
+    """enforce_eager=False (CUDA graphs, passed through to vLLM) is refused with a ValueError naming the option,
+    before vLLM is built: under CUDA graphs vLLM 0.26 kept serving the old weights after reload_weights
+    (test_nvfp4_experts_on_gpu), which would train on samples of a stale policy. Also on CPU, where the engine
+    runs eager anyway: the same configuration must not start on one device and fail on the other."""
+    import vllm
+
+    def built(*args, **kwargs):
+        raise AssertionError("vllm.LLM was built before enforce_eager=False was refused")
+
+    monkeypatch.setattr(vllm, "LLM", built)
+    with pytest.raises(ValueError, match="enforce_eager"):
+        VLLMEngine(export_a, workdir=tmp_path / "w", max_batch_size=8, enforce_eager=False)
+
+
 def test_multiprocess_engine_reloads_from_a_directory(engine, engine_b, export_a, tmp_path):
     """vLLM's default mode (engine core and worker in processes of their own): updates reach the worker as a
-    safetensors directory a version (tensors cannot travel as RPC arguments). A child process (vLLM reads its
-    environment once per process) takes the engine A -> B -> A; each version's greedy completions must equal an
-    in-process engine's on that version, and only v0 (the engine's model) and the served version stay on disk."""
+    safetensors directory a version (tensors cannot travel as RPC arguments); on a GPU as CUDA IPC descriptions of
+    the engine's device tensors instead, nothing written. A child process (vLLM reads its environment once per
+    process) takes the engine A -> B -> A; each version's greedy completions must equal an in-process engine's on
+    that version, and only v0 (the engine's model) and the served version stay on disk (GPU: only v0)."""
     import json
     import os
     import subprocess
@@ -327,7 +370,8 @@ def test_multiprocess_engine_reloads_from_a_directory(engine, engine_b, export_a
     want_a, want_b = _greedy(engine, got["prompts"]), _greedy(engine_b, got["prompts"])
     assert want_a != want_b
     assert got["a"] == want_a and got["b"] == want_b and got["a_again"] == want_a
-    assert got["version"] == 2 and got["version_dirs"] == ["v0", "v2"]
+    assert got["transport"] == ("cuda_ipc" if ON_GPU else "directory")
+    assert got["version"] == 2 and got["version_dirs"] == (["v0"] if ON_GPU else ["v0", "v2"])
 
 
 def test_a_failed_version_write_keeps_the_old_version_serving(export_a, new_engine, models):
