@@ -5,9 +5,9 @@
 
 Run with VLLM_ENABLE_V1_MULTIPROCESSING=1: vLLM starts its engine core and worker in processes of their own,
 so weight updates cannot travel as RPC arguments and `VLLMEngine` hands the workers a safetensors directory a
-version instead (on CPU; on a GPU, CUDA IPC descriptions of its device tensors). Writes the greedy completions at each version (and the versions served) to OUT_JSON for the
-test to compare with in-process engines. A separate process because vLLM reads its environment once per
-process: the test session's engines are in-process.
+version instead (on CPU; on a GPU, CUDA IPC descriptions of its device tensors). Writes the greedy completions at
+each version (and the transport and versions served) to OUT_JSON for the test to compare with in-process engines.
+A separate process because vLLM reads its environment once per process: the test session's engines are in-process.
 
 Leaves out: timing, sampling at T > 0 (the in-process tests cover both paths' sampling code).
 """
@@ -21,7 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from conftest import GPU_ENGINE_KW, make_model, prompts, update_of  # noqa: E402 (this folder, not a package import: a child process)
+# this folder, not a package import: a child process
+from conftest import GPU_ENGINE_KW, make_model, prompts, update_of  # noqa: E402
 
 from rl4bit.sampler.types import Request, SamplingParams  # noqa: E402
 from rl4bit.sampler.vllm_engine import VLLMEngine  # noqa: E402

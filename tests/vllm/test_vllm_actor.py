@@ -16,7 +16,6 @@ from rl4bit.trainer.weight_sync import WeightSender, WeightSyncError
 
 from .conftest import ALIVE, SAMPLER_GPU_MEMORY, make_model, prompts
 
-
 CONFIG = SamplerConfig(backend="vllm", max_batch_size=8, gpu_memory_utilization=SAMPLER_GPU_MEMORY)
 """On a GPU, a small share each: the session's other engines hold theirs (conftest.GPU_ENGINE_KW)."""
 
@@ -29,8 +28,7 @@ def _greedy(s, ps):
 def test_vllm_sampler_syncs_buckets_from_the_trainer(engine, engine_b, models, tmp_path):
     ps = prompts(4, seed=17)
     model_a, _ = make_model(0)
-    s = Sampler(model_a, build_tokenizer(), CONFIG, max_seq_len=128,
-                workdir=str(tmp_path / "sampler"))
+    s = Sampler(model_a, build_tokenizer(), CONFIG, max_seq_len=128, workdir=str(tmp_path / "sampler"))
     ALIVE.append(s)
     assert _greedy(s, ps) == _greedy(engine, ps)  # its own export of A = the fixture's (every test leaves A served)
     h = s.health()
@@ -79,8 +77,7 @@ def test_vllm_sampler_takes_the_trainers_tensors_and_keeps_its_own_copy(engine_b
 
     ps = prompts(4, seed=23)
     model_a, _ = make_model(0)
-    s = Sampler(model_a, build_tokenizer(), CONFIG, max_seq_len=128,
-                workdir=str(tmp_path / "sampler"))
+    s = Sampler(model_a, build_tokenizer(), CONFIG, max_seq_len=128, workdir=str(tmp_path / "sampler"))
     ALIVE.append(s)
     assert s.accepts_tensors()
     trainer_b = copy.deepcopy(models["B"][0])

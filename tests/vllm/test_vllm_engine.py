@@ -55,12 +55,21 @@ def test_serves_our_export_in_the_form_of_its_device(engine):
     assert _greedy(engine, prompts(4)) == _greedy(engine, prompts(4))
 
 
+def _attention_methods(worker, layer: int) -> dict[str, str]:
+    """Runs in the vLLM worker: the quant method class of layer `layer`'s qkv_proj and o_proj."""
+    attn = worker.model_runner.get_model().model.layers[layer].self_attn
+    return {name: type(getattr(attn, name).quant_method).__name__ for name in ("qkv_proj", "o_proj")}
+
+
 def test_mismatched_qkv_scales_are_served_in_bf16(new_engine, tmp_path):
     model, plan = make_model(2, equal_qkv_amax=False)
     with pytest.warns(UserWarning, match="BF16"):
         eng = new_engine(export(model, plan, tmp_path / "x"))
     assert eng.form.fmt["model.layers.0.self_attn.q_proj.weight"] == "bf16"
     assert eng.form.fmt["model.layers.0.self_attn.o_proj.weight"] == "nvfp4"  # not fused: stays NVFP4
+    # what vLLM made of that form (either device): an unquantized fused qkv layer beside an NVFP4 o_proj
+    assert eng.llm.collective_rpc(_attention_methods, args=(0,))[0] == {
+        "qkv_proj": "UnquantizedLinearMethod", "o_proj": "CompressedTensorsLinearMethod"}
     assert all(r.error is None for r in eng.generate([Request("a", prompts(1)[0], SamplingParams(max_new_tokens=3))]))
 
 
@@ -313,7 +322,7 @@ def test_sampled_logprobs_match_vllm_rescoring(engine):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="NVFP4 MoE experts in vLLM need a GPU (no CPU backend)")
+@pytest.mark.skipif(not ON_GPU, reason="NVFP4 MoE experts in vLLM need a GPU (no CPU backend)")
 def test_nvfp4_experts_on_gpu(export_a, models, new_engine, tmp_path):
     """Experts served as NVFP4 through vLLM's CompressedTensorsW4A4Nvfp4MoEMethod, then A -> B -> A through
     reload_weights; the engine updated to B must match a fresh engine built on B. Eager only: with CUDA graphs
