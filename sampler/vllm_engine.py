@@ -322,10 +322,6 @@ class VLLMEngine:
     def __init__(self, checkpoint: str | Path, *, experts: str | None = None, workdir: str | Path | None = None,
                  max_batch_size: int = 64, max_seq_len: int | None = None, dtype: str = "bfloat16",
                  gpu_memory_utilization: float = 0.5, seed: int = 0, model=None, **llm_kwargs):
-        if llm_kwargs.get("enforce_eager", True) is not True:
-            raise ValueError("VLLMEngine takes no enforce_eager=False: under CUDA graphs vLLM keeps serving the "
-                             "weights it captured, not the ones a weight update loads (an A -> A reload changed "
-                             "greedy outputs on an H100, vLLM 0.26; docs/vllm.md). Leave enforce_eager out")
         try:
             import vllm
         except ImportError:
@@ -382,6 +378,10 @@ class VLLMEngine:
         else:  # eager: captured graphs keep reading the pre-reload tensors (vLLM issues #48312, #41670)
             kw.update(gpu_memory_utilization=gpu_memory_utilization, enforce_eager=True)
         kw.update(llm_kwargs)
+        self.serve_only = kw["enforce_eager"] is False
+        """CUDA graphs (enforce_eager=False: vLLM's throughput default, e.g. for benchmarks): the loaded version
+        only. Captured graphs keep reading the tensors a reload replaces (an A -> A reload changed greedy outputs
+        on an H100, vLLM 0.26; docs/vllm.md), so update_weights is refused; RL samplers run eager."""
         # vLLM inspects the model in a `python -m` child, which puts the working directory first on sys.path: from
         # an rl4bit checkout, its kernels/ would shadow Hugging Face's `kernels`, which transformers probes
         os.environ.setdefault("PYTHONSAFEPATH", "1")
@@ -548,6 +548,10 @@ class VLLMEngine:
         """Apply dense tensors (`update.tensors`, HF state-dict names) and QTensors (`quantized`,
         {module: {param: QTensor}}); all-or-nothing: any problem raises ValueError, v`version` keeps serving."""
         self._check_usable()
+        if self.serve_only:
+            raise ValueError(f"this engine runs CUDA graphs (enforce_eager=False) and serves v{self._version} only: "
+                             "its graphs would keep reading the replaced weights. Build it without enforce_eager "
+                             "to take weight updates")
         if not isinstance(update, WeightUpdate):
             raise ValueError(f"update_weights needs a WeightUpdate, got {type(update).__name__}")
         if not isinstance(update.version, int) or isinstance(update.version, bool) or update.version <= self._version:

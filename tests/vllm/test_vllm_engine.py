@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from rl4bit.sampler.types import Request, SamplingParams
-from rl4bit.sampler.vllm_engine import VLLMEngine
 from rl4bit.trainer.surgery import load_quantized, quantized_weights
 
 from .conftest import ON_GPU, export, make_model, prompts, update_of
@@ -327,8 +326,9 @@ def test_nvfp4_experts_on_gpu(export_a, models, new_engine, tmp_path):
     """Experts served as NVFP4 through vLLM's CompressedTensorsW4A4Nvfp4MoEMethod, then A -> B -> A through
     reload_weights; the engine updated to B must match a fresh engine built on B. Eager only: with CUDA graphs
     vLLM 0.26 served stale weights after a reload (measured on an H100: an A -> A reload of identical weights
-    changed greedy outputs, A -> B -> A did not restore A; vLLM issue #48312), so VLLMEngine refuses
-    enforce_eager=False (test_cuda_graphs_are_refused_before_vllm_starts)."""
+    changed greedy outputs, A -> B -> A did not restore A; vLLM issue #48312), so VLLMEngine refuses updates
+    under enforce_eager=False
+    (test_an_engine_with_cuda_graphs_serves_its_version_and_refuses_updates)."""
     eng = new_engine(export_a, experts="nvfp4")
     assert eng.form.fmt["model.layers.0.mlp.experts.gate_up_proj"] == "nvfp4"
     assert "CompressedTensorsW4A4Nvfp4MoEMethod" in eng.kernels()
@@ -342,19 +342,17 @@ def test_nvfp4_experts_on_gpu(export_a, models, new_engine, tmp_path):
     assert _greedy(eng, ps) == want_a
 
 
-def test_cuda_graphs_are_refused_before_vllm_starts(export_a, tmp_path, monkeypatch):
-    """enforce_eager=False (CUDA graphs, passed through to vLLM) is refused with a ValueError naming the option,
-    before vLLM is built: under CUDA graphs vLLM 0.26 kept serving the old weights after reload_weights
-    (test_nvfp4_experts_on_gpu), which would train on samples of a stale policy. Also on CPU, where the engine
-    runs eager anyway: the same configuration must not start on one device and fail on the other."""
-    import vllm
-
-    def built(*args, **kwargs):
-        raise AssertionError("vllm.LLM was built before enforce_eager=False was refused")
-
-    monkeypatch.setattr(vllm, "LLM", built)
+def test_an_engine_with_cuda_graphs_serves_its_version_and_refuses_updates(export_a, models, new_engine):
+    """enforce_eager=False (vLLM's throughput default: CUDA graphs on a GPU) serves the loaded version and refuses
+    a weight update with a ValueError naming the option, before anything moves: under CUDA graphs vLLM 0.26 kept
+    serving the old weights after reload_weights (test_nvfp4_experts_on_gpu). On both devices alike, so a
+    configuration does not train on one and fail on the other."""
+    eng = new_engine(export_a, enforce_eager=False)
+    ps = prompts(3, seed=5)
+    want = _greedy(eng, ps)
     with pytest.raises(ValueError, match="enforce_eager"):
-        VLLMEngine(export_a, workdir=tmp_path / "w", max_batch_size=8, enforce_eager=False)
+        eng.update_weights(*update_of(models["B"], 1))
+    assert eng.version == 0 and _greedy(eng, ps) == want
 
 
 def test_multiprocess_engine_reloads_from_a_directory(engine, engine_b, export_a, tmp_path):
