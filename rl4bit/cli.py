@@ -20,7 +20,7 @@ BENCHES = {
     "sync": ("rl4bit.bench.sync", "weight-sync bytes and seconds, NVFP4 vs BF16"),
     "comm": ("rl4bit.bench.comm", "expert-parallel dispatch/combine all-to-all"),
     "gemm": ("rl4bit.bench.gemm", "quantized GEMMs (NVFP4 decode/grouped, MXFP8 backward) vs cuBLAS BF16 and HBM"),
-    "step": ("rl4bit.bench.step", "the RL step, nvfp4 vs bf16 everywhere: sample/score/train/sync, peak memory"),
+    "step": ("rl4bit.bench.step", "the RL step, nvfp4 vs mxfp8 vs bf16: sample/score/train/sync, peak memory"),
     "soak": ("rl4bit.bench.soak", "memory per step of a long run (flat after warm-up)"),
     "all": ("rl4bit.bench.all", "every bench above but comm/ce/soak, then one summary table against the baselines"),
 }
@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batches", help="comma-separated batch sizes (rollout, all)")
     p.add_argument("--samples", type=int, help="samples a prompt: shared prefill vs one per sample (rollout)")
     p.add_argument("--sections", help="comma-separated sections of `all` (default: all of them)")
+    p.add_argument("--recipes", help="comma-separated recipes, the first the reference (step; default "
+                                     "nvfp4,mxfp8,bf16)")
     p.add_argument("--decode", action="store_true", help="the decode cases alone (gemm: NVFP4 against cuBLAS BF16)")
     p.add_argument("--memory-sites", type=int, help="N: the allocation sites holding the most memory after the "
                                                     "first step (step; records live blocks' stacks: slower)")
@@ -164,7 +166,8 @@ def cmd_bench(args) -> int:
             print(f"rl4bit bench: --batches {args.batches!r}: give comma-separated batch sizes, e.g. 1,16,64",
                   file=sys.stderr)
             return 2
-    for name in ("config", "steps", "new_tokens", "batches", "samples", "sections", "memory_sites", "override"):
+    for name in ("config", "steps", "new_tokens", "batches", "samples", "sections", "recipes", "memory_sites",
+                 "override"):
         value = getattr(args, name)
         if value is None or value == []:
             continue

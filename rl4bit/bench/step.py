@@ -1,40 +1,19 @@
-"""`rl4bit bench step`: the whole RL step, `nvfp4` everywhere beside `bf16` everywhere, in one process.
+"""`rl4bit bench step`: the whole RL step of one job under several recipes (default nvfp4, mxfp8, bf16), one card.
 
-Runs the same job twice in local mode (trainer and sampler in this process, so
-one allocator's peak covers both): once with the config's recipe (`nvfp4`:
-NVFP4 expert GEMMs in the trainer, NVFP4 expert weights in the sampler) and
-once with `recipe.name: bf16` (BF16 expert GEMMs, BF16 serving). The workload
-is made decode-heavy, as RL steps are in practice: `sampler.ignore_eos`, so
-every rollout runs to `sampler.max_new_tokens` (default here 256). No warm
-start and no evaluation: only the timed RL steps.
+The same job runs once per recipe (only `recipe.name` differs), one after the other in this process, in local mode:
+trainer and sampler share one allocator, so its peak covers both. The job is decode-heavy, as RL steps are: every
+rollout runs to `--new-tokens` (`sampler.ignore_eos`); no warm start. Per recipe: the mean sample / score / train /
+sync / step seconds over the steps between the first (warm-up) and the last (final evaluation), rollout tok/s, every
+step's times and sampler-trainer mismatch, the peak GPU memory and each phase's. The first recipe is the reference:
+ratio columns are <recipe>/<reference> (> 1: the reference faster or smaller; tok/s the other way). Targets: issue
+11, nvfp4 vs bf16, step >= 1.3x faster, peak <= 0.6x; the blog has nvfp4 20% faster than all-MXFP8 in RL.
+A job that runs out of GPU memory ends the bench with one line naming it, its phase and step and what to shrink; the
+finished jobs' figures are printed and `bench_step.json` (`--out`) marks the run incomplete. `--out DIR` keeps each
+job's run dir under DIR/runs. Leaves out: Ray actors, several samplers, the warm start (the same under any recipe).
 
-For each recipe it reports the mean step time over the steps between the first
-(warm-up: kernel compilation, caches) and the last (it also runs the final evaluation),
-split into sample / score / train / sync (the driver's `time/*` metrics), the
-rollout tokens/s and peak GPU memory; the ratio column is bf16 / nvfp4 (> 1:
-nvfp4 faster or smaller). Targets from issue 11: step >= 1.3x faster, peak
-memory <= 0.6x.
-
-`--memory-sites N` records the Python stack of every live CUDA block until the first step ends (slower: its
-timings are not comparable) and prints the N call sites in rl4bit's code that hold the most memory then:
-what the step-start figure is made of. `-o KEY=VALUE` overrides a config value in both jobs.
-
-The jobs run one after the other: before each, the process frees what it can (`gc`, the allocator's cache)
-and the job's result records what was still allocated (`held_at_start_gib`: counted in its peak). A job that
-runs out of GPU memory ends the bench with an error naming the job, its phase and step, the device's memory
-and the overrides that shrink both jobs alike; the finished job's figures are printed first and
-`bench_step.json` (`--out`) says the run is incomplete. With `--out DIR` each job's run dir (its config,
-metrics.jsonl, logs) is kept under `DIR/runs/<recipe>-<time>`; without, it is a temporary directory, removed
-when the job ends (the driver's "run dir:" line is followed by a note saying so).
-
-`configs/gpu-h200.yaml` is sized for a 141 GB H200 (its bf16 job peaked at 77.3 GiB there and ran out of memory
-on an 80 GB H100 at full micro-batches; `scripts/gpu_check.sh step` runs it there at half-size ones).
-
-Leaves out: Ray actors (the device image has no Ray), several samplers, and the
-warm start (its cost is the same under both recipes).
-
-    rl4bit bench step --device cuda                 # configs/gpu-h200.yaml
-    python -m rl4bit.bench.step --quick --device cpu  # a tiny smoke run
+    rl4bit bench step --device cuda                    # configs/gpu-h200.yaml (sized for a 141 GB H200)
+    python -m rl4bit.bench.step --device cuda --recipes nvfp4,mxfp8 --out results/step
+    python -m rl4bit.bench.step --quick --device cpu   # a tiny smoke run
 """
 
 from __future__ import annotations
@@ -58,6 +37,8 @@ from rl4bit.metrics import MEMORY_KEYS
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpu-h200.yaml"
 PHASES = ("sample", "score", "train", "sync")
+RECIPES = ("nvfp4", "mxfp8", "bf16")
+"""The default `--recipes`: the first is the reference of the ratio columns."""
 
 
 def _overrides(quick: bool, device: str, steps: int, new_tokens: int) -> list[str]:
@@ -97,7 +78,11 @@ class OutOfMemory(RuntimeError):
     """A bench job ran out of GPU memory; the message says which, on what device and what to shrink."""
 
 
-ERRORS = (OutOfMemory, *JOB_ERRORS)
+class BadRecipes(ValueError):
+    """`--recipes` names an unknown recipe, one twice, or none."""
+
+
+ERRORS = (OutOfMemory, BadRecipes, *JOB_ERRORS)
 """Failures `rl4bit bench step` prints as one line (exit status 1)."""
 
 
@@ -118,7 +103,7 @@ def _oom_message(recipe: str, cfg, config: Path, held: int, err) -> str:
     size = " (sized for a 141 GB H200: its bf16 job peaked at 77.3 GiB there)" if config == CONFIG else ""
     half = max(1, cfg.trainer.tokens_per_microbatch // 2)
     return (f"the {recipe} job of {config.name}{size} ran out of GPU memory{where} in its {err.phase} "
-            f"phase {step} ({err.detail}). Shrink both jobs alike, e.g. -o trainer.tokens_per_microbatch={half} "
+            f"phase {step} ({err.detail}). Shrink every job alike, e.g. -o trainer.tokens_per_microbatch={half} "
             f"(the same rollouts and update in smaller micro-batches) or -o trainer.recompute=true (activations "
             f"recomputed in the backward); -o rl.prompts_per_step={max(1, cfg.rl.prompts_per_step // 2)} halves "
             f"the workload itself.")
@@ -190,51 +175,106 @@ def run_job(config: Path, recipe: str, overrides: list[str], sites: int = 0, kee
             "reward": statistics.fmean(r["reward/mean"] for r in records), "memory_sites": found}
 
 
+def parse_recipes(recipes: str | list[str] | tuple[str, ...]) -> tuple[str, ...]:
+    """The recipes of `--recipes` ("nvfp4,mxfp8,bf16" or a sequence), checked: known names, none twice, at least
+    one. BadRecipes (a ValueError) naming the bad ones and the valid ones."""
+    from rl4bit.trainer.recipe import RECIPES
+
+    names = tuple(x.strip() for x in (recipes.split(",") if isinstance(recipes, str) else recipes))
+    if not names or "" in names:
+        raise BadRecipes(f"--recipes {recipes!r}: give comma-separated recipe names, e.g. nvfp4,mxfp8,bf16")
+    unknown = [x for x in names if x not in RECIPES]
+    if unknown:
+        raise BadRecipes(f"--recipes: unknown recipe(s) {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
+    twice = sorted({x for x in names if names.count(x) > 1})
+    if twice:
+        raise BadRecipes(f"--recipes: {', '.join(twice)} given more than once; each recipe runs once")
+    return names
+
+
+def _ratio(other: float | None, ref: float | None) -> float | None:
+    return other / ref if other is not None and ref else None
+
+
+def ratios(rows: list[dict]) -> dict[str, dict]:
+    """{recipe: {figure: its value / the reference's (rows[0])}} for every recipe but the reference: > 1 = the
+    reference faster (seconds) or smaller (GiB); for rollout_tok_s > 1 = the other recipe faster."""
+    ref = rows[0]
+    out = {}
+    for row in rows[1:]:
+        r = {f"{p}_s": _ratio(row["seconds"][p], ref["seconds"][p]) for p in (*PHASES, "step")}
+        r["rollout_tok_s"] = _ratio(row["rollout_tok_s"], ref["rollout_tok_s"])
+        r["peak_gib"] = _ratio(row["peak_gib"], ref["peak_gib"])
+        r["memory_gib"] = ({k: _ratio(v, ref["memory_gib"][k]) for k, v in row["memory_gib"].items()}
+                           if row["memory_gib"] is not None else None)
+        out[row["recipe"]] = r
+    return out
+
+
+def print_table(rows: list[dict], config_name: str, device: str) -> None:
+    """One column per recipe, then one <recipe>/<reference> ratio column per recipe but the first (the reference)."""
+    ref, others = rows[0], rows[1:]
+    name = ref["recipe"]
+    w, rw = 12, 14  # value and ratio column widths
+    plural = "" if ref["steps_timed"] == 1 else "s"
+    vs = f" vs {', '.join(r['recipe'] for r in others)}" if others else ""
+    print(f"\nRL step, {config_name}, {device}: {name} (reference){vs} (mean of {ref['steps_timed']} step{plural}, "
+          f"{ref['steps_excluded']} excluded)")
+    if others:
+        print(f"ratio columns: <recipe>/{name} of each figure: > 1 = {name} faster (s) or smaller (GiB); "
+              f"for tok/s < 1 = {name} faster")
+
+    def line(label: str, values: list, fmt: str) -> None:
+        cells = "".join(f"{v:>{w}{fmt}}" if v is not None else f"{'-':>{w}}" for v in values)
+        rs = [_ratio(v, values[0]) for v in values[1:]]
+        print(f"{label:<22}{cells}" + "".join(f"{r:>{rw}.2f}" if r is not None else f"{'-':>{rw}}" for r in rs))
+
+    print(f"{'figure':<22}" + "".join(f"{r['recipe']:>{w}}" for r in rows)
+          + "".join(f"{r['recipe'] + '/' + name:>{rw}}" for r in others))
+    for p in (*PHASES, "step"):
+        line(p + " s", [r["seconds"][p] for r in rows], ".3f")
+    line("rollout tok/s", [r["rollout_tok_s"] for r in rows], ".0f")
+    lists = [(f"{p} s", lambda r, p=p: r["per_step_s"][p]) for p in ("sample", "train")]
+    lists += [(k, lambda r, k=k: r["mismatch"][k]) for k in ("k3", "max_abs")]  # sampler vs trainer logprobs
+    for label, values in lists:
+        print(f"{label}, every step")
+        for r in rows:
+            print(f"{'  ' + r['recipe']:<22}{values(r)}")
+    if ref["peak_gib"] is not None:
+        line("peak GPU GiB", [r["peak_gib"] for r in rows], ".1f")
+        print(f"{'held at start GiB':<22}" + "".join(f"{r['held_at_start_gib']:>{w}.1f}" for r in rows))
+        for k in ref["memory_gib"]:
+            line("  " + k, [r["memory_gib"][k] for r in rows], ".1f")
+
+
 def run(device: str = "cuda", quick: bool = False, out: str | None = None, config: str | Path | None = None,
-        steps: int = 4, new_tokens: int = 256, memory_sites: int = 0, override: list[str] | None = None) -> dict:
-    """Both jobs, one table; results.json under `out`."""
+        steps: int = 4, new_tokens: int = 256, memory_sites: int = 0, override: list[str] | None = None,
+        recipes: str | list[str] | tuple[str, ...] = RECIPES) -> dict:
+    """One job per recipe (the first is the reference), one table; bench_step.json under `out`."""
+    recipes = parse_recipes(recipes)
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError("bench step on cuda needs a GPU (use --quick --device cpu for a smoke run)")
     config = Path(config) if config else CONFIG
     overrides = _overrides(quick, device, steps, 8 if quick else new_tokens) + list(override or [])
+    head = {"device": device, "config": str(config), "quick": quick, "recipes": list(recipes)}
     rows = []
-    for recipe in ("nvfp4", "bf16"):
+    for i, recipe in enumerate(recipes):
         try:
             rows.append(run_job(config, recipe, overrides, memory_sites, keep=Path(out) / "runs" if out else None))
         except OutOfMemory:
-            for row in rows:  # the finished job's figures are kept: printed, and in bench_step.json
+            for row in rows:  # the finished jobs' figures are kept: printed, and in bench_step.json
                 print(f"\n{row['recipe']} (finished): " + ", ".join(f"{p} {row['seconds'][p]:.3f} s"
                                                                  for p in (*PHASES, "step"))
                       + (f", peak {row['peak_gib']:.1f} GiB" if row["peak_gib"] is not None else ""))
             if out:  # also when no job finished: an earlier run's file must not pass for this one's
                 atomic_write_text(Path(out) / "bench_step.json", json.dumps(
-                    {"device": device, "config": str(config), "quick": quick, "rows": rows,
-                     "incomplete": f"the {recipe} job ran out of GPU memory"}, indent=1))
+                    {**head, "rows": rows, "incomplete": f"the {recipe} job ran out of GPU memory",
+                     "not_run": list(recipes[i + 1:])}, indent=1))
             raise
-    q, b = rows
-    plural = "" if q["steps_timed"] == 1 else "s"
-    print(f"\nRL step, {config.name}, {device}: nvfp4 vs bf16 (mean of {q['steps_timed']} step{plural}, "
-          f"{q['steps_excluded']} excluded)")
-    print(f"{'figure':<22}{'nvfp4':>12}{'bf16':>12}{'bf16/nvfp4':>12}")
-    for p in (*PHASES, "step"):
-        qs, bs = q["seconds"][p], b["seconds"][p]
-        print(f"{p + ' s':<22}{qs:>12.3f}{bs:>12.3f}{bs / qs if qs else float('nan'):>12.2f}")
-    print(f"{'rollout tok/s':<22}{q['rollout_tok_s']:>12.0f}{b['rollout_tok_s']:>12.0f}"
-          f"{q['rollout_tok_s'] / b['rollout_tok_s'] if b['rollout_tok_s'] else float('nan'):>12.2f}  (nvfp4/bf16)")
-    for p in ("sample", "train"):
-        print(f"{p + ' s, every step':<22}{q['per_step_s'][p]} / {b['per_step_s'][p]}")
-    for k in ("k3", "max_abs"):  # sampler vs trainer logprobs of the sampled tokens
-        print(f"{k + ', every step':<22}{q['mismatch'][k]} / {b['mismatch'][k]}")
-    if q["peak_gib"] is not None:
-        print(f"{'peak GPU GiB':<22}{q['peak_gib']:>12.1f}{b['peak_gib']:>12.1f}"
-              f"{q['peak_gib'] / b['peak_gib']:>12.2f}  (nvfp4/bf16)")
-        print(f"{'held at start GiB':<22}{q['held_at_start_gib']:>12.1f}{b['held_at_start_gib']:>12.1f}")
-        for k in q["memory_gib"]:
-            qm, bm = q["memory_gib"][k], b["memory_gib"][k]
-            print(f"{'  ' + k:<22}{qm:>12.1f}{bm:>12.1f}{qm / bm if bm else float('nan'):>12.2f}")
-    result = {"device": device, "config": str(config), "quick": quick, "rows": rows,
-              "step_speedup": b["seconds"]["step"] / q["seconds"]["step"],
-              "peak_ratio": q["peak_gib"] / b["peak_gib"] if q["peak_gib"] else None}
+    print_table(rows, config.name, device)
+    result = {**head, "rows": rows, "reference": recipes[0], "ratios": ratios(rows),
+              "ratios_are": f"<recipe>/{recipes[0]} of each figure: > 1 = {recipes[0]} faster (seconds) or smaller "
+                            "(GiB); for rollout_tok_s > 1 = <recipe> faster"}
     if out:
         atomic_write_text(Path(out) / "bench_step.json", json.dumps(result, indent=1))
     return result
@@ -248,14 +288,21 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--out")
+    p.add_argument("--recipes", default=",".join(RECIPES),
+                   help="comma-separated recipes, one job each; the first is the reference of the ratio columns "
+                        f"(default {','.join(RECIPES)})")
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
-                   help="a config override for both jobs, e.g. -o model.invariant_kernels=true (repeatable)")
+                   help="a config override for every job, e.g. -o model.invariant_kernels=true (repeatable)")
     p.add_argument("--memory-sites", type=int, default=0,
                    help="print the N allocation sites holding the most memory after the first step (records live "
                         "blocks' stacks until then: slower)")
     a = p.parse_args(argv)
     try:
-        run(a.device, a.quick, a.out, a.config, a.steps, a.new_tokens, a.memory_sites, a.override)
+        recipes = parse_recipes(a.recipes)
+    except ValueError as err:
+        p.error(str(err))
+    try:
+        run(a.device, a.quick, a.out, a.config, a.steps, a.new_tokens, a.memory_sites, a.override, recipes)
     except ERRORS as err:
         raise SystemExit(f"rl4bit bench step: error: {err}") from None
 

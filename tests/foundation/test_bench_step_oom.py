@@ -1,7 +1,7 @@
 """`bench step` when a job runs out of GPU memory: a clear error naming the job, its phase and step and what to
-shrink, the finished job's figures printed and kept in bench_step.json, through `python -m rl4bit.bench.step` and
-`rl4bit bench step` alike (the eighteenth session's H100 run of configs/gpu-h200.yaml ended in a bare torch
-traceback in the bf16 job)."""
+shrink, the finished jobs' figures printed and kept in bench_step.json (with the jobs not run), whichever of the
+recipes fails, through `python -m rl4bit.bench.step` and `rl4bit bench step` alike (the eighteenth session's H100
+run of configs/gpu-h200.yaml ended in a bare torch traceback in the bf16 job)."""
 
 import json
 
@@ -24,18 +24,30 @@ def _fake_run(failing: str):
     return run
 
 
-def test_out_of_memory_names_the_job_and_keeps_the_finished_row(monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr("rl4bit.driver.run", _fake_run("bf16"))
+@pytest.mark.parametrize("recipes, failing, finished, not_run", [
+    ("nvfp4,mxfp8,bf16", "bf16", ["nvfp4", "mxfp8"], []),  # the default recipes, the last one fails
+    ("nvfp4,mxfp8,bf16", "mxfp8", ["nvfp4"], ["bf16"]),
+    ("nvfp4,bf16", "bf16", ["nvfp4"], []),
+])
+def test_out_of_memory_names_the_job_and_keeps_the_finished_rows(monkeypatch, tmp_path, capsys, recipes, failing,
+                                                                  finished, not_run):
+    monkeypatch.setattr("rl4bit.driver.run", _fake_run(failing))
+    argv = ["--quick", "--device", "cpu", "--out", str(tmp_path)]
     with pytest.raises(SystemExit) as exc:
-        bench_step.main(["--quick", "--device", "cpu", "--out", str(tmp_path)])
+        bench_step.main(argv if recipes == ",".join(bench_step.RECIPES) else [*argv, "--recipes", recipes])
     msg = str(exc.value)
-    assert msg.startswith("rl4bit bench step: error: the bf16 job of gpu-h200.yaml (sized for a 141 GB H200"), msg
+    assert msg.startswith(f"rl4bit bench step: error: the {failing} job of gpu-h200.yaml (sized for a 141 GB H200"), msg
     assert "ran out of GPU memory in its train phase at step 1 (CUDA out of memory)" in msg, msg
     assert "-o trainer.tokens_per_microbatch=8192" in msg and "trainer.recompute=true" in msg, msg  # 16384 / 2
-    assert "nvfp4 (finished): sample 0.300 s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    for recipe in finished:
+        assert f"{recipe} (finished): sample 0.300 s" in out, out
+    assert f"{failing} (finished)" not in out and "RL step, " not in out  # no table of a partial run
     saved = json.loads((tmp_path / "bench_step.json").read_text())
-    assert [r["recipe"] for r in saved["rows"]] == ["nvfp4"]
-    assert saved["incomplete"] == "the bf16 job ran out of GPU memory"
+    assert [r["recipe"] for r in saved["rows"]] == finished
+    assert saved["recipes"] == recipes.split(",")
+    assert saved["incomplete"] == f"the {failing} job ran out of GPU memory" and saved["not_run"] == not_run
+    assert "ratios" not in saved
     assert saved["rows"][0]["seconds"]["step"] == pytest.approx(0.3)  # steps 1..3 kept, step 1 and the last dropped
 
 
@@ -47,6 +59,7 @@ def test_cli_prints_one_line_and_an_earlier_result_is_not_left_as_this_runs(monk
     assert err.startswith("rl4bit bench step: error: the nvfp4 job of gpu-h200.yaml") and err.count("\n") == 1, err
     saved = json.loads((tmp_path / "bench_step.json").read_text())
     assert saved["rows"] == [] and saved["incomplete"] == "the nvfp4 job ran out of GPU memory"
+    assert saved["not_run"] == ["mxfp8", "bf16"]
 
 
 def test_without_out_the_run_dirs_are_temporary_and_say_so(monkeypatch, capsys):
@@ -60,7 +73,7 @@ def test_without_out_the_run_dirs_are_temporary_and_say_so(monkeypatch, capsys):
     monkeypatch.setattr("rl4bit.driver.run", run)
     bench_step.main(["--quick", "--device", "cpu"])
     out = capsys.readouterr().out
-    assert len(seen) == 2
-    for recipe, run_dir in zip(("nvfp4", "bf16"), seen):
+    assert len(seen) == len(bench_step.RECIPES) == 3
+    for recipe, run_dir in zip(bench_step.RECIPES, seen):
         assert not run_dir.exists(), run_dir
         assert f"({recipe}: that run dir is temporary and is removed now; bench step --out DIR keeps" in out
