@@ -6,7 +6,7 @@
 #   perf:    the batch-1 decode profile, `bench rollout`, `bench gemm --decode`, the one-token decode GEMM sweep and
 #            the attention split sweep
 #   rl:      RL parity, 2 steps, invariant kernels on and off (RL_INVARIANT, RL_TEMPERATURE pick the runs)
-#   step:    `bench step` (half-size micro-batches on GPUs under 100 GB, where the bf16 job does not fit)
+#   step:    `bench step`, STEP_RECIPES (default nvfp4,mxfp8,bf16; half-size micro-batches under 100 GB)
 #   profile: decode profiles at batch 16 and 64, the routing kernel's warp sweep, the decode GEMM sweep there
 #   decode:  the decode tile sweep at 1 / 16 / 64 tokens, then the engine's rollout with the default tile beside
 #            the sweep's best (scripts/ab_decode_config.py)
@@ -100,7 +100,8 @@ case "$mode" in
         # the same rollouts in half-size micro-batches
         mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
         small=(); [ "${mib:-0}" -lt 100000 ] && small=(-o trainer.tokens_per_microbatch=8192)
-        run step 540 python3 -P -m rl4bit.bench.step --device cuda --steps 3 --new-tokens 128 --out "$out" "${small[@]}"
+        run step ${STEP_S:-590} python3 -P -m rl4bit.bench.step --device cuda --steps 3 --new-tokens 128 --out "$out" \
+            --recipes "${STEP_RECIPES:-nvfp4,mxfp8,bf16}" "${small[@]}"
         tail -30 "$out/step.txt" ;;
     *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | padding | rl | step | all]" >&2
        exit 2 ;;
