@@ -235,7 +235,7 @@ def _module_hint(target: str, name: str, e: Exception) -> str:
 
 
 RESERVED_NAMES = ("mean", "std", "errors", "zero_spread_frac")
-"""Names the driver's own `reward/<name>` metrics use (`driver.rollout_metrics`); a reward may not take them."""
+"""Names the driver's own `reward/<name>` metrics use (`rollouts.rollout_metrics`); a reward may not take them."""
 
 
 def reward_name(spec: str) -> str:

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from rl4bit import driver
+from rl4bit import driver, sampler_sync
 from rl4bit.actors import Cluster
 from rl4bit.config import ConfigError, load_config, trainer_args
 from rl4bit.metrics import read_metrics
@@ -202,20 +202,20 @@ def test_a_vllm_sampler_takes_the_direct_path_too(synced, monkeypatch, tmp_path)
     assert sampler.accepts_tensors()
     local = Cluster(_cfg(trainer.recipe.name), tmp_path)
     assert local.mode == "local"
-    assert driver.direct_sync(local.actor(lambda: trainer), [local.actor(lambda: sampler)])
+    assert sampler_sync.direct_sync(local.actor(lambda: trainer), [local.actor(lambda: sampler)])
 
 
 def test_direct_sync_predicate(synced, monkeypatch, tmp_path):
     trainer, sampler = synced
     local = Cluster(_cfg(trainer.recipe.name), tmp_path)
     t, s = local.actor(lambda: trainer), local.actor(lambda: sampler)
-    assert driver.direct_sync(t, [s])
-    assert not driver.direct_sync(trainer, [sampler]), "plain objects are not in-process actors"
-    monkeypatch.setenv(driver.WEIGHT_SYNC_ENV, "buckets")
-    assert not driver.direct_sync(t, [s])
-    monkeypatch.setenv(driver.WEIGHT_SYNC_ENV, "fast")
+    assert sampler_sync.direct_sync(t, [s])
+    assert not sampler_sync.direct_sync(trainer, [sampler]), "plain objects are not in-process actors"
+    monkeypatch.setenv(sampler_sync.WEIGHT_SYNC_ENV, "buckets")
+    assert not sampler_sync.direct_sync(t, [s])
+    monkeypatch.setenv(sampler_sync.WEIGHT_SYNC_ENV, "fast")
     with pytest.raises(ConfigError, match="RL4BIT_WEIGHT_SYNC='fast'"):
-        driver.direct_sync(t, [s])
+        sampler_sync.direct_sync(t, [s])
 
 
 def test_shared_sync_predicate(synced, monkeypatch, tmp_path):
@@ -224,15 +224,15 @@ def test_shared_sync_predicate(synced, monkeypatch, tmp_path):
     trainer, sampler = synced
     local = Cluster(_cfg(trainer.recipe.name), tmp_path)
     t, s = local.actor(lambda: trainer), local.actor(lambda: sampler)
-    assert trainer.gpu_uuid() is None and not driver.shared_sync(t, [s])  # CPU here
+    assert trainer.gpu_uuid() is None and not sampler_sync.shared_sync(t, [s])  # CPU here
     monkeypatch.setattr(trainer, "gpu_uuid", lambda: "GPU-a")
     monkeypatch.setattr(sampler, "gpu_uuid", lambda: "GPU-a")
-    assert driver.shared_sync(t, [s])
+    assert sampler_sync.shared_sync(t, [s])
     monkeypatch.setattr(sampler, "gpu_uuid", lambda: "GPU-b")
-    assert not driver.shared_sync(t, [s])
+    assert not sampler_sync.shared_sync(t, [s])
     monkeypatch.setattr(sampler, "gpu_uuid", lambda: "GPU-a")
-    monkeypatch.setenv(driver.WEIGHT_SYNC_ENV, "buckets")
-    assert not driver.shared_sync(t, [s])
+    monkeypatch.setenv(sampler_sync.WEIGHT_SYNC_ENV, "buckets")
+    assert not sampler_sync.shared_sync(t, [s])
 
 
 # --------------------------------------------------------------------------- the driver
@@ -261,7 +261,7 @@ def test_sync_weights_fails_stop_on_a_bad_direct_update(tmp_path, monkeypatch):
     trainer, sampler = trainer_p._obj, sampler_p._obj
     trainer.setup_rl()
     calls = _spy(monkeypatch)
-    shipped, seconds = driver.sync_weights(trainer_p, [sampler_p])
+    shipped, seconds = sampler_sync.sync_weights(trainer_p, [sampler_p])
     assert calls == {"apply_tensors": 1, "receive_bucket": 0}
     update, quantized = trainer.weight_tensors()
     fp32_bytes = sum(v.numel() * 4 for v in trainer.model.state_dict().values())
@@ -274,11 +274,11 @@ def test_sync_weights_fails_stop_on_a_bad_direct_update(tmp_path, monkeypatch):
     good = trainer.weight_tensors
     monkeypatch.setattr(trainer, "weight_tensors", lambda: _damaged(*good(), "nan_dense", trainer.version))
     with pytest.raises(WeightSyncError, match=r"v2 does not fit .*NaN/Inf.*v1 keeps serving.*the job stops"):
-        driver.sync_weights(trainer_p, [sampler_p])
+        sampler_sync.sync_weights(trainer_p, [sampler_p])
     assert sampler.version == 1
     _assert_bitwise(_served(sampler), before)
     monkeypatch.setattr(trainer, "weight_tensors", good)
-    driver.sync_weights(trainer_p, [sampler_p])  # the next good update goes through
+    sampler_sync.sync_weights(trainer_p, [sampler_p])  # the next good update goes through
     assert sampler.version == 2
 
 
@@ -290,7 +290,7 @@ def test_local_run_syncs_directly_with_the_metrics_of_a_bucket_run(tmp_path, mon
     syncs = cfg.rl.steps + 1  # before step 1, then after every step
     for path in ("direct", "buckets"):
         if path == "buckets":
-            monkeypatch.setenv(driver.WEIGHT_SYNC_ENV, "buckets")
+            monkeypatch.setenv(sampler_sync.WEIGHT_SYNC_ENV, "buckets")
         calls.update(apply_tensors=0, receive_bucket=0)
         with deadline_of(240, f"{path} RL run"):
             driver.run(cfg, create_run_dir(cfg, tmp_path / path))

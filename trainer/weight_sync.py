@@ -36,7 +36,7 @@ first sync into a not-yet-serving module calls load_quantized once), a plain
 model (quantized weights are decoded into its parameters), or an
 EmbeddedEngine (QTensors and dense tensors together through
 `engine.update_weights(update, quantized)`, which owns the engine's version).
-The RL loop (`rl4bit.driver.sync_weights`) drives the same protocol through
+The RL loop (`rl4bit.sampler_sync.sync_weights`) drives the same protocol through
 actor calls: `Trainer.weight_header` / `weight_bucket`, `Sampler.begin_update`
 / `receive_bucket` / `commit_update`.
 

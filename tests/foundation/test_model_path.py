@@ -122,7 +122,7 @@ def test_a_checkpoint_without_a_tokenizer_is_refused(tmp_path):
 def test_chat_template_wraps_every_prompt_the_same_way(tmp_path, monkeypatch):
     """data.chat_template: rollouts, evaluation and the warm start send the templated ids; rewards keep the raw
     prompt; a tokenizer without a template is refused at start, naming the setting."""
-    from rl4bit import driver
+    from rl4bit import driver, rollouts
     from rl4bit.config import ConfigError
     from rl4bit.trainer.tokenizer import prompt_ids
 
@@ -130,7 +130,7 @@ def test_chat_template_wraps_every_prompt_the_same_way(tmp_path, monkeypatch):
     tok = build_tokenizer(cfg.model)
     want = tok("<bos>Q: 3+4=\nA: ", add_special_tokens=False).input_ids
     assert prompt_ids(tok, "3+4=", chat=True) == want != prompt_ids(tok, "3+4=")
-    req = driver._request(cfg, tok, {"prompt": "3+4=", "answer": "7"}, n=2, seed=1, rid="r")
+    req = rollouts._request(cfg, tok, {"prompt": "3+4=", "answer": "7"}, n=2, seed=1, rid="r")
     assert req.prompt_ids == want and req.prompt == "3+4="
 
     import rl4bit.trainer.warmstart as ws

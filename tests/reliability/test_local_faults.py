@@ -18,14 +18,17 @@ import torch
 from safetensors.torch import load_file
 
 import rl4bit.trainer.grpo as grpo
-from rl4bit import driver
+from rl4bit import driver, rollouts
 from rl4bit.actors import Cluster
+from rl4bit.common.checkpoint import load_checkpoint
 from rl4bit.config import load_config
 from rl4bit.metrics import read_metrics
 from rl4bit.rewards import RewardError
 from rl4bit.rundir import create_run_dir
 from rl4bit.sampler.actor import Sampler
+from rl4bit.sampler_sync import WEIGHT_SYNC_ENV
 from rl4bit.trainer.actor import Trainer
+from rl4bit.trainer.weight_sync import WeightSyncError
 
 from .conftest import QUICKSTART, SMALL, learned, strip_timing
 
@@ -80,7 +83,7 @@ def test_driver_killed_during_checkpoint_write_keeps_the_previous_one(tmp_path, 
     ck = run_dir / "checkpoints"
     pointed = json.loads((ck / "latest.json").read_text())["step"]
     assert pointed == 1, "the pointer must still name the previous checkpoint"
-    tensors, meta = driver.load_checkpoint(run_dir)  # verified against its manifest: intact
+    tensors, meta = load_checkpoint(run_dir)  # verified against its manifest: intact
     assert meta["step"] == 1
     ref = load_file(str(reference / "checkpoints" / "step_000001" / "state.safetensors"))
     assert torch.equal(tensors["rng.torch_cpu"], ref["rng.torch_cpu"])
@@ -131,7 +134,7 @@ def _run_capturing_samplers(cfg, run_dir, monkeypatch, on_step=None):
 
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_bad_sync_bucket_stops_the_job_and_the_samplers_keep_their_version(tmp_path, monkeypatch, damage):
-    monkeypatch.setenv(driver.WEIGHT_SYNC_ENV, "buckets")  # local mode syncs directly unless told otherwise
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, "buckets")  # local mode syncs directly unless told otherwise
     cfg = load_config(QUICKSTART, CFG)
     state = {"armed": False}
     real = Trainer.weight_bucket
@@ -149,12 +152,12 @@ def test_bad_sync_bucket_stops_the_job_and_the_samplers_keep_their_version(tmp_p
     samplers, go = _run_capturing_samplers(cfg, tmp_path / "run", monkeypatch,
                                            on_step=lambda step, m: state.update(armed=step == 1))
     rejected = r"bucket 0/\d+ of v3 .*(SHA-256|truncated).*v2 keeps serving"
-    with pytest.raises(driver.WeightSyncError, match=rejected) as e:
+    with pytest.raises(WeightSyncError, match=rejected) as e:
         go()
     assert "the job stops" in str(e.value)
     assert [s.version for s in samplers] == [2], "the sampler keeps serving the version of step 1 (v2)"
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1]
-    req = driver._request(cfg, samplers[0].engine.tokenizer, {"prompt": "1+2="}, n=2, seed=1, rid="after")
+    req = rollouts._request(cfg, samplers[0].engine.tokenizer, {"prompt": "1+2="}, n=2, seed=1, rid="after")
     assert len(samplers[0].generate([req])) == 2, "and still serves"
 
 
@@ -302,7 +305,7 @@ def test_sampler_deaths_mid_rollout_and_mid_sync_are_recovered(tmp_path, referen
     from rl4bit.actors import ActorDiedError
     from rl4bit.sampler.actor import Sampler
 
-    monkeypatch.setenv(driver.WEIGHT_SYNC_ENV, sync_path)
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, sync_path)
     # the 2nd generate (step 1's rollouts); one bucket (or one direct update) a sync: the 3rd is step 2's
     plan = {"generate": 2, sync_call: 3}
     seen = dict.fromkeys(plan, 0)

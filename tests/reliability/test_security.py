@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rl4bit import driver
+from rl4bit import driver, rundir
 from rl4bit.actors import Cluster
 from rl4bit.config import ConfigError, load_config
 from rl4bit.rewards import RewardError, RewardPool, check_rewards
@@ -164,13 +164,13 @@ def test_output_paths_are_resolved_and_checked_before_writing(tmp_path):
     assert f.read_text() == "keep me"
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "real", target_is_directory=True)
-    assert driver.checked_out_dir(str(link / ".." / "x")) == (tmp_path / "x").resolve()
-    assert driver.checked_out_dir(str(link)) == (tmp_path / "real").resolve()
+    assert rundir.checked_out_dir(str(link / ".." / "x")) == (tmp_path / "x").resolve()
+    assert rundir.checked_out_dir(str(link)) == (tmp_path / "real").resolve()
     if os.geteuid() != 0:  # root may write anywhere
         locked = tmp_path / "locked"
         locked.mkdir(mode=0o500)
         with pytest.raises(ConfigError, match="not a writable directory"):
-            driver.checked_out_dir(locked / "run")
+            rundir.checked_out_dir(locked / "run")
     with pytest.raises(FileNotFoundError, match="nowhere does not exist; pass the run dir"):
         driver.main(None, resume=str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()

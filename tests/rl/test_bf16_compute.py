@@ -12,6 +12,7 @@ import torch
 from rl4bit import driver
 from rl4bit.config import load_config
 from rl4bit.metrics import read_metrics
+from rl4bit.sampler_sync import WEIGHT_SYNC_ENV
 from rl4bit.trainer.models import autocast_dtype
 
 from .conftest import QUICKSTART, SMALL, deadline_of
@@ -22,7 +23,7 @@ BF16 = [o for o in SMALL if not o.startswith("model.dtype")] + ["model.dtype=bfl
 
 @pytest.mark.parametrize("recipe,sync", [("bf16", "auto"), ("nvfp4", "auto"), ("nvfp4", "buckets"), ("mxfp8", "auto")])
 def test_sampler_and_trainer_logprobs_agree_bitwise_under_bf16_autocast(tmp_path, monkeypatch, recipe, sync):
-    monkeypatch.setenv(driver.WEIGHT_SYNC_ENV, sync)
+    monkeypatch.setenv(WEIGHT_SYNC_ENV, sync)
     out = tmp_path / "run"
     with deadline_of(240, "bf16-compute run"):
         assert driver.main(QUICKSTART, out=str(out), overrides=BF16 + [f"recipe.name={recipe}"]) == 0

@@ -154,6 +154,7 @@ def test_eval_scores_a_failed_sample_as_an_empty_completion(monkeypatch):
     an empty completion in eval/accuracy and eval/reward_mean, whatever partial text it carries. The samplers'
     rollouts are given (the engines' error paths are tested in tests/sampler and tests/vllm); the reward pool and
     the request building are the real ones."""
+    from rl4bit import rollouts
     from rl4bit.actors import _LocalProxy
     from rl4bit.config import load_config
     from rl4bit.rewards import RewardPool
@@ -162,12 +163,12 @@ def test_eval_scores_a_failed_sample_as_an_empty_completion(monkeypatch):
 
     cfg = load_config(QUICKSTART)
     eval_set = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}]
-    rollouts = [Rollout("eval-0", 0, [1], [5], "2", [-0.1], "stop", 0),
-                Rollout("eval-1", 0, [1], [6], "4", [float("nan")], "error", 0, error="NaN logits")]
-    monkeypatch.setattr(driver, "generate", lambda samplers, requests, recover=None: rollouts)
+    given = [Rollout("eval-0", 0, [1], [5], "2", [-0.1], "stop", 0),
+             Rollout("eval-1", 0, [1], [6], "4", [float("nan")], "error", 0, error="NaN logits")]
+    monkeypatch.setattr(rollouts, "generate", lambda samplers, requests, recover=None: given)
     pool = RewardPool(["rl4bit.rewards:exact_match"], [1.0])
     try:
-        m = driver.evaluate(cfg, build_tokenizer(), [], _LocalProxy(pool, "RewardPool"), eval_set)
+        m = rollouts.evaluate(cfg, build_tokenizer(), [], _LocalProxy(pool, "RewardPool"), eval_set)
     finally:
         pool.close()
     assert m["eval/accuracy"] == 0.5 and m["eval/reward_mean"] == 0.5

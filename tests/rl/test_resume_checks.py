@@ -11,8 +11,9 @@ import torch
 
 from rl4bit import driver
 from rl4bit.common.checkpoint_format import CheckpointError
-from rl4bit.config import ConfigError, load_config, trainer_args
+from rl4bit.config import ConfigError, dump_yaml, load_config, trainer_args
 from rl4bit.metrics import read_metrics
+from rl4bit.rundir import record_config
 from rl4bit.trainer.actor import TrainBatch, Trainer
 
 from .conftest import QUICKSTART
@@ -129,11 +130,11 @@ def test_a_second_resume_from_one_checkpoint_keeps_every_earlier_config(tmp_path
     not overwritten by the first resume's."""
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
-    (run / "config.yaml").write_text(driver.dump_yaml(load_config(QUICKSTART, ["rl.steps=10"])))
+    (run / "config.yaml").write_text(dump_yaml(load_config(QUICKSTART, ["rl.steps=10"])))
     original = (run / "config.yaml").read_text()
-    driver._record_config(run, load_config(QUICKSTART, ["rl.steps=40"]), 10)
+    record_config(run, load_config(QUICKSTART, ["rl.steps=40"]), 10)
     first = (run / "config.yaml").read_text()
-    driver._record_config(run, load_config(QUICKSTART, ["rl.steps=40", "trainer.lr=1e-6"]), 10)
+    record_config(run, load_config(QUICKSTART, ["rl.steps=40", "trainer.lr=1e-6"]), 10)
     logs = run / "logs"
     kept = sorted(p.name for p in logs.glob("config-*"))
     assert kept == ["config-before-step-11-1.yaml", "config-before-step-11.yaml"]

@@ -146,12 +146,12 @@ def test_reward_names_must_differ_and_not_shadow_the_drivers_metrics(tmp_path):
 
 
 def test_reserved_names_cover_the_reward_metrics_the_driver_writes():
-    """Every literal `reward/<name>` key in driver.py and metrics.py is reserved (read from the source, not
+    """Every literal `reward/<name>` key in driver.py, rollouts.py and metrics.py is reserved (read from the source, not
     imported: importing the driver takes seconds)."""
     from rl4bit.rewards import RESERVED_NAMES
 
     keys = set()
-    for path in ("rl4bit/driver.py", "rl4bit/metrics.py"):
+    for path in ("rl4bit/driver.py", "rl4bit/rollouts.py", "rl4bit/metrics.py"):
         keys |= set(re.findall(r"[\"']reward/(\w+)[\"']", (REPO / path).read_text()))
     assert keys and keys <= set(RESERVED_NAMES), sorted(keys - set(RESERVED_NAMES))
 

@@ -1,4 +1,4 @@
-"""The RL loop's weight sync (driver.sync_weights, local mode, forced onto buckets): quantized bytes, bitwise
+"""The RL loop's weight sync (sampler_sync.sync_weights, local mode, forced onto buckets): quantized bytes, bitwise
 serving, k3 == 0, fail-stop. The direct in-process path local mode takes by default: tests/test_sync_direct.py.
 
 Run: /work/venv-probe/bin/python -P -m pytest tests/rl/test_weight_sync_loop.py -q
@@ -12,9 +12,9 @@ from safetensors.torch import load
 
 from rl4bit.actors import Cluster
 from rl4bit.config import load_config, trainer_args
-from rl4bit.driver import WEIGHT_SYNC_ENV, sync_weights
 from rl4bit.sampler.actor import Sampler
 from rl4bit.sampler.types import Request, SamplingParams
+from rl4bit.sampler_sync import WEIGHT_SYNC_ENV, sync_weights
 from rl4bit.trainer.actor import TrainBatch, Trainer
 from rl4bit.trainer.models import build_policy_model
 from rl4bit.trainer.surgery import quant_modules, quantized_weights
