@@ -198,8 +198,9 @@ def _vllm_engine(model, tokenizer, config: SamplerConfig, max_seq_len: int | Non
     export = write_checkpoint(root / "export", model.eval(), plan, tokenizer=tokenizer)
     with torch.no_grad():  # the weight-sync receiver's reference: serving mode, masters dropped
         load_quantized(model, quantized_weights(model))
+    kv = {} if config.kv_cache_gib is None else {"kv_cache_memory_bytes": int(config.kv_cache_gib * 2**30)}
     engine = VLLMEngine(export, workdir=root / "vllm", model=model, max_batch_size=config.max_batch_size,
-                        max_seq_len=max_seq_len, gpu_memory_utilization=config.gpu_memory_utilization)
+                        max_seq_len=max_seq_len, gpu_memory_utilization=config.gpu_memory_utilization, **kv)
     if tmp is not None:
         engine.temp_dirs.append(tmp)
     return engine

@@ -43,7 +43,11 @@ class SamplerConfig:
     """Embedded engine on CUDA: run decode steps as CUDA graphs (one per bucket of batch sizes; same bits as
     op by op, tests/sampler/test_decode_graph.py). False: op by op (debugging, profiling single kernels)."""
     gpu_memory_utilization: float = 0.5
-    """vLLM only: fraction of GPU memory vLLM may take."""
+    """vLLM only: fraction of GPU memory vLLM may take (it refuses to start unless that much is free)."""
+    kv_cache_gib: float | None = None
+    """vLLM only: its KV cache in GiB (vLLM's kv_cache_memory_bytes) instead of what gpu_memory_utilization leaves
+    after its weights: for a trainer and vLLM sharing one GPU (`ray.mode: local`), where the trainer's memory is
+    not vLLM's to size by. Pair it with a gpu_memory_utilization small enough to be free at start."""
 
     def validate(self, path: str) -> None:
         positive(self, path, "replicas", "max_batch_size")
@@ -60,3 +64,6 @@ class SamplerConfig:
                 raise ConfigError(f"{path}.temperature: {err}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"{path}.gpu_memory_utilization: {self.gpu_memory_utilization} must be in (0, 1]")
+        if self.kv_cache_gib is not None and not self.kv_cache_gib > 0:
+            raise ConfigError(f"{path}.kv_cache_gib: {self.kv_cache_gib} must be > 0 GiB (or null: vLLM sizes its "
+                              "cache from gpu_memory_utilization)")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # vLLM on the lent GPU: reassemble the wheelhouse parts copied to /tmp/wh, install, then the checks.
-#   bash scripts/gpu_vllm.sh [install] [check-tiny] [check] [ipc] [check-mp] [sr] [tests] [bench-rollout] [bench-kernels]    outputs in $OUT
-# Each step runs under `timeout` (seconds from TINY_S, CHECK_S, MP_S, SR_S, TESTS_S, ROLLOUT_S, BENCH_S) so one slow step cannot
+#   bash scripts/gpu_vllm.sh [install] [check-tiny] [check] [ipc] [check-mp] [sr] [tests] [bench-rollout] [rl] [bench-kernels]    outputs in $OUT
+# Each step runs under `timeout` (seconds from TINY_S, CHECK_S, MP_S, SR_S, TESTS_S, ROLLOUT_S, RL_S, BENCH_S) so one slow step cannot
 # take the later ones' output with it.
 set -uo pipefail
 out=${OUT:-gpu-vllm-out}; mkdir -p "$out"
@@ -26,6 +26,13 @@ for step in "$@"; do case $step in
   sr) run sr ${SR_S:-90} python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_triton_quantize.py ;;
   tests) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 RL4BIT_VLLM_TESTS=1 run tests ${TESTS_S:-200} python3 -P -m pytest tests/vllm -q -p no:cacheprovider ${TEST_ARGS:-} ;;
   bench-rollout) source /tmp/site/vllm_env.sh; run bench_rollout ${ROLLOUT_S:-300} python3 -P -m rl4bit.cli bench rollout --device cuda --out "$out/bench-rollout" ${ROLLOUT_ARGS:-} ;;
+  rl) source /tmp/site/vllm_env.sh  # issue 40 item 5: the same GRPO job with each sampler, trainer and vLLM on one GPU
+    for b in ${RL_BACKENDS:-vllm embedded}; do
+      run rl_$b ${RL_S:-280} python3 -P -m rl4bit.cli train configs/gpu-h200.yaml --out /tmp/rl-$b -o rl.steps=${RL_STEPS:-20} \
+        -o sampler.backend=$b -o sampler.kv_cache_gib=8 -o sampler.gpu_memory_utilization=0.1 -o run.checkpoint_every=0 -o run.tensorboard=false
+      grep -oE '"(step|reward/mean|mismatch/k3|mismatch/max_abs|tis/truncated_frac|time/(step|sample|train|sync)_s)": [-0-9.e]+' \
+        /tmp/rl-$b/metrics.jsonl | paste -sd' ' | sed 's/"step"/\n"step"/g' > "$out/rl_$b.summary.txt"
+    done ;;
   bench-kernels) run bench_kernels ${BENCH_S:-240} python3 -P -m rl4bit.cli bench kernels --device cuda --out "$out/bench-kernels" ;;
 esac; done
 cp /tmp/vllm-check/result.json "$out/check.json" 2>/dev/null; cp /tmp/vllm-check-tiny/result.json "$out/check_tiny.json" 2>/dev/null; cp /tmp/vllm-check-mp/result.json "$out/check_mp.json" 2>/dev/null

@@ -62,6 +62,7 @@ def test_derived_batch_sizes():
         ("recipe:\n  name: nvfp3\n", ["recipe", "nvfp3", "nvfp4"]),
         ("sampler:\n  backend: vlm\n", ["sampler.backend", "'vlm'", "did you mean 'vllm'"]),
         ("sampler:\n  top_p: 1.5\n", ["sampler.top_p", "1.5"]),
+        ("sampler:\n  kv_cache_gib: 0\n", ["sampler.kv_cache_gib", "must be > 0", "gpu_memory_utilization"]),
         ("sampler:\n  temperature: 0.001\n", ["sampler.temperature", "0.001", ">= 0.01"]),
         ("sampler:\n  backend: vllm\n  temperature: 0.7\n  top_p: 0.9\n",
          ["sampler.temperature", "vLLM", "temperature 1", "(got 0.7)"]),

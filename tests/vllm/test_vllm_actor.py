@@ -14,10 +14,13 @@ from rl4bit.sampler.types import Request, SamplingParams, WeightUpdate
 from rl4bit.trainer.tokenizer import build_tokenizer
 from rl4bit.trainer.weight_sync import WeightSender, WeightSyncError
 
-from .conftest import ALIVE, SAMPLER_GPU_MEMORY, make_model, prompts
+from .conftest import ALIVE, ON_GPU, SAMPLER_GPU_MEMORY, make_model, prompts
 
-CONFIG = SamplerConfig(backend="vllm", max_batch_size=8, gpu_memory_utilization=SAMPLER_GPU_MEMORY)
-"""On a GPU, a small share each: the session's other engines hold theirs (conftest.GPU_ENGINE_KW)."""
+KV_GIB = 0.25 if ON_GPU else 0.125
+CONFIG = SamplerConfig(backend="vllm", max_batch_size=8, gpu_memory_utilization=SAMPLER_GPU_MEMORY,
+                       kv_cache_gib=KV_GIB)
+"""A small KV cache each, as beside a trainer on one GPU: the session's other engines hold theirs
+(conftest.GPU_ENGINE_KW). 0.125 GiB on the CPU: not the engine's CPU default (64 MiB), so the setting shows."""
 
 
 def _greedy(s, ps):
@@ -33,6 +36,7 @@ def test_vllm_sampler_syncs_buckets_from_the_trainer(engine, engine_b, models, t
     assert _greedy(s, ps) == _greedy(engine, ps)  # its own export of A = the fixture's (every test leaves A served)
     h = s.health()
     assert h["backend"] == "vllm" and h["ok"] and h["version"] == 0 and h["tokens_generated"] > 0
+    assert s.engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes == int(KV_GIB * 2**30)
 
     trainer_b, plan_b = models["B"]
     sender = WeightSender(trainer_b, plan_b, bucket_bytes=40_000)
