@@ -25,9 +25,11 @@ from rl4bit.kernels.qgemm_triton import (
     Config,
     alloc_out,
     as_counts,
+    check_tile_offsets,
     grouped_shapes,
     interpret,
     map_entry,
+    store_tile,
     tile_first,
     tile_map,
 )
@@ -55,22 +57,25 @@ def _scale_value(code):
 
 
 @triton.jit
-def _mx_scale_codes(sa_ptr, a_rows, amask, sb_ptr, b_rows, bmask, k0, kend, LDS, BK: tl.constexpr):
-    """The E8M0 scale codes (int32 [BM, BK/32], [BN, BK/32]) of the K step at k0; LDS = scales a row. Masked
-    past kend (code 127, no read), so the loops below can load the step after their last one."""
+def _mx_scale_codes(sa_ptr, a_off, amask, sb_ptr, b_off, bmask, k0, kend, BK: tl.constexpr):
+    """The E8M0 scale codes (int32 [BM, BK/32], [BN, BK/32]) of the K step at k0; sa_ptr, sb_ptr point at the
+    tiles' first rows and a_off, b_off are the rows' int32 offsets from them (row * scales a row; see
+    `check_tile_offsets`). Masked past kend (code 127, no read), so the loops below can load the step after
+    their last one."""
     kb = k0 // 32 + tl.arange(0, BK // 32)
     kbmask = kb < (kend + 31) // 32
-    ca = tl.load(sa_ptr + a_rows * LDS + kb[None, :], mask=amask & kbmask[None, :], other=127)
-    cb = tl.load(sb_ptr + b_rows * LDS + kb[None, :], mask=bmask & kbmask[None, :], other=127)
+    ca = tl.load(sa_ptr + (a_off + kb[None, :]), mask=amask & kbmask[None, :], other=127)
+    cb = tl.load(sb_ptr + (b_off + kb[None, :]), mask=bmask & kbmask[None, :], other=127)
     return ca.to(tl.int32), cb.to(tl.int32)
 
 
 @triton.jit
-def _mx_step(a_ptr, ca, a_rows, amask, b_ptr, cb, b_rows, bmask, k0, kend, LD, acc,
+def _mx_step(a_ptr, ca, a_off, amask, b_ptr, cb, b_off, bmask, k0, kend, acc,
              BM: tl.constexpr, BN: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr, INTERPRET: tl.constexpr,
              EVEN_K: tl.constexpr = False):
-    """acc += A[a_rows, k0:k0+BK] @ B[b_rows, k0:k0+BK]ᵀ with the step's MXFP8 scale codes ca, cb
-    (`_mx_scale_codes`); LD = row length (elements). EVEN_K: the caller knows every K step is whole (no K masks).
+    """acc += A[rows, k0:k0+BK] @ B[rows, k0:k0+BK]ᵀ with the step's MXFP8 scale codes ca, cb
+    (`_mx_scale_codes`); a_ptr, b_ptr point at the tiles' first rows, a_off, b_off are the rows' int32 offsets
+    (row * row length). EVEN_K: the caller knows every K step is whole (no K masks).
 
     The callers load a step's scale codes one step early, into registers: a K step of 64 reads 2 scale bytes
     a row, under `cp.async`'s 4-byte minimum, so the software pipeline cannot stage them like the codes, and a
@@ -86,8 +91,8 @@ def _mx_step(a_ptr, ca, a_rows, amask, b_ptr, cb, b_rows, bmask, k0, kend, LD, a
     |out - ref| <= TOL_K * K * 2**-24 * (|A| @ |B|ᵀ) against the FP32 reference."""
     kk = k0 + tl.arange(0, BK)
     kmask = (kk < kend) | EVEN_K
-    a = tl.load(a_ptr + a_rows * LD + kk[None, :], mask=amask & kmask[None, :], other=0)
-    b = tl.load(b_ptr + b_rows * LD + kk[None, :], mask=bmask & kmask[None, :], other=0)
+    a = tl.load(a_ptr + (a_off + kk[None, :]), mask=amask & kmask[None, :], other=0)
+    b = tl.load(b_ptr + (b_off + kk[None, :]), mask=bmask & kmask[None, :], other=0)
     sa = _scale_value(ca)
     sb = _scale_value(cb)
     if FP8:  # BK == 32: one block, scales applied to the FP8 partial sum
@@ -112,53 +117,68 @@ def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC,
     """out[rows of e, :NC] = A[rows, :KR] @ B[e, :NC, :KR]ᵀ; the row tiles come from qgemm_triton.tile_map, the
     programs in `tile_first`'s order (a one-dimensional grid, live tiles first).
     KS = KR // 32 scales a row (an argument: Triton then knows its divisibility for the addresses).
-    EVEN_N / EVEN_K: NC, KR are multiples of the tile (no column / K masks; same bits)."""
+    EVEN_N / EVEN_K: NC, KR are multiples of the tile (no column / K masks; same bits).
+
+    Addresses: one 64-bit pointer per operand at the tile's first row plus int32 offsets within the tile (the
+    launcher's `check_tile_offsets` bounds them), not a 64-bit pointer per element, which holds two registers
+    per vector across the K loop. The epilogue's offsets and masks are built after the loop (`store_tile`):
+    built before it, the output layout's 32 rows a thread stay live across it, and ptxas spills them on sm_90
+    (docs/performance.md, Training GEMMs)."""
     pid_t, pid_n = tile_first(NC, BLOCK_N)
     e, row0, row1 = map_entry(map_ptr, n_tiles, pid_t)
     if e >= 0:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row1
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = (cols < NC) | EVEN_N
-        a_rows = rows.to(tl.int64)[:, None]
-        b_rows = (e.to(tl.int64) * NC + cols)[:, None]
+        r = tl.arange(0, BLOCK_M)
+        rmask = (r < row1 - row0)[:, None]
+        c = tl.arange(0, BLOCK_N)
+        nmask = ((c < NC - pid_n * BLOCK_N) | EVEN_N)[:, None]
+        a_off, sa_off = (r * KR)[:, None], (r * KS)[:, None]
+        b_off, sb_off = (c * KR)[:, None], (c * KS)[:, None]
+        a_tile = a_ptr + row0.to(tl.int64) * KR
+        sa_tile = sa_ptr + row0.to(tl.int64) * KS
+        b_row0 = e.to(tl.int64) * NC + pid_n * BLOCK_N
+        b_tile = b_ptr + b_row0 * KR
+        sb_tile = sb_ptr + b_row0 * KS
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        ca, cb = _mx_scale_codes(sa_ptr, a_rows, rmask[:, None], sb_ptr, b_rows, nmask[:, None], 0, KR, KS, BK)
+        ca, cb = _mx_scale_codes(sa_tile, sa_off, rmask, sb_tile, sb_off, nmask, 0, KR, BK)
         for k0 in range(0, KR, BK):  # each step's scales loaded during the step before (see _mx_step)
-            na, nb = _mx_scale_codes(sa_ptr, a_rows, rmask[:, None], sb_ptr, b_rows, nmask[:, None], k0 + BK, KR, KS,
-                                     BK)
-            acc = _mx_step(a_ptr, ca, a_rows, rmask[:, None], b_ptr, cb, b_rows, nmask[:, None], k0, KR, KR,
-                           acc, BLOCK_M, BLOCK_N, FP8, BK, INTERPRET, EVEN_K)
+            na, nb = _mx_scale_codes(sa_tile, sa_off, rmask, sb_tile, sb_off, nmask, k0 + BK, KR, BK)
+            acc = _mx_step(a_tile, ca, a_off, rmask, b_tile, cb, b_off, nmask, k0, KR, acc, BLOCK_M, BLOCK_N, FP8,
+                           BK, INTERPRET, EVEN_K)
             ca, cb = na, nb
-        tl.store(out_ptr + a_rows * NC + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=rmask[:, None] & nmask[None, :])
+        store_tile(out_ptr + row0.to(tl.int64) * NC, acc, row1 - row0, NC, pid_n * BLOCK_N, NC, BLOCK_M, BLOCK_N,
+                    EVEN_N)
 
 
 @triton.jit
 def _mx_wgrad_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, seg_ptr, P, Q, RP, RS,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr,
                      INTERPRET: tl.constexpr):
-    """out[e] [P, Q] = A[:, seg e] @ B[:, seg e]ᵀ, A [P, RP], B [Q, RP]; seg e = [seg[e], seg[e+1]); RS = RP // 32."""
+    """out[e] [P, Q] = A[:, seg e] @ B[:, seg e]ᵀ, A [P, RP], B [Q, RP]; seg e = [seg[e], seg[e+1]); RS = RP // 32.
+    Addresses as `_mx_rows_kernel`'s: a 64-bit pointer at each tile's first row, int32 offsets within it."""
     e = tl.program_id(0)
     pm = tl.program_id(1)
     pn = tl.program_id(2)
     s0 = tl.multiple_of(tl.load(seg_ptr + e), 32)  # segments are padded to 32: lets the loads vectorize
     s1 = tl.multiple_of(tl.load(seg_ptr + e + 1), 32)
-    rows = pm * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < P
-    nmask = cols < Q
+    r = tl.arange(0, BLOCK_M)
+    c = tl.arange(0, BLOCK_N)
+    rmask = (r < P - pm * BLOCK_M)[:, None]
+    nmask = (c < Q - pn * BLOCK_N)[:, None]
+    a_off, sa_off = (r * RP)[:, None], (r * RS)[:, None]
+    b_off, sb_off = (c * RP)[:, None], (c * RS)[:, None]
+    a_row0 = (pm * BLOCK_M).to(tl.int64)
+    b_row0 = (pn * BLOCK_N).to(tl.int64)
+    a_tile, sa_tile = a_ptr + a_row0 * RP, sa_ptr + a_row0 * RS
+    b_tile, sb_tile = b_ptr + b_row0 * RP, sb_ptr + b_row0 * RS
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    a_rows, b_rows = rows.to(tl.int64)[:, None], cols.to(tl.int64)[:, None]
-    ca, cb = _mx_scale_codes(sa_ptr, a_rows, rmask[:, None], sb_ptr, b_rows, nmask[:, None], s0, s1, RS, BK)
+    ca, cb = _mx_scale_codes(sa_tile, sa_off, rmask, sb_tile, sb_off, nmask, s0, s1, BK)
     for k0 in range(s0, s1, BK):  # each step's scales loaded during the step before (see _mx_step)
-        na, nb = _mx_scale_codes(sa_ptr, a_rows, rmask[:, None], sb_ptr, b_rows, nmask[:, None], k0 + BK, s1, RS, BK)
-        acc = _mx_step(a_ptr, ca, a_rows, rmask[:, None], b_ptr, cb, b_rows, nmask[:, None], k0, s1, RP, acc,
-                       BLOCK_M, BLOCK_N, FP8, BK, INTERPRET)
+        na, nb = _mx_scale_codes(sa_tile, sa_off, rmask, sb_tile, sb_off, nmask, k0 + BK, s1, BK)
+        acc = _mx_step(a_tile, ca, a_off, rmask, b_tile, cb, b_off, nmask, k0, s1, acc, BLOCK_M, BLOCK_N, FP8, BK,
+                       INTERPRET)
         ca, cb = na, nb
-    out_rows = (e.to(tl.int64) * P + rows)[:, None]
-    tl.store(out_ptr + out_rows * Q + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=rmask[:, None] & nmask[None, :])
+    store_tile(out_ptr + (e.to(tl.int64) * P + pm * BLOCK_M) * Q, acc, P - pm * BLOCK_M, Q, pn * BLOCK_N, Q,
+                BLOCK_M, BLOCK_N)
 
 
 def _operands(q, what: str):
@@ -178,13 +198,15 @@ def grouped_mxfp8(qa, qb, counts, out_dtype: torch.dtype = torch.float32, *, fp8
     dgrad: A = Q(dY) [R, N], B = requantize(W) [E, K, N]; the mxfp8 recipe's forward likewise."""
     rows, kr, groups, nc = grouped_shapes(qa, qb, "mxfp8", "grouped_mxfp8")
     fp8 = FP8_CORES if fp8 is None else fp8
+    cfg = config or pick_config(rows, fp8)
+    bk = 32 if fp8 else BF16_BLOCK_K
+    check_tile_offsets("grouped_mxfp8: the reduction dimension", max(cfg.block_m, cfg.block_n), kr, bk)
+    check_tile_offsets("grouped_mxfp8: the output columns", cfg.block_m, nc, cfg.block_n)
     a, sa = _operands(qa, "A")
     b, sb = _operands(qb, "B")
-    cfg = config or pick_config(rows, fp8)
     cmap = tile_map(as_counts(counts, groups, a.device), rows, cfg.block_m, a.device)
     out = alloc_out(rows, nc, out_dtype, a.device)
     if rows:
-        bk = 32 if fp8 else BF16_BLOCK_K
         _mx_rows_kernel[(cmap.shape[1] * triton.cdiv(nc, cfg.block_n),)](
             a, sa, b, sb, out, cmap, cmap.shape[1], nc, kr, kr // 32, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             FP8=fp8, BK=bk, INTERPRET=interpret(), EVEN_N=nc % cfg.block_n == 0, EVEN_K=kr % bk == 0,
@@ -205,6 +227,9 @@ def wgrad_mxfp8(qa, qb, padded_counts, out_dtype: torch.dtype = torch.float32, *
     fp8 = FP8_CORES if fp8 is None else fp8
     config = config or WGRAD[fp8]
     (p, rp), q = qa.shape, qb.shape[0]
+    bk = 32 if fp8 else BF16_BLOCK_K
+    check_tile_offsets("wgrad_mxfp8: the padded rows (R_pad)", max(config.block_m, config.block_n), rp, bk)
+    check_tile_offsets("wgrad_mxfp8: Q", config.block_m, q, config.block_n)
     a, sa = _operands(qa, "A")
     b, sb = _operands(qb, "B")
     groups = len(padded_counts)
@@ -214,6 +239,6 @@ def wgrad_mxfp8(qa, qb, padded_counts, out_dtype: torch.dtype = torch.float32, *
     out = torch.empty((groups, p, q), dtype=out_dtype, device=a.device)
     grid = (groups, triton.cdiv(p, config.block_m), triton.cdiv(q, config.block_n))
     _mx_wgrad_kernel[grid](a, sa, b, sb, out, seg, p, q, rp, rp // 32, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-                           FP8=fp8, BK=32 if fp8 else BF16_BLOCK_K, INTERPRET=interpret(), num_warps=config.num_warps,
+                           FP8=fp8, BK=bk, INTERPRET=interpret(), num_warps=config.num_warps,
                            num_stages=config.num_stages)
     return out

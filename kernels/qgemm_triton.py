@@ -378,39 +378,42 @@ def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr
     """One (row tile, BLOCK_N columns) program. KW, KS = K // 8 words and K // 16 scales a row, passed in so that
     Triton sees them as multiples of 16 when they are: the scale loads then vectorize and the software pipeline
     makes them asynchronous like the words (computed here from K, the scale loads stayed synchronous: one memory
-    latency every K step)."""
+    latency every K step). Addresses: a 64-bit pointer per operand at the tile's first row, int32 offsets
+    within the tile (the launcher's `check_tile_offsets` bounds them); the epilogue's built after the K loop
+    (`store_tile`)."""
     pid_t, pid_n = tile_first(N, BLOCK_N)
     e, row0, row1 = map_entry(map_ptr, n_tiles, pid_t)
     if e >= 0:
-        rows = row0 + tl.arange(0, BLOCK_M)
-        rmask = rows < row1
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = cols < N
+        r = tl.arange(0, BLOCK_M)
+        rmask = r < row1 - row0
+        c = tl.arange(0, BLOCK_N)
+        wm = ((c < N - pid_n * BLOCK_N) | EVEN_N)[:, None]  # EVEN_N / EVEN_K: N, K are multiples of the tile
         kw = tl.arange(0, BLOCK_K // 8)
         ks = tl.arange(0, BLOCK_K // 16)
-        x_rows = rows.to(tl.int64)[:, None]
-        w_rows = (e.to(tl.int64) * N + cols)[:, None]
-        ox = tl.load(xo_ptr + rows, mask=rmask, other=1.0)  # the epilogue's scales, loaded before the K loop:
+        x_row0 = row0.to(tl.int64)  # 64-bit pointers at the tiles' first rows, int32 offsets in them
+        w_row0 = e.to(tl.int64) * N + pid_n * BLOCK_N
+        xd_tile, xs_tile, xh_tile = xd_ptr + x_row0 * KW, xs_ptr + x_row0 * KS, xh_ptr + x_row0 * K
+        wd_tile, ws_tile = wd_ptr + w_row0 * KW, ws_ptr + w_row0 * KS
+        ox = tl.load(xo_ptr + row0 + r, mask=rmask, other=1.0)  # the epilogue's scales, loaded before the K loop:
         ow = tl.load(wo_ptr + e)  # their latency hides behind it instead of following it
         if W_FIRST:
             acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            kwm = ((k0 // 8 + kw) < K // 8) | EVEN_K  # EVEN_N / EVEN_K: N, K are multiples of the tile (no masks)
+            kwm = ((k0 // 8 + kw) < K // 8) | EVEN_K
             ksm = ((k0 // 16 + ks) < K // 16) | EVEN_K
-            wm = nmask[:, None] | EVEN_N
-            wp = tl.load(wd_ptr + w_rows * KW + (k0 // 8 + kw)[None, :], mask=wm & kwm[None, :], other=0)
-            ws = tl.load(ws_ptr + w_rows * KS + (k0 // 16 + ks)[None, :], mask=wm & ksm[None, :], other=0)
+            wp = tl.load(wd_tile + ((c * KW)[:, None] + (k0 // 8 + kw)[None, :]), mask=wm & kwm[None, :], other=0)
+            ws = tl.load(ws_tile + ((c * KS)[:, None] + (k0 // 16 + ks)[None, :]), mask=wm & ksm[None, :], other=0)
             if X_F16:  # x decoded once by _predecode_kernel (the small-M config: no per-warp re-decode of x)
                 kk = k0 + tl.arange(0, BLOCK_K)
-                xv = tl.load(xh_ptr + x_rows * K + kk[None, :], mask=rmask[:, None] & ((kk < K) | EVEN_K)[None, :],
-                             other=0.0)
+                xv = tl.load(xh_tile + ((r * K)[:, None] + kk[None, :]),
+                             mask=rmask[:, None] & ((kk < K) | EVEN_K)[None, :], other=0.0)
             else:
-                xp = tl.load(xd_ptr + x_rows * KW + (k0 // 8 + kw)[None, :], mask=rmask[:, None] & kwm[None, :],
-                             other=0)
-                xs = tl.load(xs_ptr + x_rows * KS + (k0 // 16 + ks)[None, :], mask=rmask[:, None] & ksm[None, :],
-                             other=0)
+                xp = tl.load(xd_tile + ((r * KW)[:, None] + (k0 // 8 + kw)[None, :]),
+                             mask=rmask[:, None] & kwm[None, :], other=0)
+                xs = tl.load(xs_tile + ((r * KS)[:, None] + (k0 // 16 + ks)[None, :]),
+                             mask=rmask[:, None] & ksm[None, :], other=0)
                 xv = _decode_tile(xp, xs, BLOCK_M, BLOCK_K, DECODE)
             wv = _decode_tile(wp, ws, BLOCK_N, BLOCK_K, DECODE)
             if W_FIRST:
@@ -422,10 +425,38 @@ def _nvfp4_grouped_kernel(xd_ptr, xs_ptr, xh_ptr, xo_ptr, wd_ptr, ws_ptr, wo_ptr
         if DECODE != 2:
             acc = acc * 268435456.0  # 2**28: the two operands' 2**-14, exact
         y = (acc * ox[:, None]) * ow
-        tl.store(y_ptr + x_rows * N + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+        store_tile(y_ptr + x_row0 * N, y, row1 - row0, N, pid_n * BLOCK_N, N, BLOCK_M, BLOCK_N, EVEN_N)
+
+
+@triton.jit
+def store_tile(out_tile, acc, n_rows, n_cols, col0, LD, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               EVEN_N: tl.constexpr = False):
+    """out_tile[m * LD + col0 + n] = acc[m, n] for m < n_rows, col0 + n < n_cols (EVEN_N: all columns are), in
+    out_tile's dtype; out_tile points at the tile's first row (the grouped kernels of this file and of
+    mxfp8_gemm_triton). The offsets (int32, `check_tile_offsets`) and masks are built here, after the K loop:
+    built before it, they stay live across it (32 rows a thread in the output layout of a 128-row tile; ptxas
+    spills them in the MXFP8 dgrad kernel on sm_90)."""
+    m = tl.arange(0, BLOCK_M)
+    n = col0 + tl.arange(0, BLOCK_N)
+    tl.store(out_tile + (m[:, None] * LD + n[None, :]), acc.to(out_tile.dtype.element_ty),
+             mask=(m < n_rows)[:, None] & ((n < n_cols) | EVEN_N)[None, :])
 
 
 # ---------------------------------------------------------------- wrapper
+
+
+def check_tile_offsets(what: str, tile_rows: int, row_len: int, step: int) -> None:
+    """ValueError unless int32 offsets address a tile of `tile_rows` rows of `row_len` elements from its first row.
+
+    The grouped kernels (this file's, mxfp8_gemm_triton's) hold one 64-bit pointer per operand at the tile's first
+    row and int32 offsets (row in the tile * row_len + column) rather than a 64-bit pointer per element (fewer
+    registers; the values loaded, hence the bits, are the same). The largest offset, a masked look-ahead of one
+    K step (or the last column tile) included, is below tile_rows * (row_len + step). Training shapes are far
+    from the bound (K = 2048, 32768 routed rows: under 2**23)."""
+    if tile_rows * (row_len + step) >= 2**31:
+        raise ValueError(f"{what}: rows of {row_len} elements are too long for the kernels' int32 offsets within a "
+                         f"tile of {tile_rows} rows (tile_rows * (row_len + {step}) must stay below 2**31); split "
+                         f"the call along that dimension")
 
 
 def grouped_shapes(qa, qb, fmt: str, what: str) -> tuple[int, int, int, int]:
@@ -516,6 +547,8 @@ def grouped_nvfp4(qx, qw, counts, out_dtype: torch.dtype = torch.bfloat16, *, co
     if cfg.block_k % 16 or (cfg.block_k < MIN_COMPILED_BLOCK_K and not interpret()):
         raise ValueError(f"config block_k={cfg.block_k}: compiled kernels take multiples of 16 from "
                          f"{MIN_COMPILED_BLOCK_K} (see MIN_COMPILED_BLOCK_K; the interpreter takes 16 and up)")
+    check_tile_offsets("grouped_nvfp4: K", max(cfg.block_m, cfg.block_n), k, max(cfg.block_k, cfg.block_n))
+    check_tile_offsets("grouped_nvfp4: N", cfg.block_m, n, cfg.block_n)
     cmap = shared_tile_map(maps, counts, groups, rows, cfg.block_m, dev)
     n_tiles = cmap.shape[1]
     y = alloc_out(rows, n, out_dtype, dev)

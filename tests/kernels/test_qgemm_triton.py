@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 from bitwise import assert_bitwise_equal
 
-from rl4bit.kernels import dequantize, quantize
+from rl4bit.kernels import QTensor, dequantize, quantize
 from rl4bit.kernels import mxfp8_gemm_triton as mg
 from rl4bit.kernels import qgemm_triton as qg
 from rl4bit.kernels import triton_dispatch as td
@@ -127,6 +127,36 @@ def test_k_step_not_a_multiple_of_16_is_refused():
     qx, qw = _nvfp4_operands(8, 64, 32, 2, seed=4)
     with pytest.raises(ValueError, match="block_k=24"):
         qg.grouped_nvfp4(qx, qw, [5, 3], torch.float32, config=qg.Config(16, 32, 1, 1, block_k=24))
+
+
+def _huge(fmt, shape, data_dtype, scale_dtype, per_byte, block):
+    """A QTensor of logical `shape` whose fields are zero-stride views (nothing of its size allocated): enough for
+    a launcher's shape checks, which run before anything reads the data."""
+    lead, k = shape[:-1], shape[-1]
+    data = torch.zeros((*lead, 1), dtype=torch.uint8).view(data_dtype).expand(*lead, k // per_byte)
+    scale = torch.zeros((*lead, 1), dtype=torch.uint8).view(scale_dtype).expand(*lead, k // block)
+    return QTensor(data, scale, torch.ones([1] * len(shape)), fmt, torch.Size(shape))
+
+
+def test_int32_tile_offsets_are_guarded_in_every_launcher():
+    """The grouped kernels address a tile as a 64-bit pointer at its first row plus int32 offsets within the tile
+    (`qg.check_tile_offsets`): the bound is exact, and each launcher refuses rows too long for it with a
+    ValueError naming the dimension, before any launch."""
+    qg.check_tile_offsets("ok", 128, 2**24 - 129, 128)  # 128 * (2**24 - 1) < 2**31
+    with pytest.raises(ValueError, match="int32 offsets"):
+        qg.check_tile_offsets("too long", 128, 2**24 - 128, 128)
+    k = 2**24  # TRAIN's 128-row tiles: 128 * (2**24 + 128) >= 2**31
+    qx = _huge("nvfp4", (1, k), torch.uint8, torch.float8_e4m3fn, 2, 16)
+    qw = _huge("nvfp4", (1, 16, k), torch.uint8, torch.float8_e4m3fn, 2, 16)
+    with pytest.raises(ValueError, match="grouped_nvfp4: K"):
+        qg.grouped_nvfp4(qx, qw, [1], torch.float32, config=qg.TRAIN)
+    qa = _huge("mxfp8", (1, k), torch.float8_e4m3fn, torch.float8_e8m0fnu, 1, 32)
+    qb = _huge("mxfp8", (1, 16, k), torch.float8_e4m3fn, torch.float8_e8m0fnu, 1, 32)
+    with pytest.raises(ValueError, match="grouped_mxfp8: the reduction dimension"):
+        mg.grouped_mxfp8(qa, qb, [1], config=mg.MX_TRAIN[False])
+    qa, qb = _huge("mxfp8", (16, k), torch.float8_e4m3fn, torch.float8_e8m0fnu, 1, 32), qa
+    with pytest.raises(ValueError, match="wgrad_mxfp8: the padded rows"):
+        mg.wgrad_mxfp8(qa, qb, [k])
 
 
 def test_nvfp4_matches_trainer_reference_and_dtype(monkeypatch):
