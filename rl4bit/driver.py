@@ -91,7 +91,7 @@ from rl4bit.kernels import invariant
 from rl4bit.metrics import MetricsLogger, PhasePeaks, StepPhases, plot, read_metrics
 from rl4bit.parity_stats import check_reference, live_parity_metrics
 from rl4bit.reward_log import RewardLog
-from rl4bit.rewards import RewardPool, check_rewards
+from rl4bit.reward_pool import RewardPool, check_rewards
 from rl4bit.rollouts import SamplerRecovery, evaluate, generate, rollout_metrics, rollout_requests
 from rl4bit.run_state import check_steps_left, open_logger, restore, save_trainer
 from rl4bit.rundir import checked_out_dir, create_run_dir, forget_unstarted

@@ -1,7 +1,7 @@
 """Reward failures, written down: `logs/rewards.log` in the run dir and the metrics that count them.
 
 `RewardLog(run_dir).write(step, phase, scores)` appends one line per step (or
-evaluation) that had failures, counting them by kind (`rewards.ERROR_KINDS`:
+evaluation) that had failures, counting them by kind (`reward_pool.ERROR_KINDS`:
 raised, timeout, type, nonfinite, died), then one line per failed sample: its
 kind, the message (naming the reward), the line of the user's reward file that
 raised, and the prompt. It returns the count line (None when nothing failed) so
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rl4bit.rewards import ERROR_KINDS, Scores, count_line
+from rl4bit.reward_pool import ERROR_KINDS, Scores, count_line
 
 LOG = "rewards.log"
 

@@ -12,7 +12,8 @@ import pytest
 from rl4bit import driver, rundir
 from rl4bit.actors import Cluster
 from rl4bit.config import ConfigError, load_config
-from rl4bit.rewards import RewardError, RewardPool, check_rewards
+from rl4bit.reward_pool import RewardPool, check_rewards
+from rl4bit.rewards import RewardError
 
 from .conftest import QUICKSTART, SMALL
 

@@ -157,7 +157,7 @@ def test_eval_scores_a_failed_sample_as_an_empty_completion(monkeypatch):
     from rl4bit import rollouts
     from rl4bit.actors import _LocalProxy
     from rl4bit.config import load_config
-    from rl4bit.rewards import RewardPool
+    from rl4bit.reward_pool import RewardPool
     from rl4bit.sampler.types import Rollout
     from rl4bit.trainer.tokenizer import build_tokenizer
 

@@ -10,7 +10,8 @@ import pytest
 
 from rl4bit import driver
 from rl4bit.reward_log import RewardLog, failure_metrics
-from rl4bit.rewards import ERROR_KINDS, RewardError, RewardPool
+from rl4bit.reward_pool import ERROR_KINDS, RewardPool
+from rl4bit.rewards import RewardError
 
 from .conftest import QUICKSTART, SMALL
 

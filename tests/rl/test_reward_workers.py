@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rl4bit.rewards import RewardError, RewardPool, check_rewards, load_reward
+from rl4bit.reward_pool import RewardPool, check_rewards
+from rl4bit.rewards import RewardError, load_reward
 
 REPO = Path(__file__).resolve().parents[2]
 

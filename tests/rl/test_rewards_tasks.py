@@ -4,7 +4,8 @@ import json
 
 import pytest
 
-from rl4bit.rewards import RewardError, RewardPool, exact_match, format_check, length_penalty, load_reward
+from rl4bit.reward_pool import RewardPool
+from rl4bit.rewards import RewardError, exact_match, format_check, length_penalty, load_reward
 from rl4bit.tasks import PromptFileError, PromptStream, arithmetic_task, load_prompt_file
 
 
