@@ -2,7 +2,7 @@
 # vLLM on the lent GPU: reassemble the wheelhouse parts copied to /tmp/wh, install, then the checks.
 #   bash scripts/gpu_vllm.sh [install] [check-tiny] [check] [ipc] [check-mp] [sr] [tests] [bench-rollout] [rl] [bench-kernels]    outputs in $OUT
 # Each step runs under `timeout` (seconds from TINY_S, CHECK_S, MP_S, SR_S, TESTS_S, ROLLOUT_S, RL_S, BENCH_S) so one slow step cannot
-# take the later ones' output with it.
+# take the later ones' output with it. RL_ARGS: more `-o` overrides for the rl step (an H100: -o trainer.tokens_per_microbatch=8192).
 set -uo pipefail
 out=${OUT:-gpu-vllm-out}; mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.txt"; }
@@ -29,7 +29,7 @@ for step in "$@"; do case $step in
   rl) source /tmp/site/vllm_env.sh  # issue 40 item 5: the same GRPO job with each sampler, trainer and vLLM on one GPU
     for b in ${RL_BACKENDS:-vllm embedded}; do
       run rl_$b ${RL_S:-280} python3 -P -m rl4bit.cli train configs/gpu-h200.yaml --out /tmp/rl-$b -o rl.steps=${RL_STEPS:-20} \
-        -o sampler.backend=$b -o sampler.kv_cache_gib=8 -o sampler.gpu_memory_utilization=0.1 -o run.checkpoint_every=0 -o run.tensorboard=false
+        -o sampler.backend=$b -o sampler.kv_cache_gib=8 -o sampler.gpu_memory_utilization=0.1 -o run.checkpoint_every=0 -o run.tensorboard=false ${RL_ARGS:-}
       grep -oE '"(step|reward/mean|mismatch/k3|mismatch/max_abs|tis/truncated_frac|time/(step|sample|train|sync)_s)": [-0-9.e]+' \
         /tmp/rl-$b/metrics.jsonl | paste -sd' ' | sed 's/"step"/\n"step"/g' > "$out/rl_$b.summary.txt"
     done ;;
