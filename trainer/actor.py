@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from rl4bit.common.checkpoint import load_checkpoint, save_checkpoint
-from rl4bit.common.checkpoint_format import CheckpointError
 from rl4bit.kernels import NonFiniteInputError, deferred_checks, invariant
-from rl4bit.trainer import cuda_ipc, grpo
+from rl4bit.trainer import cuda_ipc, grpo, trainer_state
 from rl4bit.trainer.batch import TrainBatch, microbatches, pad, stack
 from rl4bit.trainer.config import ModelConfig, RLConfig, TrainerConfig
 from rl4bit.trainer.logprobs import sequence_logprobs
@@ -470,91 +468,13 @@ class Trainer:
         return out if self.rank == 0 else None
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
-        """Everything to resume: tensors (model, AdamW moments, torch RNG, the KL reference model when there is
-        one) and JSON-able metadata.
-
-        Sharded (world > 1): this rank's pieces, and meta["global_shapes"] of the sharded ones.
-        """
-        from_local = {}
-        if self.world > 1:
-            from rl4bit.trainer.expert_parallel import expert_params
-            from rl4bit.trainer.sharding import is_sharded, local
-
-            ep_shapes = {}  # the expert slices and their AdamW moments are Shard(0) pieces of the global [E, ...]
-            for n, (p, shape) in expert_params(self.model).items():
-                global_shape = list(shape)
-                ep_shapes[f"model.{n}"] = ep_shapes[f"optim.{n}.exp_avg"] = global_shape
-                ep_shapes[f"optim.{n}.exp_avg_sq"] = global_shape
-            if self.ref_model is not None:
-                for n, (p, shape) in expert_params(self.ref_model).items():
-                    ep_shapes[f"ref.{n}"] = list(shape)
-
-            def cpu(name, v):
-                if is_sharded(v):
-                    from_local[name] = list(v.shape)
-                elif name in ep_shapes:
-                    from_local[name] = ep_shapes[name]
-                return local(v).detach().to("cpu", copy=True)
-        else:
-            def cpu(name, v):
-                return v.detach().to("cpu", copy=True)
-        tensors = {f"model.{k}": cpu(f"model.{k}", v) for k, v in self.model.state_dict().items()}
-        if self.ref_model is not None:  # the KL reference: the policy at RL start, which a resume cannot rebuild
-            tensors |= {f"ref.{k}": cpu(f"ref.{k}", v) for k, v in self.ref_model.state_dict().items()}
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        for p, st in self.optimizer.state.items():
-            for k, v in st.items():
-                key = f"optim.{names[id(p)]}.{k}"
-                tensors[key] = cpu(key, torch.as_tensor(v))
-        tensors["rng.torch_cpu"] = torch.get_rng_state()
-        if self.device.type == "cuda":
-            tensors["rng.torch_cuda"] = torch.cuda.get_rng_state(self.device)
-        meta = {
-            "opt_steps": self.opt_steps,
-            "version": self.version,
-            "nonfinite_in_a_row": self.nonfinite_in_a_row,
-            "python_rng": _py_rng_state(),
-        }
-        if self.world > 1:
-            meta["global_shapes"] = from_local
-        return tensors, meta
+        """Everything to resume, as tensors and JSON-able metadata (`trainer_state.collect`)."""
+        return trainer_state.collect(self)
 
     def load_state(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """Restore `state()` (call after setup_rl). CheckpointError, before anything changes, when the state
-        does not fit this trainer (`resume_checks.state_problems`: dtypes, shapes, NaN/Inf, missing parts)."""
-        from rl4bit.trainer.resume_checks import state_problems
-
-        model_sd = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
-        missing = set(self.model.state_dict()) - set(model_sd)
-        if missing:
-            raise CheckpointError(f"checkpoint lacks model tensors {sorted(missing)[:3]}; it was written for another "
-                                  f"model config")
-        problems = state_problems(self, tensors, meta)
-        if problems:
-            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
-            raise CheckpointError(f"the checkpoint's trainer state does not fit this trainer: {'; '.join(problems[:5])}"
-                                  f"{more}. Resume from an earlier checkpoint (delete this one) or start a new run")
-        if self.world == 1:
-            self.model.load_state_dict(model_sd, strict=True)
-        else:
-            self._load_local_pieces(self.model, model_sd)
-        if self.ref_model is not None:
-            ref_sd = {k[len("ref."):]: v for k, v in tensors.items() if k.startswith("ref.")}  # present: checked
-            if self.world == 1:
-                self.ref_model.load_state_dict(ref_sd, strict=True)
-            else:
-                self._load_local_pieces(self.ref_model, ref_sd)
-        for name, p in self.model.named_parameters():
-            st = {k.rsplit(".", 1)[1]: v for k, v in tensors.items()
-                  if k.startswith(f"optim.{name}.") and k.count(".") == name.count(".") + 2}
-            if st:
-                self.optimizer.state[p] = {k: self._like(p, v) if k != "step" else v.clone() for k, v in st.items()}
-        torch.set_rng_state(tensors["rng.torch_cpu"])
-        if "rng.torch_cuda" in tensors and self.device.type == "cuda":
-            torch.cuda.set_rng_state(tensors["rng.torch_cuda"], self.device)
-        self.opt_steps, self.version = int(meta["opt_steps"]), int(meta["version"])
-        self.nonfinite_in_a_row = int(meta["nonfinite_in_a_row"])
-        random.setstate(_to_py_rng(meta["python_rng"]))
+        """Restore `state()` (call after setup_rl); CheckpointError, before anything changes, when it does not fit
+        this trainer (`trainer_state.restore`)."""
+        trainer_state.restore(self, tensors, meta)
 
     def save_checkpoint(self, run_dir: str | Path, step: int, meta: dict, keep: int = 2) -> Path:
         """Write `state()` as checkpoint `step` of `run_dir` (`rl4bit.common.checkpoint`, one tensor file) with
@@ -577,33 +497,3 @@ class Trainer:
         if self.world != 1:
             raise RuntimeError(f"{what} on trainer rank {self.rank} of {self.world}: a trainer group checkpoints "
                                "through rl4bit.trainer_group.TrainerGroup (every rank writes its shard)")
-
-    def _like(self, p, v: torch.Tensor) -> torch.Tensor:
-        """An optimizer moment for parameter p from its stored piece (a DTensor shaped like p when sharded)."""
-        v = v.to(self.device, copy=True)
-        if self.world == 1 or not hasattr(p, "device_mesh"):  # one process, or a plain (expert-parallel) slice
-            return v
-        from torch.distributed.tensor import DTensor
-
-        return DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-
-    def _load_local_pieces(self, model, model_sd: dict[str, torch.Tensor]) -> None:
-        from rl4bit.trainer.sharding import local
-
-        targets = dict(model.named_parameters()) | dict(model.named_buffers())
-        with torch.no_grad():
-            for k, v in model_sd.items():
-                dst = local(targets[k])
-                if dst.shape != v.shape:
-                    raise ValueError(f"checkpoint piece {k} is {tuple(v.shape)}, this rank holds {tuple(dst.shape)}; "
-                                     "resume with the trainer.world_size the checkpoint was written with")
-                dst.copy_(v)
-
-
-def _py_rng_state() -> list:
-    version, internal, gauss = random.getstate()
-    return [version, list(internal), gauss]
-
-
-def _to_py_rng(state: list) -> tuple:
-    return (state[0], tuple(state[1]), state[2])
