@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Do the GPU tests and benchmarks pass on this card? One mode a device call (each fits a 10-minute call);
 # outputs into $OUT (or ./gpu-check-out), every step's exit code in steps.txt; a failing step stops nothing.
-#   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | padding | rl | step | all]
+#   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | padding | rl | step | train | all]
 #   tests:   the GPU tests of the decode path's kernels
 #   perf:    the batch-1 decode profile, `bench rollout`, `bench gemm --decode`, the one-token decode GEMM sweep and
 #            the attention split sweep
 #   rl:      RL parity, 2 steps, invariant kernels on and off (RL_INVARIANT, RL_TEMPERATURE pick the runs)
 #   step:    `bench step`, STEP_RECIPES (default nvfp4,mxfp8,bf16; half-size micro-batches under 100 GB)
+#   train:   issue 42's training-side figures: `bench gemm` (training GEMMs), `bench train`, the MXFP8 dgrad / wgrad
+#            tile sweep (each config bitwise-checked first) and where the nvfp4 / mxfp8 / bf16 train step's time goes
 #   profile: decode profiles at batch 16 and 64, the routing kernel's warp sweep, the decode GEMM sweep there
 #   decode:  the decode tile sweep at 1 / 16 / 64 tokens, then the engine's rollout with the default tile beside
 #            the sweep's best (scripts/ab_decode_config.py)
@@ -103,6 +105,17 @@ case "$mode" in
         run step ${STEP_S:-590} python3 -P -m rl4bit.bench.step --device cuda --steps 3 --new-tokens 128 --out "$out" \
             --recipes "${STEP_RECIPES:-nvfp4,mxfp8,bf16}" "${small[@]}"
         tail -30 "$out/step.txt" ;;
-    *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | padding | rl | step | all]" >&2
+    train)
+        run gemm-train 120 python3 -P -m rl4bit.bench.gemm --out "$out"
+        grep -E "grouped forward|dgrad|wgrad" "$out/gemm-train.txt" | head -20
+        run bench-train 120 python3 -P -m rl4bit.bench.train --device cuda --out "$out"
+        tail -12 "$out/bench-train.txt"
+        run sweep-mxfp8 ${SWEEP_S:-200} python3 -P scripts/sweep_mxfp8_gemm.py --reps 5 --out "$out"
+        grep -vE "^\s*$" "$out/sweep-mxfp8.txt" | tail -50
+        mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+        small=(); [ "${mib:-0}" -lt 100000 ] && small=(-o trainer.tokens_per_microbatch=8192)
+        run profile-train ${PROFILE_S:-150} python3 -P scripts/profile_train.py --recipes nvfp4,mxfp8,bf16 "${small[@]}"
+        tail -80 "$out/profile-train.txt" ;;
+    *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | padding | rl | step | train | all]" >&2
        exit 2 ;;
 esac
