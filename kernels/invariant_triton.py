@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rl4bit.kernels.qgemm_triton import as_counts, map_entry, tile_map
+from rl4bit.kernels.tile_map_triton import as_counts, map_entry, tile_map
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 MAX_GRID_Z = 65535
@@ -224,7 +224,7 @@ def mean(x: torch.Tensor, dims, keepdim: bool = False, dtype: torch.dtype | None
 def _grouped_kernel(x_ptr, w_ptr, y_ptr, map_ptr, n_tiles, N, K, s_xm, s_we, s_wn, s_ym,
                     IEEE: tl.constexpr, UPCAST: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[rows of e] = x[rows of e] @ w[e]ᵀ: the tile map (qgemm_triton.tile_map) gives each row tile its expert and
+    """y[rows of e] = x[rows of e] @ w[e]ᵀ: the tile map (tile_map_triton.tile_map) gives each row tile its expert and
     row range; each output is one FP32 accumulation over K from 0, as in _bmm_kernel."""
     pid_t = tl.program_id(0)
     pid_n = tl.program_id(1)

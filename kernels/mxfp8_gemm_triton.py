@@ -21,18 +21,8 @@ import triton
 import triton.language as tl
 
 from rl4bit.kernels.formats_triton import pow2
-from rl4bit.kernels.qgemm_triton import (
-    Config,
-    alloc_out,
-    as_counts,
-    check_tile_offsets,
-    grouped_shapes,
-    interpret,
-    map_entry,
-    store_tile,
-    tile_first,
-    tile_map,
-)
+from rl4bit.kernels.qgemm_triton import Config, alloc_out, grouped_shapes, interpret
+from rl4bit.kernels.tile_map_triton import as_counts, check_tile_offsets, map_entry, store_tile, tile_first, tile_map
 
 FP8_CORES = False
 """Default path: False = BF16 dequantize (exact products, FP32 sums); True = FP8 tensor cores. Pick by bench_gemm."""
@@ -114,7 +104,7 @@ def _mx_step(a_ptr, ca, a_off, amask, b_ptr, cb, b_off, bmask, k0, kend, acc,
 def _mx_rows_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, out_ptr, map_ptr, n_tiles, NC, KR, KS,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8: tl.constexpr, BK: tl.constexpr,
                     INTERPRET: tl.constexpr, EVEN_N: tl.constexpr = False, EVEN_K: tl.constexpr = False):
-    """out[rows of e, :NC] = A[rows, :KR] @ B[e, :NC, :KR]ᵀ; the row tiles come from qgemm_triton.tile_map, the
+    """out[rows of e, :NC] = A[rows, :KR] @ B[e, :NC, :KR]ᵀ; the row tiles come from tile_map_triton.tile_map, the
     programs in `tile_first`'s order (a one-dimensional grid, live tiles first).
     KS = KR // 32 scales a row (an argument: Triton then knows its divisibility for the addresses).
     EVEN_N / EVEN_K: NC, KR are multiples of the tile (no column / K masks; same bits).

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from rl4bit.kernels.invariant_triton import _on_device
-from rl4bit.kernels.qgemm_triton import map_tiles, n_row_tiles
+from rl4bit.kernels.tile_map_triton import map_tiles, n_row_tiles
 
 MAX_ENTRIES = 4096
 """Largest flat index the one-program kernel takes (a 4096-key bitonic sort in registers)."""
@@ -59,7 +59,7 @@ def _route_kernel(idx_ptr, order_ptr, tok_ptr, inv_ptr, counts_ptr, offs_ptr, ma
 def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int = 0, num_warps: int | None = None):
     """(order int64, tok int64, counts int32 [E], inv int64, tile map or None, offs int32 [E]) of a flat int index
     of <= MAX_ENTRIES entries (see module doc); map_block_m > 0: also the grouped GEMMs' tile map of the counts for
-    row tiles of that many rows (`qgemm_triton.tile_map(counts, N, map_block_m)`'s int32 [3, T]), in the same
+    row tiles of that many rows (`tile_map_triton.tile_map(counts, N, map_block_m)`'s int32 [3, T]), in the same
     launch. num_warps: the program's warps (None: `route_warps`; the results never depend on it).
 
         order = argsort(flat, stable=True)      int64: entries grouped by expert, entry order kept within one
@@ -67,7 +67,7 @@ def expert_order(flat: torch.Tensor, num_experts: int, k: int, map_block_m: int 
         counts = bincount(flat, num_experts)    int32 [E]: entries per expert (an index >= E is not counted and,
                                                 being the largest key, sorts last: the EP sentinel)
         inv[order] = arange(n)                  int64: each entry's place in the grouped order (the combine's)
-        tile map (optional)                     int32 [3, T]: `qgemm_triton.tile_map(counts, n, block_m)`, for
+        tile map (optional)                     int32 [3, T]: `tile_map_triton.tile_map(counts, n, block_m)`, for
                                                 the grouped GEMMs that follow (one launch fewer a layer)
         offs = cumsum(counts)                   int32 [E]: each expert's end row, `torch._grouped_mm`'s offs
                                                 (the BF16 experts' two cumsums, four launches, gone)

@@ -5,7 +5,7 @@
 
 For each decode batch (1, 16, 64, 256 tokens, top-k entries each), random routings: `route_triton.expert_order`
 with the tile map inside (DECODE's 16-row tiles) at 1, 2, 4 and 8 warps, without the map, and without the map
-followed by the map's own kernel (`qgemm_triton.tile_map` of device counts). µs a call in CUDA graphs, median,
+followed by the map's own kernel (`tile_map_triton.tile_map` of device counts). µs a call in CUDA graphs, median,
 over rotating routings. Every variant's outputs are first checked against torch's (`argsort`, `// k`,
 `bincount`) and the host-built map; integers, so no warp count may change them. Exit status 1 if any differ."""
 
@@ -18,8 +18,9 @@ import torch
 import triton
 
 from rl4bit.bench.common import time_us
-from rl4bit.kernels.qgemm_triton import DECODE, tile_map
+from rl4bit.kernels.qgemm_triton import DECODE
 from rl4bit.kernels.route_triton import expert_order, route_warps
+from rl4bit.kernels.tile_map_triton import tile_map
 
 
 def routings(tokens: int, experts: int, top_k: int, device: str, copies: int) -> list[torch.Tensor]:

@@ -32,6 +32,7 @@ from bitwise import assert_bitwise_equal
 from rl4bit.kernels import QTensor, dequantize, quantize
 from rl4bit.kernels import mxfp8_gemm_triton as mg
 from rl4bit.kernels import qgemm_triton as qg
+from rl4bit.kernels import tile_map_triton as tm
 from rl4bit.kernels import triton_dispatch as td
 from rl4bit.trainer import qgemm
 
@@ -140,11 +141,11 @@ def _huge(fmt, shape, data_dtype, scale_dtype, per_byte, block):
 
 def test_int32_tile_offsets_are_guarded_in_every_launcher():
     """The grouped kernels address a tile as a 64-bit pointer at its first row plus int32 offsets within the tile
-    (`qg.check_tile_offsets`): the bound is exact, and each launcher refuses rows too long for it with a
+    (`tm.check_tile_offsets`): the bound is exact, and each launcher refuses rows too long for it with a
     ValueError naming the dimension, before any launch."""
-    qg.check_tile_offsets("ok", 128, 2**24 - 129, 128)  # 128 * (2**24 - 1) < 2**31
+    tm.check_tile_offsets("ok", 128, 2**24 - 129, 128)  # 128 * (2**24 - 1) < 2**31
     with pytest.raises(ValueError, match="int32 offsets"):
-        qg.check_tile_offsets("too long", 128, 2**24 - 128, 128)
+        tm.check_tile_offsets("too long", 128, 2**24 - 128, 128)
     k = 2**24  # TRAIN's 128-row tiles: 128 * (2**24 + 128) >= 2**31
     qx = _huge("nvfp4", (1, k), torch.uint8, torch.float8_e4m3fn, 2, 16)
     qw = _huge("nvfp4", (1, 16, k), torch.uint8, torch.float8_e4m3fn, 2, 16)
@@ -416,14 +417,14 @@ def test_pick_config_routes_by_rows_per_expert_and_grid():
                                     [2000] + [0] * 6])  # every row one expert's: its tiles split over programs
 def test_tile_map_covers_each_row_once(block_m, counts):
     rows = sum(counts)
-    cmap = qg.tile_map(counts, rows, block_m, DEVICE)
+    cmap = tm.tile_map(counts, rows, block_m, DEVICE)
     assert cmap.shape == (3, -(-rows // block_m) + min(len(counts), rows) - 1)
     live = sum(-(-c // block_m) for c in counts)
     assert live <= cmap.shape[1]
     if len(counts) == 1 or (len(counts) <= block_m and all(c % block_m == 1 for c in counts)):  # tight: a dense
         # call, or at most block_m experts each one row past whole tiles
         assert live == cmap.shape[1], (live, cmap.shape)
-    on_device = qg.tile_map(torch.tensor(counts, dtype=torch.int32, device=DEVICE), rows, block_m)
+    on_device = tm.tile_map(torch.tensor(counts, dtype=torch.int32, device=DEVICE), rows, block_m)
     assert_bitwise_equal(on_device, cmap, "tile map: device kernel vs host")
     seen = torch.zeros(rows, dtype=torch.int64)
     start = [sum(counts[:e]) for e in range(len(counts))]
@@ -437,8 +438,8 @@ def test_tile_map_covers_each_row_once(block_m, counts):
 
 @triton.jit
 def _launch_order_kernel(map_ptr, out_ptr, n_tiles, N, BLOCK_N: tl.constexpr):
-    t, c = qg.tile_first(N, BLOCK_N)
-    e, _, _ = qg.map_entry(map_ptr, n_tiles, t)
+    t, c = tm.tile_first(N, BLOCK_N)
+    e, _, _ = tm.map_entry(map_ptr, n_tiles, t)
     p = out_ptr + tl.program_id(0) * 3
     tl.store(p, t)
     tl.store(p + 1, c)
@@ -450,7 +451,7 @@ def test_grouped_grid_starts_every_live_tile_before_any_dead_one():
     program of a live tile (an expert's) ahead of every dead one, the order the GPU starts them in (a decode
     step's grid is mostly dead tiles: twentieth session)."""
     counts, block_n, n = [3, 0, 17, 1, 0], 16, 40  # n not a multiple of block_n: 3 column tiles
-    cmap = qg.tile_map(counts, 64, 16, DEVICE)  # a grid bound for 64 rows: 4 + 5 - 1 row tiles, 4 live
+    cmap = tm.tile_map(counts, 64, 16, DEVICE)  # a grid bound for 64 rows: 4 + 5 - 1 row tiles, 4 live
     n_tiles, n_cols = cmap.shape[1], -(-n // block_n)
     out = torch.full((n_tiles * n_cols, 3), -2, dtype=torch.int32, device=DEVICE)
     _launch_order_kernel[(n_tiles * n_cols,)](cmap, out, n_tiles, n, BLOCK_N=block_n)

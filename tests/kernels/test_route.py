@@ -80,9 +80,9 @@ def test_out_of_range_indices_are_the_sentinel_never_a_stray_write():
 @pytest.mark.parametrize("tokens,e,k", [(1, 32, 4), (4, 32, 4), (16, 32, 4), (64, 16, 4), (300, 128, 8)])
 @pytest.mark.parametrize("block_m", [16, 64])
 def test_tile_map_in_the_same_launch_equals_tile_map(tokens, e, k, block_m):
-    """map_block_m: the routing kernel's tile map = `qgemm_triton.tile_map` of its counts (the device kernel's and
+    """map_block_m: the routing kernel's tile map = `tile_map_triton.tile_map` of its counts (the device kernel's and
     the host-built one), also with skewed routing and the EP sentinel in the index."""
-    from rl4bit.kernels import qgemm_triton as qg
+    from rl4bit.kernels import tile_map_triton as tm
 
     g = torch.Generator().manual_seed(tokens * e + block_m)
     flat = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(tokens)]).reshape(-1)
@@ -93,14 +93,15 @@ def test_tile_map_in_the_same_launch_equals_tile_map(tokens, e, k, block_m):
     for a, b in zip((order, tok, counts, inv), _want(flat, e, k)):
         assert torch.equal(a, b)
     n = flat.numel()
-    assert torch.equal(cmap, qg.tile_map(counts, n, block_m))
-    assert torch.equal(cmap.cpu(), qg.tile_map(counts.tolist(), n, block_m, "cpu").cpu())
+    assert torch.equal(cmap, tm.tile_map(counts, n, block_m))
+    assert torch.equal(cmap.cpu(), tm.tile_map(counts.tolist(), n, block_m, "cpu").cpu())
 
 
 def test_grouping_fills_the_layers_shared_maps():
     """expert_grouping(maps=): the counts and DECODE's tile map land in the dict the layer's GEMMs share, so
     `shared_tile_map` launches nothing for them."""
     from rl4bit.kernels import qgemm_triton as qg
+    from rl4bit.kernels import tile_map_triton as tm
 
     flat = torch.randint(0, 16, (64,), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     fused.set_enabled(True, torch.device(DEVICE).type)
@@ -113,7 +114,7 @@ def test_grouping_fills_the_layers_shared_maps():
     assert torch.equal(maps["offs"], counts.cumsum(0, dtype=torch.int32))
     cmap = maps[(64, qg.DECODE.block_m)]
     assert qg.shared_tile_map(maps, counts, 16, 64, qg.DECODE.block_m, DEVICE) is cmap
-    assert torch.equal(cmap, qg.tile_map(counts, 64, qg.DECODE.block_m))
+    assert torch.equal(cmap, tm.tile_map(counts, 64, qg.DECODE.block_m))
     many = torch.randint(0, 4, (512,), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     assert not qg.decode_rows(512, 4)  # 128 rows an expert: MID / TRAIN tiles, so no 16-row map is made
     fused.set_enabled(True, torch.device(DEVICE).type)

@@ -51,6 +51,7 @@ def _kernels():
     yield ("swiglu bf16", sw._swiglu_kernel, dict(h_ptr="*bf16", y_ptr="*bf16", R="i32", I="i32", s_h="i32"),
            dict(BLOCK_R=2, BLOCK_I=1024), 4)
     from rl4bit.kernels import qgemm_triton as qg
+    from rl4bit.kernels import tile_map_triton as tm
 
     gemm_sig = dict(xd_ptr="*i32", xs_ptr="*u8", xh_ptr="*fp16", xo_ptr="*fp32", wd_ptr="*i32", ws_ptr="*u8",
                     wo_ptr="*fp32", y_ptr="*bf16", map_ptr="*i32", n_tiles="i32", N="i32", K="i32", KW="i32", KS="i32")
@@ -127,7 +128,7 @@ def _kernels():
            dict(K=4, BLOCK=4, E_PAD=64, MAP_BLOCK_M=16, T_BLOCK=8), rt.route_warps(4, 64))  # batch 1: 5 tiles
     yield ("fused moe grouping + tile map, 128 experts", rt._route_kernel, route_sig,
            dict(K=8, BLOCK=2048, E_PAD=256, MAP_BLOCK_M=16, T_BLOCK=64), rt.route_warps(2048, 256))  # 256 x top-8
-    yield ("grouped GEMMs' tile map", qg._tile_map_kernel, dict(counts_ptr="*i32", map_ptr="*i32", E="i32", T="i32"),
+    yield ("grouped GEMMs' tile map", tm._tile_map_kernel, dict(counts_ptr="*i32", map_ptr="*i32", E="i32", T="i32"),
            dict(BLOCK_M=128, E_PAD=128, T_BLOCK=64), 4)
     from rl4bit.kernels import attention_triton as at
 
