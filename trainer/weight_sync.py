@@ -448,7 +448,7 @@ def sync_ray(sender: WeightSender, receivers: list, version: int, *, buckets: It
     return sent
 
 
-def _bcast_bytes(data: bytes | None, src: int, group) -> bytes | None:
+def bcast_bytes(data: bytes | None, src: int, group) -> bytes | None:
     """Broadcast one byte string from `src` (None there = abort marker); returns it on every rank (None = abort)."""
     import torch.distributed as dist
 
@@ -511,19 +511,19 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
             header = json.dumps({"version": version, "count": sender.num_buckets, "layout": sender.layout()}).encode()
         except Exception as e:  # the receivers wait for a header: send them the abort marker instead
             error = f"sender failed before the header ({type(e).__name__}: {e})"
-            _bcast_bytes(None, src, group)
+            bcast_bytes(None, src, group)
         else:
-            _bcast_bytes(header, src, group)
+            bcast_bytes(header, src, group)
             try:
                 for b in (buckets if buckets is not None else sender.buckets(version)):
-                    _bcast_bytes(b.sha256.encode() + b.payload, src, group)
+                    bcast_bytes(b.sha256.encode() + b.payload, src, group)
             except Exception as e:  # tell the receivers, then report
                 error = f"sender failed mid-stream ({type(e).__name__}: {e})"
-                _bcast_bytes(None, src, group)
+                bcast_bytes(None, src, group)
             else:
-                _bcast_bytes(b"", src, group)  # end of stream
+                bcast_bytes(b"", src, group)  # end of stream
     else:
-        blob = _bcast_bytes(None, src, group)
+        blob = bcast_bytes(None, src, group)
         if blob is None:
             error = "sender failed before the header"
         else:
@@ -537,7 +537,7 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
                 error = _receiver_step(receiver, receiver.begin, version, count, layout)
             i = 0
             while True:
-                blob = _bcast_bytes(None, src, group)
+                blob = bcast_bytes(None, src, group)
                 if blob is None:
                     error = error or f"sender aborted update v{version} after {i} bucket(s)"
                     receiver.abort(error)
@@ -550,11 +550,20 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
                 i += 1
             if error is None:
                 error = _receiver_step(receiver, receiver.commit, version, applying=True)
-    world = dist.get_world_size()  # global: `me` is a global rank, also in a subgroup
+    failed, msg = first_failure(error, group)
+    if failed is not None:
+        raise WeightSyncError(error if error is not None else f"weight sync v{version} failed on rank {failed}: {msg}")
+    return version
+
+
+def first_failure(error: str | None, group=None) -> tuple[int | None, str | None]:
+    """Collective: the lowest rank whose `error` is not None and its message, on every rank; (None, None) when no
+    rank failed. How the ranks of a collective update agree on its outcome."""
+    import torch.distributed as dist
+
+    me, world = dist.get_rank(), dist.get_world_size()  # global: `me` is a global rank, also in a subgroup
     first = torch.tensor([world if error is None else me], dtype=torch.int64)
     dist.all_reduce(first, op=dist.ReduceOp.MIN, group=group)  # lowest failing rank reports for everyone
-    if int(first) < world:
-        msg = _bcast_bytes(error.encode() if me == int(first) else None, int(first), group).decode()
-        raise WeightSyncError(error if error is not None else
-                              f"weight sync v{version} failed on rank {int(first)}: {msg}")
-    return version
+    if int(first) == world:
+        return None, None
+    return int(first), bcast_bytes(error.encode() if me == int(first) else None, int(first), group).decode()

@@ -91,7 +91,7 @@ def raising(err: Exception):
 
 
 def garbling_first(bcast):
-    """`weight_sync._bcast_bytes` whose first blob (the update header) arrives garbled."""
+    """`weight_sync.bcast_bytes` whose first blob (the update header) arrives garbled."""
     sent = []
 
     def send(data, src, group):
@@ -133,7 +133,7 @@ def broadcast_worker(rank: int, world: int, init_file: str) -> None:
             for _ in ("receive", "commit"):  # the receiver raises something other than WeightSyncError
                 with pytest.raises(WeightSyncError, match="receiver failed on rank 1"):
                     broadcast_update(0, sender=sender, version=2)
-            with mock.patch.object(weight_sync, "_bcast_bytes", garbling_first(weight_sync._bcast_bytes)):
+            with mock.patch.object(weight_sync, "bcast_bytes", garbling_first(weight_sync.bcast_bytes)):
                 with pytest.raises(WeightSyncError, match="rank 1 could not read the update header"):
                     broadcast_update(0, sender=sender, version=2)
             sender.layout = raising(RuntimeError("layout broke"))
