@@ -30,6 +30,7 @@ from rl4bit.sampler.engine import EmbeddedEngine
 from rl4bit.sampler.types import Request, Rollout, SamplingParams, WeightUpdate
 from rl4bit.trainer import cuda_ipc
 from rl4bit.trainer.surgery import load_quantized, quant_modules, quantized_weights
+from rl4bit.trainer.tensor_broadcast import SyncGroup, broadcast_tensors
 from rl4bit.trainer.weight_sync import Bucket, WeightReceiver, WeightSyncError
 
 
@@ -70,6 +71,7 @@ class Sampler:
             with torch.no_grad():  # serving mode: the QTensors the forward would quantize now; masters dropped
                 load_quantized(self.engine.model, quantized_weights(self.engine.model))
         self.receiver = WeightReceiver(self.engine)
+        self._sync_group = SyncGroup()
         self._generate_failed = False
         """Whether the last generate call raised (health's `ok`; a later successful one clears it)."""
         self._last_error: str | None = None
@@ -132,6 +134,23 @@ class Sampler:
     def gpu_uuid(self) -> str | None:
         """The engine's GPU (None off CUDA): updates from a trainer on the same one come by CUDA IPC."""
         return cuda_ipc.device_uuid(self.engine.device)
+
+    def join_sync_group(self, address: str, world: int, rank: int, backend: str, timeout_s: float) -> None:
+        """Join the trainer's weight-sync group as `rank` (`Trainer.join_sync_group`); `receive_weights` then
+        takes its broadcasts. ValueError when this process has a torch.distributed group already (vLLM in-process)."""
+        with self._recorded("join_sync_group"):
+            self._sync_group.join(address, world, rank, backend, timeout_s)
+
+    def sync_group(self) -> str | None:
+        """The address of the weight-sync group this sampler is in (None: none, e.g. after a restart)."""
+        return self._sync_group.address
+
+    def receive_weights(self) -> int:
+        """Take the trainer's `broadcast_weights` (a collective: called while it sends) into this engine's device
+        and apply it as `apply_tensors` does, all-or-nothing. The serving version."""
+        with self._recorded("receive_weights"):
+            broadcast_tensors(0, apply=self.apply_tensors, device=self.engine.device)
+        return self.version
 
     def apply_tensors(self, update: WeightUpdate, quantized: dict) -> int:
         """Apply an in-process update (`Trainer.weight_tensors`: dense tensors + {module: {param: QTensor}}).

@@ -28,7 +28,7 @@ import torch
 
 from rl4bit.common.checkpoint import load_checkpoint, save_checkpoint
 from rl4bit.kernels import NonFiniteInputError, deferred_checks, invariant
-from rl4bit.trainer import cuda_ipc, grpo, trainer_state
+from rl4bit.trainer import cuda_ipc, grpo, tensor_broadcast, trainer_state
 from rl4bit.trainer.batch import TrainBatch, microbatches, pad, stack
 from rl4bit.trainer.config import ModelConfig, RLConfig, TrainerConfig
 from rl4bit.trainer.logprobs import sequence_logprobs
@@ -37,7 +37,7 @@ from rl4bit.trainer.recipe import RecipeConfig
 from rl4bit.trainer.tokenizer import build_tokenizer
 from rl4bit.trainer.transfer import to_device
 from rl4bit.trainer.warmstart import supervised_warm_start
-from rl4bit.trainer.weight_sync import WeightSender
+from rl4bit.trainer.weight_sync import WeightSender, update_bytes
 
 
 class NonFiniteError(RuntimeError):
@@ -128,6 +128,7 @@ class Trainer:
         self.ep = 1
         self._sender = None
         self._shared = None
+        self._sync_group = tensor_broadcast.SyncGroup()
         """The update handed out by `weight_shared`, alive until `release_shared`."""
 
     # ------------------------------------------------------------------ phases
@@ -455,6 +456,26 @@ class Trainer:
         """This trainer's GPU (None off CUDA): samplers on the same one take updates by CUDA IPC."""
         return cuda_ipc.device_uuid(self.device)
 
+    def sync_address(self) -> str:
+        """A `tcp://` address on this trainer's host for the weight-sync group (`tensor_broadcast.local_address`)."""
+        return tensor_broadcast.local_address()
+
+    def join_sync_group(self, address: str, world: int, backend: str, timeout_s: float) -> None:
+        """Join the weight-sync group as its rank 0 (the samplers are 1..world-1); `broadcast_weights` then sends."""
+        self._one_rank("join_sync_group")
+        self._sync_group.join(address, world, 0, backend, timeout_s)
+
+    def sync_group(self) -> str | None:
+        """The address of the weight-sync group this trainer is in (None: none)."""
+        return self._sync_group.address
+
+    def broadcast_weights(self) -> int:
+        """Broadcast the current version's update to the sync group's samplers (`tensor_broadcast`: the
+        `weight_tensors` values, no serialization); the bytes each receives. WeightSyncError when any failed."""
+        update, quantized = self.weight_tensors()
+        tensor_broadcast.broadcast_tensors(0, update=update, quantized=quantized)
+        return update_bytes(update, quantized)
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The model's full tensors on rank 0, None elsewhere (collectives: every rank calls it; tests and exports)."""
         if self.world == 1:
@@ -496,4 +517,4 @@ class Trainer:
     def _one_rank(self, what: str) -> None:
         if self.world != 1:
             raise RuntimeError(f"{what} on trainer rank {self.rank} of {self.world}: a trainer group checkpoints "
-                               "through rl4bit.trainer_group.TrainerGroup (every rank writes its shard)")
+                               "and syncs through rl4bit.trainer_group.TrainerGroup (every rank writes its shard)")

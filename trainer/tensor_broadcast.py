@@ -145,3 +145,58 @@ def broadcast_tensors(src: int, *, update: WeightUpdate | None = None, quantized
         raise WeightSyncError(error if error is not None else
                               f"weight sync v{version} by broadcast failed on rank {failed}: {msg}")
     return version
+
+
+def local_address() -> str:
+    """`tcp://IP:PORT` on this host with a free port, for the other members of a `SyncGroup` to reach: the IP of
+    the interface that routes outward (no packet is sent), else the host name's, else the loopback."""
+    import socket
+
+    ip = "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.255.255.255", 1))  # UDP: picks the route, sends nothing
+            ip = s.getsockname()[0]
+    except OSError:
+        try:
+            ip = socket.gethostbyname(socket.gethostname())
+        except OSError:
+            pass
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return f"tcp://{ip}:{port}"
+
+
+class SyncGroup:
+    """This process's membership of the weight-sync group: the trainer (rank 0) and the samplers (ranks 1..n), the
+    process's torch.distributed default group. A process already in another group (a sharded trainer's ranks;
+    vLLM's worker in-process, `VLLM_ENABLE_V1_MULTIPROCESSING=0`) cannot join: ValueError saying so."""
+
+    def __init__(self):
+        self.address: str | None = None
+        """The `init_method` of the group this process is in (None: none); the driver compares the members'."""
+
+    def join(self, address: str, world: int, rank: int, backend: str, timeout_s: float) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        if self.address == address:
+            return
+        self.leave()
+        if dist.is_initialized():
+            raise ValueError("this process already has a torch.distributed group (a sharded trainer's, or vLLM's "
+                             "worker in-process): updates by broadcast need one of their own; run vLLM in its own "
+                             "process (unset VLLM_ENABLE_V1_MULTIPROCESSING) or set RL4BIT_WEIGHT_SYNC=buckets")
+        dist.init_process_group(backend, init_method=address, world_size=world, rank=rank,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        self.address = address
+
+    def leave(self) -> None:
+        """Leave the group (a member restarted: the rest rebuild it); no-op outside one."""
+        import torch.distributed as dist
+
+        if self.address is not None and dist.is_initialized():
+            dist.destroy_process_group()
+        self.address = None
