@@ -1,5 +1,5 @@
 """Ranks of tests/checkpoint/test_tensor_broadcast.py (spawned processes import them from here): rank 0 a trainer,
-the others embedded samplers, one gloo group."""
+the others embedded samplers, one group (gloo on CPU; NCCL with a GPU a rank)."""
 
 from __future__ import annotations
 
@@ -23,20 +23,24 @@ TINY = ["model.num_layers=2", "model.hidden_size=32", "model.expert_intermediate
         "run.warmup_sft_steps=0", "rl.ppo_epochs=1", "ray.mode=local", "trainer.device=cpu", "recipe.name=nvfp4"]
 
 
-def trained() -> Trainer:
-    """The same trainer on every rank (CPU, fixed seed): one optimizer step past its start, version 2."""
-    trainer = Trainer(**trainer_args(load_config(QUICKSTART, TINY)))
+def _config(device: str):
+    return load_config(QUICKSTART, TINY + [f"trainer.device={device}"])
+
+
+def trained(device: str = "cpu") -> Trainer:
+    """The same trainer on every rank (fixed seed): one optimizer step past its start, version 2."""
+    trainer = Trainer(**trainer_args(_config(device)))
     trainer.setup_rl()
     batch = TrainBatch([[5, 6, 7], [8, 9]], [[10, 11], [12]], [[-1.0, -1.0], [-1.0]], [1.0, -1.0])
     trainer.train_step(batch)
     return trainer
 
 
-def sampler(trainer: Trainer) -> Sampler:
+def sampler(trainer: Trainer, device: str = "cpu") -> Sampler:
     """An embedded sampler built from another seed: a sync must change its weights."""
-    cfg = load_config(QUICKSTART, TINY)
+    cfg = _config(device)
     return Sampler(lambda: build_policy_model(cfg.model, cfg.recipe, cfg.run.seed + 1), trainer.tokenizer,
-                   cfg.sampler, device="cpu", max_seq_len=cfg.model.max_seq_len)
+                   cfg.sampler, device=device, max_seq_len=cfg.model.max_seq_len)
 
 
 def served(s: Sampler) -> dict[str, torch.Tensor]:
@@ -53,16 +57,20 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
         torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
 
 
-def worker(rank: int, world: int, init_file: str) -> None:
+def worker(rank: int, world: int, init_file: str, backend: str = "gloo") -> None:
     import torch.distributed as dist
 
     from rl4bit.trainer.sharding import bind_world_defaults_early
 
+    device = "cpu"
+    if backend == "nccl":  # a GPU a rank
+        torch.cuda.set_device(rank)
+        device = f"cuda:{rank}"
     bind_world_defaults_early()
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
-        trainer = trained()
+        trainer = trained("cuda" if backend == "nccl" else "cpu")
         update, quantized = trainer.weight_tensors()
         if rank == 0:
             assert broadcast_tensors(0, update=update, quantized=quantized) == trainer.version
@@ -81,14 +89,14 @@ def worker(rank: int, world: int, init_file: str) -> None:
             with pytest.raises(WeightSyncError, match="sender failed before the header.*meta"):
                 broadcast_tensors(0, update=update, quantized=quantized)
         else:
-            s = sampler(trainer)
+            s = sampler(trainer, device)
             got = []
 
             def apply(u, q):
                 got.append((u, q))
                 return s.apply_tensors(u, q)
 
-            assert broadcast_tensors(0, apply=apply, device="cpu") == trainer.version == s.version
+            assert broadcast_tensors(0, apply=apply, device=device) == trainer.version == s.version
             u, q = got[0]
             assert u.version == update.version and u.tensors.keys() == update.tensors.keys()
             assert all(bits_equal(u.tensors[k], v) for k, v in update.tensors.items())
@@ -98,7 +106,7 @@ def worker(rank: int, world: int, init_file: str) -> None:
                     assert (have.fmt, have.shape) == (want.fmt, want.shape)
                     assert all(bits_equal(getattr(have, f), getattr(want, f)) for f in ("data", "scale", "outer"))
             # what it serves is what the direct in-process path serves
-            direct = sampler(trainer)
+            direct = sampler(trainer, device)
             direct.apply_tensors(update, quantized)
             want = served(direct)
             assert all(bits_equal(v, want[k]) for k, v in served(s).items())
@@ -111,7 +119,7 @@ def worker(rank: int, world: int, init_file: str) -> None:
 
             mine = "refused by the test" if rank == 1 else "failed on rank 2 while applying v2.*copy failed.*partly"
             with pytest.raises(WeightSyncError, match=mine):  # each failing rank raises its own error
-                broadcast_tensors(0, apply=refuse if rank == 1 else broken, device="cpu")
+                broadcast_tensors(0, apply=refuse if rank == 1 else broken, device=device)
             if rank == 2:
                 import unittest.mock as mock
 
@@ -119,13 +127,13 @@ def worker(rank: int, world: int, init_file: str) -> None:
 
                 with mock.patch.object(tensor_broadcast, "_allocate", side_effect=MemoryError("no room")):
                     with pytest.raises(WeightSyncError, match="could not take the update.*keeps serving"):
-                        broadcast_tensors(0, apply=apply, device="cpu")
+                        broadcast_tensors(0, apply=apply, device=device)
             else:
                 with pytest.raises(WeightSyncError, match="rank 2 could not take the update"):
-                    broadcast_tensors(0, apply=apply, device="cpu")
+                    broadcast_tensors(0, apply=apply, device=device)
             for _ in range(2):
                 with pytest.raises(WeightSyncError, match="sender failed before the header"):
-                    broadcast_tensors(0, apply=apply, device="cpu")
+                    broadcast_tensors(0, apply=apply, device=device)
             assert s.version == trainer.version and len(got) == 1  # nothing applied after the first update
         dist.barrier()
     finally:
