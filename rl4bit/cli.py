@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import re
 import sys
 
 BENCHES = {
@@ -116,27 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _device(name: str) -> str:
-    """`--device`: auto -> cuda where a GPU is visible, else cpu. Raises ValueError, naming what to pass instead,
-    for a device this process cannot use (checked here once, before any bench builds a model on it)."""
-    import torch
-
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    kind, colon, index = name.partition(":")
-    if kind not in ("cpu", "cuda") or (colon and (kind == "cpu" or not re.fullmatch(r"[0-9]+", index))):
-        raise ValueError(f"--device {name!r}: choose cpu, cuda, cuda:N or auto")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
-                         f"{'no GPU visible' if torch.backends.cuda.is_built() else 'a CPU-only build'}); "
-                         "use --device cpu (with --quick for the small shapes)")
-    if colon and int(index) >= torch.cuda.device_count():
-        n = torch.cuda.device_count()
-        raise ValueError(f"--device {name}: this process sees {n} GPU(s); choose "
-                         + ("cuda:0" if n == 1 else f"one of cuda:0 to cuda:{n - 1}"))
-    return name
-
-
 def cmd_config(args) -> int:
     from rl4bit.config import dump_yaml, load_config
 
@@ -151,9 +129,11 @@ def cmd_config(args) -> int:
 def cmd_bench(args) -> int:
     import inspect
 
+    from rl4bit.bench.common import resolve_device
+
     module, what = BENCHES[args.what]
     try:
-        device = _device(args.device)
+        device = resolve_device(args.device)
     except ValueError as e:
         print(f"rl4bit bench {args.what}: {e}", file=sys.stderr)
         return 2

@@ -23,7 +23,6 @@ learning-rate sweeps. The blog reports ~2% CE cost in pretraining.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from rl4bit.bench.common import bench_parser, parse_bench_args
 from rl4bit.common.atomic import atomic_write_bytes, atomic_write_text
 
 ALPHABET = "0123456789+=;"
@@ -194,16 +194,13 @@ def run(steps: int | None = None, quick: bool = False, out: str | None = None, d
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="tiny model, 60 steps (a smoke run on a CPU: about 7 minutes on 2 cores; its CE gaps move in "
-                   "steps of 1/60)")
+    p = bench_parser("rl4bit.bench.ce", __doc__, out="directory for results.json and ce_curves.png",
+                     quick="tiny model, 60 steps (a smoke run on a CPU: about 7 minutes on 2 cores; its CE gaps "
+                           "move in steps of 1/60)")
     p.add_argument("--steps", type=int, help="override the run length")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--out", help="directory for results.json and ce_curves.png")
     p.add_argument("--variants", help=f"comma-separated subset of: {', '.join(VARIANTS)}")
     p.add_argument("--seed", type=int, default=0)
-    a = p.parse_args(argv)
+    a = parse_bench_args(p, argv)
     run(steps=a.steps, quick=a.quick, out=a.out, device=a.device, seed=a.seed,
         variants=a.variants.split(",") if a.variants else None)
 

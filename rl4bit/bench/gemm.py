@@ -26,14 +26,13 @@ Leaves out: end-to-end decode steps (``rl4bit bench rollout``) and tuning sweeps
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
 
 import torch
 
-from rl4bit.bench.common import copy_gbps, time_us
+from rl4bit.bench.common import bench_parser, copy_gbps, parse_bench_args, time_us
 
 DENSE = (4096, 14336)
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8
@@ -232,12 +231,10 @@ def _print_table(rows: list[dict], device: str, gbps: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rl4bit.bench.gemm", description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
-    p.add_argument("--quick", action="store_true", help="tiny shapes (on CPU: the reference path), for smoke runs")
-    p.add_argument("--out", help="directory for bench_gemm.json")
+    p = bench_parser("rl4bit.bench.gemm", __doc__, quick="tiny shapes (on CPU: the reference path), for smoke runs",
+                     out="directory for bench_gemm.json")
     p.add_argument("--decode", action="store_true", help="the decode cases alone (NVFP4 against cuBLAS BF16)")
-    args = p.parse_args(argv)
+    args = parse_bench_args(p, argv)
     run(device=args.device, quick=args.quick, out=args.out, decode_only=args.decode)
     return 0
 

@@ -26,7 +26,6 @@ Leaves out: GEMMs (see the trainer benches) and multi-GPU all-to-all.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -35,6 +34,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from rl4bit.bench.common import bench_parser, parse_bench_args
 
 HIDDEN, INTER, EXPERTS = 2048, 768, 128
 TOKENS = (4096, 16384, 65536)
@@ -266,12 +267,10 @@ def _print_table(results: list[dict], device: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rl4bit.bench.kernels", description=__doc__.split("\n")[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cuda or cpu")
-    p.add_argument("--quick", action="store_true", help="small shapes (on CPU: the reference path), for smoke runs")
-    p.add_argument("--out", help="directory for bench_kernels.json")
+    p = bench_parser("rl4bit.bench.kernels", __doc__, out="directory for bench_kernels.json",
+                     quick="small shapes (on CPU: the reference path), for smoke runs")
     p.add_argument("--sweep", action="store_true", help="time the target kernels under several tile sizes (CUDA)")
-    args = p.parse_args(argv)
+    args = parse_bench_args(p, argv)
     run(device=args.device, quick=args.quick, out=args.out, sweep=args.sweep)
     return 0
 

@@ -40,7 +40,6 @@ also both engines with their padding rows routed as any row
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import gc
 import json
@@ -52,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.bench.common import copy_gbps, sync
+from rl4bit.bench.common import bench_parser, copy_gbps, parse_bench_args, sync
 from rl4bit.common.atomic import atomic_write_text
 
 MODELS = {
@@ -479,10 +478,7 @@ def _floor_cell(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    a = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    a.add_argument("--quick", action="store_true")
-    a.add_argument("--device", default="cpu")
-    a.add_argument("--out")
+    a = bench_parser("rl4bit.bench.rollout", __doc__, out="directory for results.json and the plots")
     a.add_argument("--batches", help="comma-separated batch sizes")
     a.add_argument("--new-tokens", type=int, help="generated tokens a sequence")
     a.add_argument("--samples", type=int, default=1, help="> 1: also n samples a prompt, shared prefill vs not")
@@ -490,7 +486,7 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--compare-unmarked", action="store_true",
                    help="also both engines with their padding rows routed as any row")
     a.add_argument("--no-vllm", action="store_true", help="leave out the vLLM columns")
-    args = a.parse_args(argv)
+    args = parse_bench_args(a, argv)
     from rl4bit.sampler.types import SamplingParams
 
     try:  # before any model or KV cache is sized by it

@@ -25,7 +25,6 @@ memory of a separate inference server.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
@@ -34,6 +33,7 @@ from pathlib import Path
 import psutil
 import torch
 
+from rl4bit.bench.common import bench_parser, parse_bench_args
 from rl4bit.common.atomic import atomic_write_text
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml"
@@ -133,14 +133,11 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, config
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m rl4bit.bench.soak", description=__doc__.splitlines()[0])
+    p = bench_parser("rl4bit.bench.soak", __doc__, quick="a short run (8 steps)")
     p.add_argument("config", nargs="?", help=f"job YAML (default {CONFIG.name})")
     p.add_argument("--steps", type=int, help="RL steps (default 100; 8 with --quick)")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out")
     p.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE")
-    a = p.parse_args(argv)
+    a = parse_bench_args(p, argv)
     run(a.device, a.quick, a.out, a.config, a.steps, a.override)
 
 

@@ -18,7 +18,6 @@ job's run dir under DIR/runs. Leaves out: Ray actors, several samplers, the warm
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import gc
 import json
@@ -30,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from rl4bit.bench.common import bench_parser, parse_bench_args
 from rl4bit.common.atomic import atomic_write_text
 from rl4bit.job_errors import JOB_ERRORS
 from rl4bit.job_errors import OutOfMemory as JobOutOfMemory
@@ -281,13 +281,10 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, confi
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--quick", action="store_true")
+    p = bench_parser("rl4bit.bench.step", __doc__, out="directory for the results and each job's run dir")
     p.add_argument("--config")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--out")
     p.add_argument("--recipes", default=",".join(RECIPES),
                    help="comma-separated recipes, one job each; the first is the reference of the ratio columns "
                         f"(default {','.join(RECIPES)})")
@@ -296,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--memory-sites", type=int, default=0,
                    help="print the N allocation sites holding the most memory after the first step (records live "
                         "blocks' stacks until then: slower)")
-    a = p.parse_args(argv)
+    a = parse_bench_args(p, argv)
     try:
         recipes = parse_recipes(a.recipes)
     except ValueError as err:

@@ -18,7 +18,6 @@ Leaves out: data loading, multi-GPU, activation checkpointing.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from rl4bit.bench.common import sync
+from rl4bit.bench.common import bench_parser, parse_bench_args, sync
 from rl4bit.common.atomic import atomic_write_text
 
 RECIPES = ("bf16", "mxfp8", "nvfp4")
@@ -184,13 +183,10 @@ def run(quick: bool = False, out: str | None = None, device: str = "cuda", recip
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny model, 2 steps: a smoke run, e.g. on a CPU")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--out")
+    p = bench_parser("rl4bit.bench.train", __doc__, quick="tiny model, 2 steps: a smoke run, e.g. on a CPU")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--no-gemms", action="store_true", help="skip the per-GEMM table")
-    a = p.parse_args(argv)
+    a = parse_bench_args(p, argv)
     run(quick=a.quick, out=a.out, device=a.device, recipes=a.recipes.split(","), gemms=not a.no_gemms)
 
 
