@@ -255,6 +255,14 @@ class VLLMEngine:
     def version(self) -> int:
         return self._version
 
+    def close(self) -> None:
+        """Shut vLLM's engine core down now (on CUDA by default its own process; what dropping the last reference
+        does on collection), so its GPU memory is free when this returns. The engine is unusable after."""
+        llm = self.__dict__.pop("llm", None)
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown()
+        self.broken = "closed"
+
     def _check_usable(self) -> None:
         if self.broken is not None:
             raise RuntimeError(f"vLLM engine unusable: {self.broken}")

