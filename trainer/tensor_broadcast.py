@@ -11,7 +11,8 @@ receiver gets what the direct in-process path hands over, bit for bit, and appli
 1. the header (JSON: version, each tensor's name, dtype, shape), or an abort marker when the sender cannot build
    it; every receiver allocates the whole update on its device; the ranks agree that every one is ready
    (`weight_sync.first_failure`), else nothing moves;
-2. one broadcast a tensor, as bytes (any dtype, FP8 included, crosses NCCL and gloo as uint8), in header order;
+2. one broadcast a tensor, as bytes (any dtype, FP8 included, crosses NCCL and gloo as uint8), in header order
+   (an NCCL group carries the header and the agreements over gloo: `group_backend`);
 3. each receiver applies the update; the ranks agree on the outcome. On any failure every rank raises
    WeightSyncError with the lowest failing rank's message: a receiver that failed keeps serving its previous
    version, one that applied serves the new one (the job stops: fail-stop, as the other paths).
@@ -34,13 +35,20 @@ from rl4bit.trainer.weight_sync import WeightSyncError, bcast_bytes, first_failu
 QFIELDS = ("data", "scale", "outer")
 
 
+def group_backend(backend: str) -> str:
+    """The backend string a weight-sync group is created with: NCCL groups also get gloo for CPU tensors (the
+    header and the agreements, `weight_sync.bcast_bytes` / `first_failure`), which NCCL cannot carry."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
 def _check_device(device, backend: str, what: str) -> None:
-    """NCCL moves CUDA tensors, gloo CPU ones: a ValueError naming `what` otherwise (before anything moves)."""
+    """The update's tensors cross NCCL as CUDA tensors, gloo as CPU ones: a ValueError naming `what` otherwise
+    (before anything moves). `backend`: the group's, e.g. `cpu:gloo,cuda:nccl`."""
     kind = torch.device(device).type
-    want = "cuda" if backend == "nccl" else "cpu"
+    want = "cuda" if "nccl" in backend else "cpu"
     if kind != want:
-        raise ValueError(f"{what} is on {device}, but the {backend} group moves {want} tensors; "
-                         f"{'put the update on the GPU' if want == 'cuda' else 'use a gloo group for CPU tensors'}")
+        raise ValueError(f"{what} is on {device}, but this group ({backend}) moves the update as {want} tensors; "
+                         f"{'put the update on the GPU' if want == 'cuda' else 'use an NCCL group for GPU tensors'}")
 
 
 def _header(update: WeightUpdate, quantized: dict, backend: str) -> tuple[bytes, list[torch.Tensor]]:
@@ -189,7 +197,7 @@ class SyncGroup:
             raise ValueError("this process already has a torch.distributed group (a sharded trainer's, or vLLM's "
                              "worker in-process): updates by broadcast need one of their own; run vLLM in its own "
                              "process (unset VLLM_ENABLE_V1_MULTIPROCESSING) or set RL4BIT_WEIGHT_SYNC=buckets")
-        dist.init_process_group(backend, init_method=address, world_size=world, rank=rank,
+        dist.init_process_group(group_backend(backend), init_method=address, world_size=world, rank=rank,
                                 timeout=datetime.timedelta(seconds=timeout_s))
         self.address = address
 

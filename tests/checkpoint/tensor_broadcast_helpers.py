@@ -14,7 +14,7 @@ from rl4bit.sampler.actor import Sampler
 from rl4bit.trainer.actor import TrainBatch, Trainer
 from rl4bit.trainer.models import build_policy_model
 from rl4bit.trainer.surgery import quant_modules
-from rl4bit.trainer.tensor_broadcast import broadcast_tensors
+from rl4bit.trainer.tensor_broadcast import broadcast_tensors, group_backend
 from rl4bit.trainer.weight_sync import WeightSyncError
 
 QUICKSTART = str(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
@@ -67,7 +67,7 @@ def worker(rank: int, world: int, init_file: str, backend: str = "gloo") -> None
         torch.cuda.set_device(rank)
         device = f"cuda:{rank}"
     bind_world_defaults_early()
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+    dist.init_process_group(group_backend(backend), init_method=f"file://{init_file}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=120))
     try:
         trainer = trained("cuda" if backend == "nccl" else "cpu")
@@ -86,7 +86,7 @@ def worker(rank: int, world: int, init_file: str, backend: str = "gloo") -> None
                 broadcast_tensors(0, update=update, quantized=bad)
             # gloo moves CPU tensors: a tensor on another device is refused before the header
             update.tensors["lm_head.weight"] = update.tensors["lm_head.weight"].to("meta")
-            with pytest.raises(WeightSyncError, match="sender failed before the header.*meta"):
+            with pytest.raises(WeightSyncError, match="sender failed before the header.*lm_head.weight is on meta"):
                 broadcast_tensors(0, update=update, quantized=quantized)
         else:
             s = sampler(trainer, device)
