@@ -45,12 +45,19 @@ RAY_SCRIPT = textwrap.dedent('''
             get([good.value(1), bad.value(3)])
         except ValueError as e:
             out["raised"] = [type(e).__name__, str(e), getattr(e, "__notes__", [])]
+        import time
         import ray
         ray.kill(bad._handle)
-        try:
-            get([good.value(1), bad.value(4)])
-        except ActorDiedError as e:
-            out["died"] = [e.actor, e.label, str(e).split(" (")[0]]
+        deadline = time.monotonic() + 60
+        while "died" not in out:  # ray.kill is asynchronous: a call sent right after may still run in the actor
+            try:
+                get([good.value(1), bad.value(4)])
+            except ActorDiedError as e:
+                out["died"] = [e.actor, e.label, str(e).split(" (")[0]]
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
     finally:
         cluster.shutdown()
     print("RESULT " + json.dumps(out))
