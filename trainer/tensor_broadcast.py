@@ -30,7 +30,7 @@ import torch
 
 from rl4bit.common.weight_update import WeightUpdate
 from rl4bit.kernels import QTensor
-from rl4bit.trainer.weight_sync import WeightSyncError, bcast_bytes, first_failure
+from rl4bit.trainer.weight_sync import WeightSyncError, bcast_header, first_failure
 
 QFIELDS = ("data", "scale", "outer")
 
@@ -111,21 +111,17 @@ def broadcast_tensors(src: int, *, update: WeightUpdate | None = None, quantized
     import torch.distributed as dist
 
     me, backend = dist.get_rank(), str(dist.get_backend(group))
-    error, version, header, tensors = None, None, None, []
+    version, header, tensors = None, None, []
     if me == src:
-        try:
-            blob, tensors = _header(update, quantized, backend)
-        except Exception as e:  # the receivers wait for a header: send them the abort marker instead
-            error = f"sender failed before the header ({type(e).__name__}: {e})"
-            bcast_bytes(None, src, group)
-        else:
-            bcast_bytes(blob, src, group)
-            version = update.version
+        def build() -> bytes:
+            blob, tensors[:] = _header(update, quantized, backend)
+            return blob
+
+        _, error = bcast_header(src, build, group)
+        version = update.version if error is None else None
     else:
-        blob = bcast_bytes(None, src, group)
-        if blob is None:
-            error = "sender failed before the header"
-        else:
+        blob, error = bcast_header(src, None, group)
+        if blob is not None:
             try:
                 header = json.loads(blob)
                 version = header["version"]

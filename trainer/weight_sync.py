@@ -464,6 +464,23 @@ def bcast_bytes(data: bytes | None, src: int, group) -> bytes | None:
     return data if is_src else buf.numpy().tobytes()
 
 
+def bcast_header(src: int, build, group) -> tuple[bytes | None, str | None]:
+    """An update's header from rank `src` (which passes `build`, a function returning its bytes) to every rank:
+    (the header, None), or (None, why) on every rank when `build` raised (the receivers, waiting for a header,
+    get the abort marker instead)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == src:
+        try:
+            blob = build()
+        except Exception as e:
+            bcast_bytes(None, src, group)
+            return None, f"sender failed before the header ({type(e).__name__}: {e})"
+        return bcast_bytes(blob, src, group), None
+    blob = bcast_bytes(None, src, group)
+    return (None, "sender failed before the header") if blob is None else (blob, None)
+
+
 def _receiver_step(receiver: WeightReceiver, step, *args, applying: bool = False) -> str | None:
     """Run one receiver step; its failure as a message (None: it succeeded). Whatever it raises, the rank stays in
     the collective (a rank leaving on an unexpected error would hang the others) and drops the staged update.
@@ -505,15 +522,10 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
     import torch.distributed as dist
 
     me = dist.get_rank()
-    error: str | None = None
     if me == src:
-        try:
-            header = json.dumps({"version": version, "count": sender.num_buckets, "layout": sender.layout()}).encode()
-        except Exception as e:  # the receivers wait for a header: send them the abort marker instead
-            error = f"sender failed before the header ({type(e).__name__}: {e})"
-            bcast_bytes(None, src, group)
-        else:
-            bcast_bytes(header, src, group)
+        _, error = bcast_header(src, lambda: json.dumps(
+            {"version": version, "count": sender.num_buckets, "layout": sender.layout()}).encode(), group)
+        if error is None:
             try:
                 for b in (buckets if buckets is not None else sender.buckets(version)):
                     bcast_bytes(b.sha256.encode() + b.payload, src, group)
@@ -523,10 +535,8 @@ def broadcast_update(src: int, *, sender: WeightSender | None = None, receiver: 
             else:
                 bcast_bytes(b"", src, group)  # end of stream
     else:
-        blob = bcast_bytes(None, src, group)
-        if blob is None:
-            error = "sender failed before the header"
-        else:
+        blob, error = bcast_header(src, None, group)
+        if blob is not None:
             try:
                 h = json.loads(blob)
                 version, count, layout = h["version"], h["count"], h["layout"]
