@@ -18,10 +18,11 @@ from rl4bit.sampler.actor import Sampler
 from rl4bit.sampler.types import Request, SamplingParams, WeightUpdate
 from rl4bit.trainer.actor import TrainBatch, Trainer
 from rl4bit.trainer.models import build_policy_model
-from rl4bit.trainer.surgery import quant_modules, quantized_weights
+from rl4bit.trainer.surgery import quantized_weights
 from rl4bit.trainer.tokenizer import build_tokenizer
 from rl4bit.trainer.weight_sync import WeightSyncError, update_bytes
 
+from .checkpoint.tensor_broadcast_helpers import served
 from .rl.conftest import QUICKSTART, SMALL, deadline_of, learned
 
 RECIPES = ["nvfp4", "bf16", "mxfp8"]
@@ -64,16 +65,6 @@ def _bucket_sync(trainer: Trainer, sampler: Sampler) -> None:
     assert sampler.commit_update(version) == version
 
 
-def _served(sampler: Sampler) -> dict[str, torch.Tensor]:
-    """Everything the sampler serves, copied: QTensor fields `q.{module}.{param}.{field}` and the dense state dict."""
-    out = {f"dense.{k}": v.detach().clone() for k, v in sampler.engine.model.state_dict().items()}
-    for name, m in quant_modules(sampler.engine.model).items():
-        for param, q in (m.served or {}).items():
-            for field in ("data", "scale", "outer"):
-                out[f"q.{name}.{param}.{field}"] = getattr(q, field).clone()
-    return out
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
@@ -100,12 +91,12 @@ def _rollouts(sampler: Sampler):
 def test_direct_sync_serves_bitwise_what_the_bucket_sync_serves(recipe):
     trainer = _trained(recipe)
     by_buckets, direct = _sampler(trainer), _sampler(trainer)
-    before = _served(direct)
+    before = served(direct)
     _bucket_sync(trainer, by_buckets)
     update, quantized = trainer.weight_tensors()
     assert direct.apply_tensors(update, quantized) == trainer.version == by_buckets.version == direct.version
-    got = _served(direct)
-    _assert_bitwise(got, _served(by_buckets))
+    got = served(direct)
+    _assert_bitwise(got, served(by_buckets))
     changed = [k for k in got if not torch.equal(_bits(got[k]), _bits(before[k]))]
     assert len(changed) > len(got) // 2, "the sync replaced the sampler's own weights"
 
@@ -164,7 +155,7 @@ BAD = {"nan_dense": "NaN/Inf", "shape_dense": "shape", "inf_outer": "NaN/Inf", "
 @pytest.mark.parametrize("damage", list(BAD))
 def test_rejected_direct_update_keeps_the_old_version_serving(synced, damage):
     trainer, sampler = synced
-    version, before = sampler.version, _served(sampler)
+    version, before = sampler.version, served(sampler)
     masters = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     update, quantized = trainer.weight_tensors()
     bad, bad_q = _damaged(update, quantized, damage, version + 1)
@@ -172,21 +163,21 @@ def test_rejected_direct_update_keeps_the_old_version_serving(synced, damage):
                                               rf"v{version} keeps serving"):
         sampler.apply_tensors(bad, bad_q)
     assert sampler.version == version
-    _assert_bitwise(_served(sampler), before)
+    _assert_bitwise(served(sampler), before)
     assert all(torch.equal(v, masters[k]) for k, v in trainer.model.state_dict().items()), "the trainer is untouched"
     assert _rollouts(sampler)  # and still serves
 
 
 def test_stale_direct_update_is_refused_and_the_next_good_one_applies(synced):
     trainer, sampler = synced
-    version, before = sampler.version, _served(sampler)
+    version, before = sampler.version, served(sampler)
     update, quantized = trainer.weight_tensors()
     with pytest.raises(WeightSyncError, match=rf"v{version} is not newer than the serving v{version}"):
         sampler.apply_tensors(update, quantized)
-    _assert_bitwise(_served(sampler), before)
+    _assert_bitwise(served(sampler), before)
     newer = WeightUpdate(version + 1, update.tensors)
     assert sampler.apply_tensors(newer, quantized) == version + 1 == sampler.version
-    _assert_bitwise(_served(sampler), before)  # the same weights, now stamped v+1
+    _assert_bitwise(served(sampler), before)  # the same weights, now stamped v+1
 
 
 def test_a_vllm_sampler_takes_the_direct_path_too(synced, monkeypatch, tmp_path):
@@ -270,13 +261,13 @@ def test_sync_weights_fails_stop_on_a_bad_direct_update(tmp_path, monkeypatch):
     assert sampler.version == trainer.version == 1
 
     _train_step(trainer)
-    before = _served(sampler)
+    before = served(sampler)
     good = trainer.weight_tensors
     monkeypatch.setattr(trainer, "weight_tensors", lambda: _damaged(*good(), "nan_dense", trainer.version))
     with pytest.raises(WeightSyncError, match=r"v2 does not fit .*NaN/Inf.*v1 keeps serving.*the job stops"):
         sampler_sync.sync_weights(trainer_p, [sampler_p])
     assert sampler.version == 1
-    _assert_bitwise(_served(sampler), before)
+    _assert_bitwise(served(sampler), before)
     monkeypatch.setattr(trainer, "weight_tensors", good)
     sampler_sync.sync_weights(trainer_p, [sampler_p])  # the next good update goes through
     assert sampler.version == 2

@@ -44,6 +44,7 @@ def sampler(trainer: Trainer, device: str = "cpu") -> Sampler:
 
 
 def served(s: Sampler) -> dict[str, torch.Tensor]:
+    """Everything a sampler serves, copied: QTensor fields `q.{module}.{param}.{field}` and the dense state dict."""
     out = {f"dense.{k}": v.detach().clone() for k, v in s.engine.model.state_dict().items()}
     for name, m in quant_modules(s.engine.model).items():
         for param, q in (m.served or {}).items():
