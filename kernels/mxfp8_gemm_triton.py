@@ -32,12 +32,13 @@ MX_TRAIN = {False: Config(block_m=128, block_n=128, num_warps=4, num_stages=3),
             True: Config(block_m=128, block_n=64, num_warps=4, num_stages=3)}
 """Per path (fp8): the FP8 path keeps a second FP32 tile (the fresh partial sum) live, so a smaller N tile.
 BF16 path: 4 warps, the fastest bitwise-equal tile of ``scripts/sweep_mxfp8_gemm.py`` on the bench model's gate_up
-dgrad (4 warps also won every shape of the NVFP4 forward's sweep). The wgrad kernel keeps its 8-warp tile
-(``WGRAD``: not swept)."""
+dgrad (4 warps also won every shape of the NVFP4 forward's sweep)."""
 MX_DECODE_MAX_ROWS = 64
 TWO_CONFIGS = True
 """False: MX_TRAIN for every M (if the two configs ever differ in bits on a GPU)."""
-WGRAD = {False: Config(block_m=128, block_n=128, num_warps=8, num_stages=3), True: MX_TRAIN[True]}
+WGRAD = {False: Config(block_m=128, block_n=128, num_warps=4, num_stages=3), True: MX_TRAIN[True]}
+"""The wgrad kernel's tiles. BF16 path: 4 warps, two CTAs an SM (the 8-warp tile's registers allowed one); the
+fastest bitwise-equal tile of ``scripts/sweep_mxfp8_gemm.py`` on all four wgrad shapes (docs/performance.md)."""
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # vLLM on the lent GPU: reassemble the wheelhouse parts copied to /tmp/wh, install, then the checks.
 #   bash scripts/gpu_vllm.sh [install] [check-tiny] [check] [ipc] [check-mp] [sr] [tests] [bench-rollout] [rl] [bench-kernels]    outputs in $OUT
+# bench-rollout leaves out the HF generate baseline (ROLLOUT_ARGS replaces `--no-hf`): minutes a call on a GPU.
 # Each step runs under `timeout` (seconds from TINY_S, CHECK_S, MP_S, SR_S, TESTS_S, ROLLOUT_S, RL_S, BENCH_S) so one slow step cannot
 # take the later ones' output with it. RL_ARGS: more `-o` overrides for the rl step (an H100: -o trainer.tokens_per_microbatch=8192).
 set -uo pipefail
@@ -25,7 +26,7 @@ for step in "$@"; do case $step in
   ipc) run ipc 120 python3 -P -m pytest -q -p no:cacheprovider tests/trainer/test_cuda_ipc.py ;;
   sr) run sr ${SR_S:-90} python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_triton_quantize.py ;;
   tests) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 RL4BIT_VLLM_TESTS=1 run tests ${TESTS_S:-200} python3 -P -m pytest tests/vllm -q -p no:cacheprovider ${TEST_ARGS:-} ;;
-  bench-rollout) source /tmp/site/vllm_env.sh; run bench_rollout ${ROLLOUT_S:-480} python3 -P -m rl4bit.cli bench rollout --device cuda --out "$out/bench-rollout" ${ROLLOUT_ARGS:-} ;;
+  bench-rollout) source /tmp/site/vllm_env.sh; run bench_rollout ${ROLLOUT_S:-480} python3 -P -m rl4bit.cli bench rollout --device cuda --out "$out/bench-rollout" ${ROLLOUT_ARGS:---no-hf} ;;
   rl) source /tmp/site/vllm_env.sh  # issue 40 item 5: the same GRPO job with each sampler, trainer and vLLM on one GPU
     for b in ${RL_BACKENDS:-vllm embedded}; do
       run rl_$b ${RL_S:-280} python3 -P -m rl4bit.cli train configs/gpu-h200.yaml --out /tmp/rl-$b -o rl.steps=${RL_STEPS:-20} \

@@ -331,14 +331,15 @@ def vllm_columns(model, name: str, prompts: dict[int, torch.Tensor], new: int, d
 
 def run(device: str = "cpu", quick: bool = False, out: str | None = None, batches: list[int] | None = None,
         new_tokens: int | None = None, samples: int = 1, compare_unfused: bool = False,
-        compare_unmarked: bool = False, vllm: bool = True) -> dict:
+        compare_unmarked: bool = False, vllm: bool = True, hf: bool = True) -> dict:
     """Benchmark, print the table, write results.json under `out`; returns the results.
 
     new_tokens: generated tokens a sequence (default: 512 on CUDA as issue 6 states, 128 on CPU, 32 quick).
     samples > 1: also n samples a prompt, shared prefill beside one prefill per sample (BF16 weights).
     compare_unfused: also the NVFP4-weights engine with the fused kernels off.
     compare_unmarked: also both engines with their padding rows unmarked (routed as any row).
-    vllm: the vLLM columns (`vllm_columns`), after the others."""
+    vllm: the vLLM columns (`vllm_columns`), after the others.
+    hf: the HF `generate` baseline (minutes at 512 new tokens on a GPU; vLLM is the yardstick there)."""
 
     from rl4bit.sampler.types import SamplingParams
 
@@ -360,7 +361,7 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
     for b in batches:
         prompts = prompt_sets[b] = torch.randint(1, MODELS[name]["vocab_size"], (b, p), generator=gen)
         e = _figures(bench_engine(bmodel, prompts, new, device), b, p)
-        h = _figures(unfused(bench_hf, model, prompts, new, device), b, p)
+        h = _figures(unfused(bench_hf, model, prompts, new, device), b, p) if hf else None
         q = _figures(bench_engine(qmodel, prompts, new, device), b, p)
         floor = {f: read_floor(name, b, p, new, f) for f in EXPERT_BYTES}
         for f in floor.values():
@@ -374,7 +375,8 @@ def run(device: str = "cpu", quick: bool = False, out: str | None = None, batche
             with padding.ignored():
                 rows[-1]["engine_unmarked"] = _figures(bench_engine(bmodel, prompts, new, device), b, p)
                 rows[-1]["engine_nvfp4_unmarked"] = _figures(bench_engine(qmodel, prompts, new, device), b, p)
-        print(f"batch {b}: engine {e['gen_tok_s']:.0f} tok/s, HF generate {h['gen_tok_s']:.0f} tok/s"
+        print(f"batch {b}: engine {e['gen_tok_s']:.0f} tok/s"
+              + (f", HF generate {h['gen_tok_s']:.0f} tok/s" if h else "")
               + (f", engine NVFP4 weights {q['gen_tok_s']:.0f} tok/s" if q else "")
               + (f", NVFP4 unfused {u['gen_tok_s']:.0f} tok/s" if (u := rows[-1].get("engine_nvfp4_unfused"))
                  else ""), flush=True)
@@ -424,16 +426,18 @@ def _print_table(res: dict) -> None:
                 ("vLLM gen tok/s BF16 / NVFP4", "x vs vLLM BF16: engine NVFP4 / vLLM NVFP4") if has_vllm else ()):
         t.add_column(col, justify="right")
 
-    def pair(e, h, fmt, higher_better=True):
-        ratio = (e / h if higher_better else h / e) if e and h else float("nan")
-        return f"{fmt.format(e)} / {fmt.format(h)} ({ratio:.2f}x)"
+    def pair(e, h, key, fmt, higher_better=True):  # engine / HF (engine over HF); "-" for HF left out
+        if h is None:
+            return f"{fmt.format(e[key])} / -"
+        ratio = e[key] / h[key] if higher_better else h[key] / e[key]
+        return f"{fmt.format(e[key])} / {fmt.format(h[key])} ({ratio:.2f}x)"
 
     for r in res["rows"]:
         e, h = r["engine"], r["hf"]
-        t.add_row(str(r["batch"]), pair(e["prompt_tok_s"], h["prompt_tok_s"], "{:.0f}"),
-                  pair(e["gen_tok_s"], h["gen_tok_s"], "{:.0f}"),
-                  pair(e["ms_per_step"], h["ms_per_step"], "{:.2f}", higher_better=False),
-                  f"{e['prefill_s']:.3f} / {h['prefill_s']:.3f}", f"{e['decode_s']:.3f} / {h['decode_s']:.3f}",
+        t.add_row(str(r["batch"]), pair(e, h, "prompt_tok_s", "{:.0f}"), pair(e, h, "gen_tok_s", "{:.0f}"),
+                  pair(e, h, "ms_per_step", "{:.2f}", higher_better=False),
+                  f"{e['prefill_s']:.3f} / " + (f"{h['prefill_s']:.3f}" if h else "-"),
+                  f"{e['decode_s']:.3f} / " + (f"{h['decode_s']:.3f}" if h else "-"),
                   (f"{q['gen_tok_s']:.0f}, {q['ms_per_step']:.2f} ({q['gen_tok_s'] / e['gen_tok_s']:.2f}x tok/s, "
                    f"{e['ms_per_step'] / q['ms_per_step']:.2f}x a step)"
                    if (q := r["engine_nvfp4"]) else "missing"),
@@ -487,6 +491,7 @@ def main(argv: list[str] | None = None) -> None:
     a.add_argument("--compare-unmarked", action="store_true",
                    help="also both engines with their padding rows routed as any row")
     a.add_argument("--no-vllm", action="store_true", help="leave out the vLLM columns")
+    a.add_argument("--no-hf", action="store_true", help="leave out the HF generate baseline")
     args = parse_bench_args(a, argv)
     from rl4bit.sampler.types import SamplingParams
 
@@ -497,7 +502,7 @@ def main(argv: list[str] | None = None) -> None:
     run(device=args.device, quick=args.quick, out=args.out,
         batches=[int(x) for x in args.batches.split(",")] if args.batches else None, new_tokens=args.new_tokens,
         samples=args.samples, compare_unfused=args.compare_unfused, compare_unmarked=args.compare_unmarked,
-        vllm=not args.no_vllm)
+        vllm=not args.no_vllm, hf=not args.no_hf)
 
 
 if __name__ == "__main__":

@@ -166,8 +166,9 @@ def _kernels():
            dict(BLOCK_M=128, BLOCK_N=64, FP8=True, BK=32, INTERPRET=False, EVEN_N=True, EVEN_K=True), 4)
     wg_sig = dict(a_ptr="*u8", sa_ptr="*u8", b_ptr="*u8", sb_ptr="*u8", out_ptr="*fp32", seg_ptr="*i32", P="i32",
                   Q="i32", RP="i32", RS="i32")
+    wg = mg.WGRAD[False]  # the tile the trainer launches
     yield ("mxfp8 wgrad GEMM, BF16 path", mg._mx_wgrad_kernel, wg_sig,
-           dict(BLOCK_M=128, BLOCK_N=128, FP8=False, BK=64, INTERPRET=False), 8)
+           dict(BLOCK_M=wg.block_m, BLOCK_N=wg.block_n, FP8=False, BK=mg.BF16_BLOCK_K, INTERPRET=False), wg.num_warps)
     dec_sig = dict(data_ptr="*i8", scale_ptr="*u8", out_ptr="*fp32", R="i32", K="i32", **seeds)
     yield "s2f6 decode + inverse rht", s2._s2f6_dequant_kernel, dec_sig, dict(BLOCK_R=4, BLOCK_K=1024, HAS_RHT=True), 4
 

@@ -85,3 +85,16 @@ def test_vllm_columns_are_skipped_with_a_note_without_vllm(capsys, tmp_path):
     out = capsys.readouterr().out
     assert "vLLM BF16 column skipped: sampler.backend vllm needs vLLM" in out
     assert "vLLM NVFP4 column skipped: " in out
+
+
+def test_no_hf_leaves_the_hf_baseline_out(capsys, tmp_path):
+    """`--no-hf`: no HF `generate` run (minutes on a GPU at 512 new tokens), its cells shown as "-"."""
+    from rl4bit.bench import rollout as bench_rollout
+
+    bench_rollout.main(["--device", "cpu", "--quick", "--batches", "1", "--new-tokens", "2", "--no-hf", "--no-vllm",
+                        "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert rows[0]["hf"] is None and rows[0]["engine"]["gen_tok_s"] > 0
+    out = capsys.readouterr().out
+    assert "HF generate" not in out.split("rollout:")[0]  # the per-batch line names no HF figure
+    assert " / -" in out
