@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Do the GPU tests and benchmarks pass on this card? One mode a device call (each fits a 10-minute call);
 # outputs into $OUT (or ./gpu-check-out), every step's exit code in steps.txt; a failing step stops nothing.
-#   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | padding | rl | step | train | all]
+#   source scripts/device_env.sh && bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | formats | padding | rl | step | train | all]
 #   tests:   the GPU tests of the decode path's kernels
 #   perf:    the batch-1 decode profile, `bench rollout`, `bench gemm --decode`, the one-token decode GEMM sweep and
 #            the attention split sweep
@@ -9,6 +9,8 @@
 #   step:    `bench step`, STEP_RECIPES (default nvfp4,mxfp8,bf16; half-size micro-batches under 100 GB)
 #   train:   issue 42's training-side figures: `bench gemm` (training GEMMs), `bench train`, the MXFP8 dgrad / wgrad
 #            tile sweep (each config bitwise-checked first) and where the nvfp4 / mxfp8 / bf16 train step's time goes
+#   formats: `bench kernels` (the format kernels against copy bandwidth), then `bench kernels --sweep` (their tiles
+#            and warps at training shapes, each config bitwise-checked against the kernel's default first)
 #   profile: decode profiles at batch 16 and 64, the routing kernel's warp sweep, the decode GEMM sweep there
 #   decode:  the decode tile sweep at 1 / 16 / 64 tokens, then the engine's rollout with the default tile beside
 #            the sweep's best (scripts/ab_decode_config.py)
@@ -116,6 +118,24 @@ case "$mode" in
         small=(); [ "${mib:-0}" -lt 100000 ] && small=(-o trainer.tokens_per_microbatch=8192)
         run profile-train ${PROFILE_S:-150} python3 -P scripts/profile_train.py --recipes nvfp4,mxfp8,bf16 "${small[@]}"
         tail -80 "$out/profile-train.txt" ;;
-    *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | padding | rl | step | train | all]" >&2
+    formats)
+        run bench-kernels 150 python3 -P -m rl4bit.bench.kernels --device cuda --out "$out"
+        tail -45 "$out/bench-kernels.txt"
+        mkdir -p "$out/sweep"
+        run sweep-formats ${SWEEP_S:-400} python3 -P -m rl4bit.bench.kernels --device cuda --sweep --out "$out/sweep"
+        grep -E "default|NO|Error" "$out/sweep-formats.txt" | head -20
+        python3 - "$out/sweep/bench_kernels.json" <<'PY' 2>&1 | tee -a "$out/sweep-best.txt"
+import json, sys
+rows = json.load(open(sys.argv[1]))
+for g in sorted({r["kernel"].split(" [")[0] for r in rows}):
+    mine = [r for r in rows if r["kernel"].startswith(g + " [")]
+    base = next(r for r in mine if r["kernel"].endswith("[default]"))
+    ok = sorted((r for r in mine if r["bitwise"]), key=lambda r: r["us"])[:4]
+    print(g, "default", round(base["us"], 1), "us", f"{base['of_copy']:.0%} of copy; best:",
+          "; ".join(f"{r['kernel'].split(' [')[1][:-1]} {r['us']:.1f} us {r['of_copy']:.0%}" for r in ok),
+          "| not bitwise:", sum(r["bitwise"] is False for r in mine))
+PY
+        ;;
+    *) echo "usage: bash scripts/gpu_check.sh [tests | perf | profile | decode | kernels | formats | padding | rl | step | train | all]" >&2
        exit 2 ;;
 esac

@@ -50,6 +50,7 @@ class Case:
     fn: Callable[[], object]  # returns the output tensors (counted as written bytes)
     read_bytes: int
     target: float | None = None
+    group: str | None = None  # sweep: the group's first case is the default, the others are checked against it
 
 
 def _nbytes(obj) -> int:
@@ -182,33 +183,45 @@ def _reference_cases(device: str, tokens, hidden: int, inter: int, experts: int)
 
 
 def _sweep_cases(device: str, tokens: int, hidden: int) -> list[Case]:
-    """The two target kernels and MXFP8 rowwise under several tile sizes / warp counts (to pick defaults)."""
+    """The format kernels of the training step under several tiles / warp counts (to pick defaults): NVFP4 4/6
+    and NVFP4 SR (activations), the fused SR requantize, MXFP8 rowwise. Each group's first case is the kernel's
+    default; `run` checks every other case's outputs bitwise against it (a tile must not change a bit: amaxes
+    and scales are per block, random bits are indexed by element position)."""
     from rl4bit.kernels import mxfp8_triton, nvfp4_triton
 
     x = _bf16((tokens, hidden), device, 1)
     label = f"{tokens}x{hidden}"
     cases: list[Case] = []
-    for elems in (2048, 4096, 8192, 16384):
-        for warps in (4, 8, 16):
-            cases.append(Case(f"nvfp4 4/6 row [elems={elems} warps={warps}]", label,
-                              lambda e=elems, w=warps: nvfp4_triton.quantize_nvfp4(
-                                  x, outer="row", four_over_six=True, block_elems=e, num_warps=w)[:3],
-                              _nbytes(x), TARGET))
+    for group, kw in (("nvfp4 4/6 row", dict(outer="row", four_over_six=True)),
+                      ("nvfp4 SR tensor", dict(outer="tensor", stochastic=True, seed=SEED))):
+        configs = [None] + [(e, w) for e in (1024, 2048, 4096, 8192, 16384) for w in (2, 4, 8, 16)]
+        for cfg in configs:
+            extra = {} if cfg is None else dict(block_elems=cfg[0], num_warps=cfg[1])
+            name = f"{group} [{'default' if cfg is None else f'elems={cfg[0]} warps={cfg[1]}'}]"
+            cases.append(Case(name, label, lambda kw=kw, extra=extra: nvfp4_triton.quantize_nvfp4(
+                x, **kw, **extra)[:3], _nbytes(x), TARGET, group))
     data, scale, outer_rows, _ = nvfp4_triton.quantize_nvfp4(x, outer="row", four_over_six=True)
     qb = _nbytes((data, scale, outer_rows))
-    for bm, bk in ((32, 64), (64, 64), (128, 64), (64, 128), (128, 128), (256, 32)):
-        for warps in (4, 8):
-            for sr in (True, False):
-                cases.append(Case(f"requantize {'SR' if sr else 'RN'} [{bm}x{bk} warps={warps}]", label,
-                                  lambda bm=bm, bk=bk, w=warps, sr=sr: mxfp8_triton.requantize_nvfp4(
-                                      data, scale, outer_rows, x.shape, stochastic=sr, seed=SEED,
-                                      block_m=bm, block_k=bk, num_warps=w), qb, TARGET))
-    for bm, bk in ((16, 256), (32, 256), (8, 512), (64, 128)):
-        for warps in (4, 8):
-            cases.append(Case(f"mxfp8 rowwise [{bm}x{bk} warps={warps}]", label,
-                              lambda bm=bm, bk=bk, w=warps: mxfp8_triton.quantize_rows(
-                                  x, block_m=bm, block_k=bk, num_warps=w)[:2], _nbytes(x)))
+    tiles = [(32, 128), (64, 128), (32, 512), (32, 64), (64, 64), (128, 64), (128, 128)]  # block_m: MX blocks of 32
+    for sr in (True, False):
+        group = f"requantize {'SR' if sr else 'RN'}"
+        for cfg in [None] + [(bm, bk, w) for bm, bk in [(32, 256), *tiles] for w in (2, 4, 8)]:
+            extra = {} if cfg is None else dict(block_m=cfg[0], block_k=cfg[1], num_warps=cfg[2])
+            name = f"{group} [{'default' if cfg is None else f'{cfg[0]}x{cfg[1]} warps={cfg[2]}'}]"
+            cases.append(Case(name, label, lambda sr=sr, extra=extra: mxfp8_triton.requantize_nvfp4(
+                data, scale, outer_rows, x.shape, stochastic=sr, seed=SEED, **extra), qb, TARGET, group))
+    for cfg in [None] + [(bm, bk, w) for bm, bk in ((16, 256), (32, 256), (8, 512), (64, 128)) for w in (4, 8)]:
+        extra = {} if cfg is None else dict(block_m=cfg[0], block_k=cfg[1], num_warps=cfg[2])
+        name = f"mxfp8 rowwise [{'default' if cfg is None else f'{cfg[0]}x{cfg[1]} warps={cfg[2]}'}]"
+        cases.append(Case(name, label, lambda extra=extra: mxfp8_triton.quantize_rows(x, **extra)[:2], _nbytes(x),
+                          None, "mxfp8 rowwise"))
     return cases
+
+
+def _same_bits(a, b) -> bool:
+    a, b = (a if isinstance(a, (tuple, list)) else (a,)), (b if isinstance(b, (tuple, list)) else (b,))
+    return len(a) == len(b) and all(x.shape == y.shape and x.dtype == y.dtype and torch.equal(
+        x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8)) for x, y in zip(a, b))
 
 
 def run(device: str = "cuda", quick: bool = False, out: str | None = None, sweep: bool = False) -> list[dict]:
@@ -233,16 +246,27 @@ def run(device: str = "cuda", quick: bool = False, out: str | None = None, sweep
     else:
         cases = _reference_cases(device, tokens, hidden, inter, experts)
         path = "reference"
-    results = []
+    results, defaults = [], {}
     for c in cases:
-        write = _nbytes(c.fn())
-        total = c.read_bytes + write
+        try:
+            got = c.fn()
+        except Exception as err:  # a sweep's tile past the registers or shared memory: reported, not fatal
+            if c.group is None:
+                raise
+            print(f"{c.name}: {type(err).__name__}: {str(err)[:160]}")
+            continue
+        bitwise = None
+        if c.group is not None:
+            bitwise = _same_bits(got, defaults.setdefault(c.group, got))
+        total = c.read_bytes + _nbytes(got)
+        del got
         us = _time_us(c.fn, device, reps)
         copy_us = _copy_us(total, device, reps)
         target = c.target if use_triton else None  # the targets are for the GPU kernels
         results.append(dict(kernel=c.name, shape=c.shape, path=path, bytes=total, us=us, gbps=total / us / 1e3,
                             copy_us=copy_us, copy_gbps=total / copy_us / 1e3, of_copy=copy_us / us,
-                            target=target, meets_target=None if target is None else copy_us / us >= target))
+                            target=target, meets_target=None if target is None else copy_us / us >= target,
+                            bitwise=bitwise))
     _print_table(results, device)
     if out:
         from rl4bit.common.atomic import atomic_write_text
@@ -257,12 +281,16 @@ def _print_table(results: list[dict], device: str) -> None:
 
     name = torch.cuda.get_device_name() if device.startswith("cuda") else "cpu (reference path)"
     table = Table(title=f"rl4bit format kernels on {name}")
-    for col in ("kernel", "shape", "µs", "GB/s", "copy µs", "copy GB/s", "of copy", "target"):
+    swept = any(r.get("bitwise") is not None for r in results)
+    for col in ("kernel", "shape", "µs", "GB/s", "copy µs", "copy GB/s", "of copy", "target") + (
+            ("bits = default",) if swept else ()):
         table.add_column(col, justify="left" if col in ("kernel", "shape") else "right")
     for r in results:
         target = "" if r["target"] is None else f"{r['target']:.0%} " + ("ok" if r["meets_target"] else "MISS")
         table.add_row(r["kernel"], r["shape"], f"{r['us']:.1f}", f"{r['gbps']:.0f}", f"{r['copy_us']:.1f}",
-                      f"{r['copy_gbps']:.0f}", f"{r['of_copy']:.0%}", target)
+                      f"{r['copy_gbps']:.0f}", f"{r['of_copy']:.0%}", target,
+                      *(("yes" if r["bitwise"] else "NO (do not pick)" if r["bitwise"] is False else "",)
+                        if swept else ()))
     Console(width=max(Console().width, 120)).print(table)
 
 
