@@ -25,7 +25,7 @@ for step in "$@"; do case $step in
   check-mp) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=1 run check_mp ${MP_S:-200} python3 scripts/vllm_gpu_check.py --size small --batch 32 --new 64 --skip-embedded --out /tmp/vllm-check-mp ;;
   ipc) run ipc 120 python3 -P -m pytest -q -p no:cacheprovider tests/trainer/test_cuda_ipc.py ;;
   sr) run sr ${SR_S:-90} python3 -P -m pytest -q -p no:cacheprovider tests/kernels/test_triton_quantize.py ;;
-  tests) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 RL4BIT_VLLM_TESTS=1 run tests ${TESTS_S:-200} python3 -P -m pytest tests/vllm -q -p no:cacheprovider ${TEST_ARGS:-} ;;
+  tests) source /tmp/site/vllm_env.sh; VLLM_ENABLE_V1_MULTIPROCESSING=0 RL4BIT_VLLM_TESTS=1 run tests ${TESTS_S:-400} python3 -P -m pytest tests/vllm -q -p no:cacheprovider ${TEST_ARGS:-} ;;
   bench-rollout) source /tmp/site/vllm_env.sh; run bench_rollout ${ROLLOUT_S:-480} python3 -P -m rl4bit.cli bench rollout --device cuda --out "$out/bench-rollout" ${ROLLOUT_ARGS:---no-hf} ;;
   rl) source /tmp/site/vllm_env.sh  # issue 40 item 5: the same GRPO job with each sampler, trainer and vLLM on one GPU
     for b in ${RL_BACKENDS:-vllm embedded}; do

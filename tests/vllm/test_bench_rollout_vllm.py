@@ -3,7 +3,8 @@ and vLLM's greedy tokens agree with the embedded engine's on the same model and 
 
 The bench runs in a child process: it builds vLLM engines (in-process on CPU) and drops each after its column, and
 dropping one tears down vLLM's process-global state under the session's engines (conftest `new_engine`).
-Quick sizes, batches 1 and 4, 8 new tokens.
+Quick sizes, batches 1 and 4, 8 new tokens, no HF baseline. On a GPU each vLLM column compiles and captures its
+graphs first: minutes (`TESTS_S=400 TEST_ARGS="-k bench" bash scripts/gpu_vllm.sh tests`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ def test_vllm_columns(tmp_path):
     env = dict(os.environ)
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the bench's own choice: in-process on CPU, vLLM's on CUDA
     proc = subprocess.run([sys.executable, "-P", "-m", "rl4bit.bench.rollout", "--quick", "--batches", "1,4",
-                           "--new-tokens", "8", "--device", "cuda" if ON_GPU else "cpu", "--out", str(tmp_path)],
+                           "--new-tokens", "8", "--no-hf", "--device", "cuda" if ON_GPU else "cpu",
+                           "--out", str(tmp_path)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads((tmp_path / "results.json").read_text())
