@@ -65,6 +65,7 @@ import os
 import random
 import shutil
 import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -235,6 +236,8 @@ class VLLMEngine:
         self.llm = LLM(**kw)
         self.tokenizer = self.llm.get_tokenizer()
         self._version = 0
+        self.update_seconds: dict[str, float] = {}
+        """The last applied update's phases: check, encode, write (directory transport), reload, repack, reset."""
         self._served_dir = self.model_dir if self.transport == "directory" else None
         """Directory transport: the directory the workers last loaded (a failed reload restores from it)."""
         self._rng = random.Random()
@@ -412,6 +415,7 @@ class VLLMEngine:
         if not isinstance(update.version, int) or isinstance(update.version, bool) or update.version <= self._version:
             raise ValueError(f"version {update.version!r} must be an int newer than the serving version "
                              f"{self._version} (one version, one set of weights)")
+        clock = _PhaseClock(self.cpu)
         incoming = dict(update.tensors)
         for module, params in (quantized or {}).items():
             for param, q in params.items():
@@ -427,12 +431,14 @@ class VLLMEngine:
             values[name] = _owned(v)
         qweights = {k: v for k, v in values.items() if isinstance(v, QTensor)}
         problems += self.form.check_groups(qweights)
+        clock.lap("check")
         tensors = None
         if not problems:
             try:
                 tensors = self._encode_all(values)
             except ValueError as err:
                 problems.append(str(err))
+            clock.lap("encode")
         if problems:
             raise ValueError(f"weight update v{update.version} rejected, v{self._version} keeps serving: "
                              + "; ".join(problems))
@@ -441,8 +447,9 @@ class VLLMEngine:
         path = self.workdir / f"v{update.version}" if self.transport == "directory" else None
         if path is not None:  # tensors cannot travel as RPC arguments: the workers load a directory
             _write_dir(path, self.form, tensors, None)
+            clock.lap("write")
         try:
-            self._reload(tensors, path)
+            self._reload(tensors, path, clock=clock)
         except Exception as err:
             try:  # put the serving version back whole (every tensor, or the directory it was loaded from), then report
                 self._reload(self.tensors, self._served_dir, restoring=True)
@@ -461,13 +468,17 @@ class VLLMEngine:
                 if old.is_dir() and old not in (path, self.model_dir) and old.name.startswith("v"):
                     shutil.rmtree(old, ignore_errors=True)
             self._served_dir = path
+        self.update_seconds = clock.seconds
 
-    def _reload(self, tensors: dict[str, torch.Tensor], path: Path | None, restoring: bool = False) -> None:
+    def _reload(self, tensors: dict[str, torch.Tensor], path: Path | None, restoring: bool = False,
+                clock: _PhaseClock | None = None) -> None:
         """Load `tensors` into vLLM's workers by the engine's transport (`path`: the directory transport's). Then
         the CPU MoE repack and a prefix-cache reset, which must succeed for a new version: cached blocks hold the
         old weights' KV, and a later prompt sharing their prefix would reuse them. `restoring` (the serving
         version put back after a failed reload, nothing run in between): the cached blocks are that version's
-        own, so a refused reset is harmless there."""
+        own, so a refused reset is harmless there. `clock`: laps "reload" (the transfer and vLLM's reload with
+        its kernels' weight processing, e.g. Marlin's repack), "repack" and "reset"."""
+        lap = clock.lap if clock is not None else (lambda _: None)
         self._abort_leftovers()
         if self.transport == "directory":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": str(path)})
@@ -479,10 +490,29 @@ class VLLMEngine:
             self.llm.collective_rpc("rl4bit_reload_shared", args=(share(device),))
         else:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(tensors.items())})
+        lap("reload")
         self.llm.collective_rpc("rl4bit_repack_moe")
-        if not self.llm.reset_prefix_cache() and not restoring:
+        lap("repack")
+        reset = self.llm.reset_prefix_cache()
+        lap("reset")
+        if not reset and not restoring:
             raise RuntimeError("vLLM could not reset its prefix cache (requests still hold KV blocks); cached "
                                "prompts would reuse the previous weights' KV")
+
+
+class _PhaseClock:
+    """Seconds of an update's phases, in order (`VLLMEngine.update_seconds`). On a GPU each lap waits for the
+    device first, so a phase's queued kernels count in that phase, not the next."""
+
+    def __init__(self, cpu: bool):
+        self.cpu, self.seconds, self._t = cpu, {}, time.perf_counter()
+
+    def lap(self, phase: str) -> None:
+        if not self.cpu:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.seconds[phase] = now - self._t
+        self._t = now
 
 
 def _to(v, device):

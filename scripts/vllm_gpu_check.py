@@ -179,6 +179,7 @@ def main(argv=None) -> int:
     vb = eng.generate(reqs[:8])
     ua, qa = update_of(ma, 3)
     _, res["update_a_s"] = timed(eng.update_weights, ua, qa)
+    res["update_a_phases_s"] = dict(eng.update_seconds)
     va2 = eng.generate(reqs[:8])
     res["a_b_a"] = dict(b_differs=any(x.completion_ids != y.completion_ids for x, y in zip(vb, va8)),
                         a_restored=all(x.completion_ids == y.completion_ids for x, y in zip(va2, va8)),
@@ -188,7 +189,8 @@ def main(argv=None) -> int:
         _, res["embedded_update_s"] = timed(emb.update_weights, ub, qb)
     print(f"update ({eng.transport}): {res['update_bytes'] / 1e6:.1f} MB, vLLM {res['update_b_s']:.3f} / "
           f"{res['update_a_s']:.3f} s, embedded {res.get('embedded_update_s', float('nan')):.3f} s; "
-          f"A->B->A {res['a_b_a']}", flush=True)
+          f"A->B->A {res['a_b_a']}; phases of the last, s: "
+          + ", ".join(f"{k} {v:.3f}" for k, v in res["update_a_phases_s"].items()), flush=True)
     (out / "result.json").write_text(json.dumps(res, indent=1, default=str))
     print(json.dumps(res, indent=1, default=str))
     return 0

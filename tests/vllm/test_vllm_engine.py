@@ -81,6 +81,9 @@ def test_update_a_b_a_follows_each_version(engine, engine_b, models):
     assert want_a != want_b
     engine.update_weights(*update_of(models["B"], start_version + 1))
     assert engine.version == start_version + 1
+    phases = engine.update_seconds  # where the update's time went, in order (the directory transport adds "write")
+    assert list(phases) == ["check", "encode"] + ["write"] * (engine.transport == "directory") + [
+        "reload", "repack", "reset"] and all(v >= 0 for v in phases.values()), phases
     assert _greedy(engine, ps) == want_b
     engine.update_weights(*update_of(models["A"], start_version + 2))
     assert _greedy(engine, ps) == want_a
