@@ -194,28 +194,33 @@ def _sweep_cases(device: str, tokens: int, hidden: int) -> list[Case]:
     cases: list[Case] = []
     for group, kw in (("nvfp4 4/6 row", dict(outer="row", four_over_six=True)),
                       ("nvfp4 SR tensor", dict(outer="tensor", stochastic=True, seed=SEED))):
-        configs = [None] + [(e, w) for e in (1024, 2048, 4096, 8192, 16384) for w in (2, 4, 8, 16)]
-        for cfg in configs:
-            extra = {} if cfg is None else dict(block_elems=cfg[0], num_warps=cfg[1])
-            name = f"{group} [{'default' if cfg is None else f'elems={cfg[0]} warps={cfg[1]}'}]"
+        for name, extra in _variants(group, ("block_elems", "num_warps"),
+                                     [(e, w) for e in (1024, 2048, 4096, 8192, 16384) for w in (2, 4, 8, 16)]):
             cases.append(Case(name, label, lambda kw=kw, extra=extra: nvfp4_triton.quantize_nvfp4(
                 x, **kw, **extra)[:3], _nbytes(x), TARGET, group))
     data, scale, outer_rows, _ = nvfp4_triton.quantize_nvfp4(x, outer="row", four_over_six=True)
     qb = _nbytes((data, scale, outer_rows))
-    tiles = [(32, 128), (64, 128), (32, 512), (32, 64), (64, 64), (128, 64), (128, 128)]  # block_m: MX blocks of 32
+    tiles = [(32, 256), (32, 128), (64, 128), (32, 512), (32, 64), (64, 64), (128, 64), (128, 128)]  # M: 32s
     for sr in (True, False):
         group = f"requantize {'SR' if sr else 'RN'}"
-        for cfg in [None] + [(bm, bk, w) for bm, bk in [(32, 256), *tiles] for w in (2, 4, 8)]:
-            extra = {} if cfg is None else dict(block_m=cfg[0], block_k=cfg[1], num_warps=cfg[2])
-            name = f"{group} [{'default' if cfg is None else f'{cfg[0]}x{cfg[1]} warps={cfg[2]}'}]"
+        for name, extra in _variants(group, ("block_m", "block_k", "num_warps"),
+                                     [(bm, bk, w) for bm, bk in tiles for w in (2, 4, 8)]):
             cases.append(Case(name, label, lambda sr=sr, extra=extra: mxfp8_triton.requantize_nvfp4(
                 data, scale, outer_rows, x.shape, stochastic=sr, seed=SEED, **extra), qb, TARGET, group))
-    for cfg in [None] + [(bm, bk, w) for bm, bk in ((16, 256), (32, 256), (8, 512), (64, 128)) for w in (4, 8)]:
-        extra = {} if cfg is None else dict(block_m=cfg[0], block_k=cfg[1], num_warps=cfg[2])
-        name = f"mxfp8 rowwise [{'default' if cfg is None else f'{cfg[0]}x{cfg[1]} warps={cfg[2]}'}]"
+    for name, extra in _variants("mxfp8 rowwise", ("block_m", "block_k", "num_warps"),
+                                 [(bm, bk, w) for bm, bk in ((16, 256), (32, 256), (8, 512), (64, 128))
+                                  for w in (4, 8)]):
         cases.append(Case(name, label, lambda extra=extra: mxfp8_triton.quantize_rows(x, **extra)[:2], _nbytes(x),
                           None, "mxfp8 rowwise"))
     return cases
+
+
+def _variants(group: str, keys: tuple[str, ...], values: list[tuple]):
+    """(name, keyword arguments) of a kernel's default (none), then of each config in `values`."""
+    yield f"{group} [default]", {}
+    for v in values:
+        kw = dict(zip(keys, v))
+        yield f"{group} [{' '.join(f'{k}={x}' for k, x in kw.items())}]", kw
 
 
 def _same_bits(a, b) -> bool:
