@@ -151,12 +151,12 @@ def test_a_failed_reload_restores_or_retires_the_engine(export_a, new_engine, mo
     before = _greedy(eng, ps)
     real, calls = eng._reload, []
 
-    def flaky(tensors, path, restoring=False):
+    def flaky(tensors, path, restoring=False, **kw):
         calls.append("restore" if tensors is eng.tensors else "new")
         assert restoring == (calls[-1] == "restore")
         if len(calls) == 1 or restore_fails:
             raise OSError(f"injected failure reloading the {calls[-1]} weights")
-        real(tensors, path, restoring=restoring)
+        real(tensors, path, restoring=restoring, **kw)
 
     eng._reload = flaky
     if restore_fails:
