@@ -95,7 +95,7 @@ from rl4bit.reward_pool import RewardPool, check_rewards
 from rl4bit.rollouts import SamplerRecovery, evaluate, generate, rollout_metrics, rollout_requests
 from rl4bit.run_state import check_steps_left, open_logger, restore, save_trainer
 from rl4bit.rundir import checked_out_dir, create_run_dir, forget_unstarted
-from rl4bit.sampler_sync import direct_sync, sync_all
+from rl4bit.sampler_sync import direct_sync, sync_all, update_phases
 from rl4bit.tasks import PromptStream, check_batch_fits, check_prompt_lengths, load_task, warmup_split
 from rl4bit.trainer.actor import TrainBatch, Trainer
 from rl4bit.trainer.grpo import group_advantages
@@ -184,7 +184,7 @@ def run(cfg: JobConfig, run_dir: Path, *, resume: bool = False,
                     sync_bytes, sync_s = sync_all(trainer, samplers, recover)
                 m |= phases.memory | rollout_metrics(rollouts, totals, scores, G, phases.seconds["sample"])
                 m |= {"sync/bytes": sync_bytes, "sync/seconds": sync_s, "sync/direct": float(actors.direct),
-                      **phases.times("sample", "score", "train"), "time/sync_s": sync_s,
+                      **update_phases(samplers), **phases.times("sample", "score", "train"), "time/sync_s": sync_s,
                       "rollout/sampler_restarts": float(recover.used)}
                 if step % cfg.data.eval_every == 0 or step == cfg.rl.steps:
                     with phases("evaluate"):

@@ -36,7 +36,8 @@ STEP_KEYS = (
     "mismatch/k3", "mismatch/max_abs", "policy/entropy", "policy/version", "loss", "grad_norm", "sync/bytes",
     "sync/seconds", "sync/direct", "time/sample_s", "time/score_s", "time/train_s", "time/sync_s", "time/step_s",
 )
-"""Logged every RL step."""
+"""Logged every RL step. A vLLM sampler adds where its update's time went: `sync/<phase>_s` for its check, encode,
+(write,) reload, repack and reset (`Sampler.update_phases`)."""
 MEMORY_KEYS = ("memory/step_start_gib", "memory/graph_pools_gib", "memory/sample_peak_gib", "memory/train_peak_gib",
                "memory/sync_peak_gib", "memory/job_peak_gib")
 """Logged every RL step when this process holds the GPU (local mode on CUDA): allocated GiB at the start of the

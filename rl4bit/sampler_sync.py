@@ -151,6 +151,12 @@ def sync_weights(trainer, samplers) -> tuple[int, float]:
     return shipped, time.perf_counter() - t0
 
 
+def update_phases(samplers) -> dict[str, float]:
+    """`sync/<phase>_s` of the first sampler's last update (`Sampler.update_phases`: vLLM's check, encode,
+    reload, repack, reset ...); {} where its engine does not time them."""
+    return {f"sync/{k}_s": v for k, v in get(samplers[0].update_phases()).items()}
+
+
 def sync_all(trainer, samplers, recover: Callable[[ActorDiedError], bool] | None = None) -> tuple[int, float]:
     """`sync_weights` that survives a Sampler dying mid-update: `recover` re-sends the weights to the restarted one
     (and to the others, whose update was aborted)."""

@@ -164,6 +164,11 @@ class Sampler:
         with self._recorded("apply_tensors"):
             return self.receiver.apply(update, quantized)
 
+    def update_phases(self) -> dict[str, float]:
+        """Seconds of the last applied update's phases, in order, where the engine times them (vLLM:
+        `VLLMEngine.update_seconds`, e.g. its reload and repack); {} for an engine that does not."""
+        return dict(getattr(self.engine, "update_seconds", None) or {})
+
     def abort_update(self, reason: str = "aborted by the driver") -> None:
         self.receiver.abort(reason)
 

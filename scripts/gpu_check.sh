@@ -8,7 +8,7 @@
 #   rl:      RL parity, 2 steps, invariant kernels on and off (RL_INVARIANT, RL_TEMPERATURE pick the runs)
 #   step:    `bench step`, STEP_RECIPES (default nvfp4,mxfp8,bf16; half-size micro-batches under 100 GB)
 #   train:   issue 42's training-side figures: `bench gemm` (training GEMMs), `bench train`, where the train step's
-#            time goes (PROFILE_RECIPES, default bf16,nvfp4) and, with SWEEP_MXFP8=1, the MXFP8 dgrad / wgrad tile
+#            time goes (PROFILE_RECIPES, default bf16,nvfp4; PROFILE_ARGS, default --sites: by source line) and, with SWEEP_MXFP8=1, the MXFP8 dgrad / wgrad tile
 #            sweep (each config bitwise-checked first)
 #   formats: `bench kernels` (the format kernels against copy bandwidth), then `bench kernels --sweep` (their tiles
 #            and warps at training shapes, each config bitwise-checked against the kernel's default first)
@@ -119,7 +119,7 @@ case "$mode" in
         fi
         mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
         small=(); [ "${mib:-0}" -lt 100000 ] && small=(-o trainer.tokens_per_microbatch=8192)
-        run profile-train ${PROFILE_S:-200} python3 -P scripts/profile_train.py --recipes ${PROFILE_RECIPES:-bf16,nvfp4} \
+        run profile-train ${PROFILE_S:-200} python3 -P scripts/profile_train.py --recipes ${PROFILE_RECIPES:-bf16,nvfp4} ${PROFILE_ARGS:---sites} \
             "${small[@]}"
         tail -80 "$out/profile-train.txt" ;;
     formats)

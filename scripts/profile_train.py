@@ -7,6 +7,8 @@ rollouts (prompt 12 tokens, `--new` completion tokens), runs two untimed train s
 then one under torch.profiler. Prints per recipe the step's wall time, its device time by kernel family (NVFP4
 GEMM, MXFP8 GEMMs, format kernels, cuBLAS/cutlass GEMMs, attention, elementwise/other), the top kernels, and the
 host side (sync-like calls, top ops by self host time; `--cprofile`: Python functions by host time).
+`--sites`: records Python stacks too and charges each kernel's device time (on the CPU: each op's own time) to
+the line of this repository that issued its op, so the elementwise glue reads as source lines.
 
 Leaves out: the sampler and weight sync (`profile_decode.py`, `bench step`)."""
 
@@ -26,6 +28,8 @@ from rl4bit.config import load_config, trainer_args
 from rl4bit.trainer.actor import TrainBatch, Trainer
 
 CONFIG = Path(__file__).resolve().parent.parent / "configs" / "gpu-h200.yaml"
+REPO_DIRS = ("/kernels/", "/trainer/", "/sampler/", "/rl4bit/")
+"""Path parts that mark a stack frame as this repository's (the installed package and the checkout)."""
 FAMILIES = (("nvfp4 grouped GEMM", ("_nvfp4_grouped", "_predecode", "_tile_map")),
             ("mxfp8 GEMMs", ("_mx_rows", "_mx_wgrad")),
             ("format kernels", ("_nvfp4_kernel", "_mxfp8_", "_requant", "_s2f6")),
@@ -40,6 +44,56 @@ def family(name: str) -> str:
         if any(k.lower() in low for k in keys):
             return fam
     return "elementwise / other"
+
+
+def _site(evt) -> str:
+    """The innermost frame of this repository in the Python stack that issued evt, e.g.
+    `trainer/qgemm.py(231): _pad_rows` (the profiler records frames as the op's enclosing python_function
+    events, or in older releases as the op's `stack`); else the nearest enclosing autograd node's name."""
+    node = None
+    e = evt.cpu_parent
+    frames = list(evt.stack or ())
+    while e is not None:
+        frames.append(e.name)
+        frames.extend(e.stack or ())
+        if node is None and ("Backward" in e.name or e.name.startswith("autograd::")):
+            node = e.name
+        e = e.cpu_parent
+    mine = _mine(frames)
+    if not mine:
+        return node or "?"
+    via = next((f for f in mine[1:] if not f.startswith("kernels/")), None)  # the trainer's line that called it
+    return mine[0] if via is None or not mine[0].startswith("kernels/") else f"{mine[0]} <- {via}"
+
+
+def _mine(frames: list[str]) -> list[str]:
+    """The frames of this repository among `frames`, innermost first, as `dir/file.py(line): function`."""
+    out = []
+    for frame in frames:
+        part = next((p for p in REPO_DIRS if p in frame and ".py(" in frame), None)
+        if part is not None:
+            out.append(part.lstrip("/") + frame.split(part, 1)[1])
+    return out
+
+
+def sites(events) -> list[tuple[tuple[str, str], list[float]]]:
+    """[((source line, op), [µs, launches])] sorted by time: each op's kernels' device time (an op without
+    kernels: its own host time, the CPU's case), charged to the repository line that issued it (`_site`).
+    Only leaf-most ops count: an op's time is not charged again to the op that called it."""
+    out: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
+    for evt in events:
+        if evt.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if evt.kernels:
+            us, n = sum(k.duration for k in evt.kernels), len(evt.kernels)
+        elif not evt.cpu_children and evt.name.startswith("aten::"):
+            us, n = evt.self_cpu_time_total, 1
+        else:
+            continue
+        slot = out[(_site(evt), evt.name)]
+        slot[0] += us
+        slot[1] += n
+    return sorted(out.items(), key=lambda kv: -kv[1][0])
 
 
 def batch(vocab: int, seqs: int, new: int) -> TrainBatch:
@@ -58,6 +112,8 @@ def main() -> None:
     a.add_argument("--cprofile", action="store_true",
                    help="also run one step under cProfile and print the top functions by cumulative host time "
                         "(meaningful on the GPU, where kernels run asynchronously)")
+    a.add_argument("--sites", action="store_true",
+                   help="also print the repository source lines whose ops took the most device time (with_stack)")
     a.add_argument("-o", "--override", action="append", default=[])
     args = a.parse_args()
     for recipe in args.recipes.split(","):
@@ -69,7 +125,7 @@ def main() -> None:
         for _ in range(2):
             trainer.train_step(b)
         torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.sites) as prof:
             t0 = time.perf_counter()
             trainer.train_step(b)
             torch.cuda.synchronize()
@@ -91,6 +147,10 @@ def main() -> None:
               f"top {args.rows} ops by self host time:")
         for e in sorted(ops, key=lambda e: -e.self_cpu_time_total)[: args.rows]:
             print(f"  {e.self_cpu_time_total / 1e3:>10.1f} ms  {e.count:>6}x  {e.key[:90]}")
+        if args.sites:
+            print(f"  top {2 * args.rows} source lines by the device time of the ops they issued:")
+            for (line, op), (us, n) in sites(prof.events())[: 2 * args.rows]:
+                print(f"  {us / 1e3:>10.1f} ms  {n:>6}x  {op[:32]:<32}  {line}")
         if args.cprofile:
             torch.cuda.synchronize()
             prof_py = cProfile.Profile()

@@ -46,6 +46,8 @@ def test_vllm_sampler_syncs_buckets_from_the_trainer(engine, engine_b, models, t
         s.receive_bucket(b)
     assert s.commit_update(1) == 1
     assert _greedy(s, ps) == _greedy(engine_b, ps)
+    phases = s.update_phases()  # what the driver logs as sync/<phase>_s
+    assert {"check", "reload", "repack", "reset"} <= set(phases) and all(v >= 0 for v in phases.values()), phases
     assert s.generate([Request("v", ps[0], SamplingParams(max_new_tokens=2))])[0].policy_version == 1
 
     # a corrupt bucket drops the update; v1 keeps serving
