@@ -76,13 +76,23 @@ def _mine(frames: list[str]) -> list[str]:
     return out
 
 
-def sites(events) -> list[tuple[tuple[str, str], list[float]]]:
+def sites(events, waits: bool = False) -> list[tuple[tuple[str, str], list[float]]]:
     """[((source line, op), [µs, launches])] sorted by time: each op's kernels' device time (an op without
     kernels: its own host time, the CPU's case), charged to the repository line that issued it (`_site`).
-    Only leaf-most ops count: an op's time is not charged again to the op that called it."""
+    Only leaf-most ops count: an op's time is not charged again to the op that called it.
+    waits: instead the host's synchronize calls (the op is the one that waited, e.g. aten::item's)."""
     out: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0])
     for evt in events:
         if evt.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        if waits:
+            if "Synchronize" not in evt.name:
+                continue
+            us, n = evt.cpu_time_total, 1
+            op = evt.cpu_parent.name if evt.cpu_parent is not None else evt.name
+            slot = out[(_site(evt), op)]
+            slot[0] += us
+            slot[1] += n
             continue
         if evt.kernels:
             us, n = sum(k.duration for k in evt.kernels), len(evt.kernels)
@@ -150,6 +160,9 @@ def main() -> None:
         if args.sites:
             print(f"  top {2 * args.rows} source lines by the device time of the ops they issued:")
             for (line, op), (us, n) in sites(prof.events())[: 2 * args.rows]:
+                print(f"  {us / 1e3:>10.1f} ms  {n:>6}x  {op[:32]:<32}  {line}")
+            print(f"  top {args.rows} source lines by the host's waits for the device (stream/device synchronize):")
+            for (line, op), (us, n) in sites(prof.events(), waits=True)[: args.rows]:
                 print(f"  {us / 1e3:>10.1f} ms  {n:>6}x  {op[:32]:<32}  {line}")
         if args.cprofile:
             torch.cuda.synchronize()
