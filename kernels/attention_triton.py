@@ -24,6 +24,7 @@ import triton.language as tl
 from rl4bit.kernels.invariant_triton import _on_device, interpreter_dot
 from rl4bit.kernels.qgemm_triton import interpret
 from rl4bit.kernels.rmsnorm_triton import FLOAT_TL, round_to, to_compute
+from rl4bit.kernels.transfer import to_device
 
 BLOCK_M = 16
 """Query rows a program takes: a constant (tensor-core tiles need 16), so no launch's tile depends on a count."""
@@ -238,7 +239,7 @@ def cache_write(key: torch.Tensor, value: torch.Tensor, kc: torch.Tensor, vc: to
 def seq_table(q_start, n, pos0, kv_row, device) -> torch.Tensor:
     """int64 [4, S]: the per-sequence columns the kernel reads (lists or tensors of S values each)."""
     cols = [torch.as_tensor(c, dtype=torch.int64) for c in (q_start, n, pos0, kv_row)]
-    return torch.stack(cols).to(device)
+    return to_device(torch.stack(cols), device)  # host lists: queued from pinned memory, no wait for the GPU
 
 
 def tile_table(n: list[int], group: int, device) -> torch.Tensor:
@@ -248,7 +249,7 @@ def tile_table(n: list[int], group: int, device) -> torch.Tensor:
         for r in range(0, count * group, BLOCK_M):
             seq.append(s)
             row0.append(r)
-    return torch.tensor([seq, row0], dtype=torch.int64).to(device)
+    return to_device(torch.tensor([seq, row0], dtype=torch.int64), device)
 
 
 def _block_d(d: int) -> int:

@@ -16,6 +16,8 @@ checks dY is finite first).
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,7 @@ import triton.language as tl
 from rl4bit.kernels.formats_triton import pow2
 from rl4bit.kernels.qgemm_triton import Config, alloc_out, grouped_shapes, interpret
 from rl4bit.kernels.tile_map_triton import as_counts, check_tile_offsets, map_entry, store_tile, tile_first, tile_map
+from rl4bit.kernels.transfer import to_device
 
 FP8_CORES = False
 """Default path: False = BF16 dequantize (exact products, FP32 sums); True = FP8 tensor cores. Pick by bench_gemm."""
@@ -224,9 +227,12 @@ def wgrad_mxfp8(qa, qb, padded_counts, out_dtype: torch.dtype = torch.float32, *
     a, sa = _operands(qa, "A")
     b, sb = _operands(qb, "B")
     groups = len(padded_counts)
-    pc = padded_counts.to(a.device, torch.int64) if isinstance(padded_counts, torch.Tensor) else torch.tensor(
-        [int(m) for m in padded_counts], dtype=torch.int64, device=a.device)
-    seg = torch.cat([pc.new_zeros(1), torch.cumsum(pc, 0)]).to(torch.int32)
+    if isinstance(padded_counts, torch.Tensor):
+        pc = to_device(padded_counts, a.device).to(torch.int64)
+        seg = torch.cat([pc.new_zeros(1), torch.cumsum(pc, 0)]).to(torch.int32)
+    else:  # built on the host and queued from pinned memory: a pageable copy would make the host wait for the GPU
+        seg = to_device(torch.tensor([0, *itertools.accumulate(int(m) for m in padded_counts)], dtype=torch.int32),
+                        a.device)
     out = torch.empty((groups, p, q), dtype=out_dtype, device=a.device)
     grid = (groups, triton.cdiv(p, config.block_m), triton.cdiv(q, config.block_n))
     _mx_wgrad_kernel[grid](a, sa, b, sb, out, seg, p, q, rp, rp // 32, BLOCK_M=config.block_m, BLOCK_N=config.block_n,

@@ -23,10 +23,10 @@ from dataclasses import dataclass
 import torch
 
 from rl4bit.kernels import fused
+from rl4bit.kernels.transfer import to_device
 from rl4bit.sampler.kv_cache import StepLayout
 from rl4bit.trainer import padding
 from rl4bit.trainer.batch_invariant import pad_rows
-from rl4bit.trainer.transfer import to_device
 
 MODES = ("off", "static", "cuda")
 SPLIT_MAX_ROWS = 16

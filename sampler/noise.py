@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from rl4bit.kernels.philox import philox4x32_keyed
-from rl4bit.trainer.transfer import to_device
+from rl4bit.kernels.transfer import to_device
 
 _MASK32 = 0xFFFFFFFF
 

@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import torch
 
+from rl4bit.kernels.transfer import to_device
 from rl4bit.sampler.noise import gumbel_noise
 from rl4bit.sampler.types import SamplingParams
 from rl4bit.trainer.temperature import temperature_scaled
-from rl4bit.trainer.transfer import to_device
 
 
 def effective_temperature(temperature: float) -> float:

@@ -28,6 +28,7 @@ import torch
 
 from rl4bit.common.checkpoint import load_checkpoint, save_checkpoint
 from rl4bit.kernels import NonFiniteInputError, deferred_checks, invariant
+from rl4bit.kernels.transfer import to_device
 from rl4bit.trainer import cuda_ipc, grpo, tensor_broadcast, trainer_state
 from rl4bit.trainer.batch import TrainBatch, microbatches, pad, stack
 from rl4bit.trainer.config import ModelConfig, RLConfig, TrainerConfig
@@ -35,7 +36,6 @@ from rl4bit.trainer.logprobs import sequence_logprobs
 from rl4bit.trainer.models import autocast_dtype, build_model
 from rl4bit.trainer.recipe import RecipeConfig
 from rl4bit.trainer.tokenizer import build_tokenizer
-from rl4bit.trainer.transfer import to_device
 from rl4bit.trainer.warmstart import supervised_warm_start
 from rl4bit.trainer.weight_sync import WeightSender, update_bytes
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl4bit.trainer.transfer import to_device
+from rl4bit.kernels.transfer import to_device
 
 
 @dataclass

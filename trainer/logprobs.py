@@ -22,9 +22,9 @@ import torch
 from transformers import AttentionInterface
 
 from rl4bit.kernels.attention import attend, compute_dtype, fused_attention_ok
+from rl4bit.kernels.transfer import to_device
 from rl4bit.trainer.batch_invariant import MIN_ROWS, model_implementations, pad_rows
 from rl4bit.trainer.temperature import temperature_scaled
-from rl4bit.trainer.transfer import to_device
 
 TRAIN_IMPL = "rl4bit_train"
 

@@ -29,7 +29,7 @@ import torch
 
 from rl4bit.kernels import QTensor, checks, dequantize, fused, invariant, quantize, requantize
 from rl4bit.kernels.philox import derive_seed
-from rl4bit.trainer.transfer import to_device
+from rl4bit.kernels.transfer import to_device
 
 ROW_BLOCK = 32
 """Rows per forward GEMM block (batch invariance) and token padding of the MXFP8 backward blocks."""

@@ -1,9 +1,9 @@
-"""trainer.transfer.to_device: the same values on the target device; CPU tensors reach CUDA through pinned memory."""
+"""kernels.transfer.to_device: the same values on the target device; CPU tensors reach CUDA through pinned memory."""
 
 import pytest
 import torch
 
-from rl4bit.trainer.transfer import to_device
+from rl4bit.kernels.transfer import to_device
 
 
 def test_cpu_to_cpu_is_a_plain_move():
