@@ -33,6 +33,7 @@ for step in "$@"; do case $step in
         -o sampler.backend=$b -o sampler.kv_cache_gib=8 -o sampler.gpu_memory_utilization=0.1 -o run.checkpoint_every=0 -o run.tensorboard=false ${RL_ARGS:-}
       grep -oE '"(step|reward/mean|reward/zero_spread_frac|eval/accuracy|policy/entropy|mismatch/k3|mismatch/max_abs|tis/truncated_frac|time/(step|sample|train|sync)_s|sync/[a-z]+_s)": [-0-9.e]+' \
         /tmp/rl-$b/metrics.jsonl | paste -sd' ' | sed 's/"step"/\n"step"/g' > "$out/rl_$b.summary.txt"
+      cp /tmp/rl-$b/metrics.jsonl "$out/metrics-$b.jsonl" 2>/dev/null
     done ;;
   bench-kernels) run bench_kernels ${BENCH_S:-240} python3 -P -m rl4bit.cli bench kernels --device cuda --out "$out/bench-kernels" ;;
 esac; done
