@@ -363,15 +363,19 @@ class Trainer:
                 with torch.no_grad():
                     for i, lp in zip(mb, self._logprobs(self.ref_model, batch, mb)[0]):
                         ref[i] = lp
-            sums["entropy"] += entropy.item()
         logp, mask = stack(logp_list), pad([batch.completion_ids[i] for i in mb], self.device)[1]
         old_lp = stack([old[i] for i in mb])
         samp = pad([batch.sampler_logprobs[i] for i in mb], self.device)[0]
-        if epoch == 0:
+        if epoch == 0:  # entropy and the sampler-vs-trainer mismatch, read from the device together (one sync)
+            m = mask.bool()
             # KL(sampler || trainer), in float64: an FP32 k3 is rounding noise below ~1e-7 a token
-            sums["k3"] += grpo.k3(samp.double(), old_lp.double())[mask.bool()].sum().item()
-            gap = (samp - old_lp).abs()[mask.bool()]
-            sums["max_abs"] = max(sums["max_abs"], gap.max().item() if gap.numel() else 0.0)
+            kl = torch.where(m, grpo.k3(samp.double(), old_lp.double()), 0.0).sum()
+            gap = torch.where(m, (samp - old_lp).abs(), 0.0)  # >= 0: a max over it is the real tokens' (0 if none)
+            gap_max = gap.amax() if gap.numel() else gap.new_zeros(())
+            ent, kl, gap_max = torch.stack([entropy.detach().double().reshape(()), kl, gap_max.double()]).tolist()
+            sums["entropy"] += ent
+            sums["k3"] += kl
+            sums["max_abs"] = max(sums["max_abs"], gap_max)
         adv = to_device(torch.tensor([batch.advantages[i] for i in mb]), self.device)
         return grpo.ppo_clip_loss(logp, old_lp, adv, mask, clip_eps=rl.clip_eps, agg=rl.loss_agg, sampler_logp=samp,
                                   ref_logp=stack([ref[i] for i in mb]) if ref else None, kl_coef=rl.kl_coef,

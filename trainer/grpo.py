@@ -25,6 +25,8 @@ framework secretly brings you off-policy RL training" (truncated IS).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -87,25 +89,25 @@ def ppo_clip_loss(logp: torch.Tensor, old_logp: torch.Tensor, advantages: torch.
     clipped_ratio = ratio.clamp(1 - clip_eps, 1 + clip_eps)
     per_token = torch.maximum(-adv * ratio, -adv * clipped_ratio)
     m = mask.bool()
-    stats = {}
+    sums = {}  # 0-dim statistics, read together below: one host read a call, no boolean-mask select (each a sync)
     if tis_cap is not None:
         if sampler_logp is None:
             raise ValueError("tis_cap is set but sampler_logp is missing; pass the sampler's per-token logprobs")
         raw = torch.exp(old_logp - sampler_logp).detach()
         weight = raw.clamp(max=tis_cap)
         per_token = per_token * weight
-        stats["tis_truncated"] = (raw > tis_cap)[m].sum().item()
+        sums["tis_truncated"] = ((raw > tis_cap) & m).sum()
     if ref_logp is not None and kl_coef > 0:
         kl = k3(logp, ref_logp)
         per_token = per_token + kl_coef * kl
-        stats["kl_ref_sum"] = kl.detach()[m].sum().item()
+        sums["kl_ref_sum"] = torch.where(m, kl.detach(), 0.0).sum()
     loss = aggregate(per_token, mask, agg, total_tokens=total_tokens, total_seqs=total_seqs)
-    r = ratio.detach()[m]
-    stats.update(
-        clipped=((-adv * clipped_ratio) > (-adv * ratio)).detach()[m].sum().item(),
-        ratio_sum=r.sum().item(),
-        ratio_min=r.min().item() if r.numel() else 1.0,
-        ratio_max=r.max().item() if r.numel() else 1.0,
-        tokens=m.sum().item(),
-    )
+    r = ratio.detach()
+    sums.update(clipped=(((-adv * clipped_ratio) > (-adv * ratio)).detach() & m).sum(),
+                ratio_sum=torch.where(m, r, 0.0).sum(), tokens=m.sum(),
+                ratio_min=torch.where(m, r, math.inf).amin() if r.numel() else r.new_tensor(1.0),
+                ratio_max=torch.where(m, r, -math.inf).amax() if r.numel() else r.new_tensor(1.0))
+    stats = dict(zip(sums, torch.stack([v.double() for v in sums.values()]).tolist()))
+    if not stats["tokens"]:  # no real token: the ratio's range is undefined, reported as 1
+        stats["ratio_min"] = stats["ratio_max"] = 1.0
     return loss, stats
