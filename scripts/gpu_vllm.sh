@@ -4,6 +4,7 @@
 # bench-rollout leaves out the HF generate baseline (ROLLOUT_ARGS replaces `--no-hf`): minutes a call on a GPU.
 # Each step runs under `timeout` (seconds from TINY_S, CHECK_S, MP_S, SR_S, TESTS_S, ROLLOUT_S, RL_S, BENCH_S) so one slow step cannot
 # take the later ones' output with it. RL_ARGS: more `-o` overrides for the rl step (an H100: -o trainer.tokens_per_microbatch=8192).
+# The rl step's first backend trains the 600-step warm start (~3 min) and caches it; the second reuses it.
 set -uo pipefail
 out=${OUT:-gpu-vllm-out}; mkdir -p "$out"
 log() { echo "[$(date +%T)] $*" | tee -a "$out/steps.txt"; }
@@ -29,7 +30,7 @@ for step in "$@"; do case $step in
   bench-rollout) source /tmp/site/vllm_env.sh; run bench_rollout ${ROLLOUT_S:-480} python3 -P -m rl4bit.cli bench rollout --device cuda --out "$out/bench-rollout" ${ROLLOUT_ARGS:---no-hf} ;;
   rl) source /tmp/site/vllm_env.sh  # issue 40 item 5: the same GRPO job with each sampler, trainer and vLLM on one GPU
     for b in ${RL_BACKENDS:-vllm embedded}; do
-      run rl_$b ${RL_S:-280} python3 -P -m rl4bit.cli train configs/gpu-h200.yaml --out /tmp/rl-$b -o rl.steps=${RL_STEPS:-20} \
+      run rl_$b ${RL_S:-450} python3 -P -m rl4bit.cli train configs/gpu-h200.yaml --out /tmp/rl-$b -o rl.steps=${RL_STEPS:-40} \
         -o sampler.backend=$b -o sampler.kv_cache_gib=8 -o sampler.gpu_memory_utilization=0.1 -o run.checkpoint_every=0 -o run.tensorboard=false ${RL_ARGS:-}
       grep -oE '"(step|reward/mean|reward/zero_spread_frac|eval/accuracy|policy/entropy|mismatch/k3|mismatch/max_abs|tis/truncated_frac|time/(step|sample|train|sync)_s|sync/[a-z]+_s)": [-0-9.e]+' \
         /tmp/rl-$b/metrics.jsonl | paste -sd' ' | sed 's/"step"/\n"step"/g' > "$out/rl_$b.summary.txt"

@@ -42,9 +42,12 @@ RECIPES = ("nvfp4", "mxfp8", "bf16")
 
 
 def _overrides(quick: bool, device: str, steps: int, new_tokens: int) -> list[str]:
-    o = [f"rl.steps={steps}", "run.warmup_sft_steps=0", "run.checkpoint_every=0", "run.progress=false",
-         "run.tensorboard=false", "ray.mode=local", f"trainer.device={device}", "sampler.ignore_eos=true",
-         f"sampler.max_new_tokens={new_tokens}", f"data.eval_every={10 * steps}", "data.eval_size=8"]
+    # one optimizer step an RL step (rl.ppo_epochs=1) whatever the config trains with: the step's figures stay
+    # comparable across configs and with the earlier runs
+    o = [f"rl.steps={steps}", "rl.ppo_epochs=1", "run.warmup_sft_steps=0", "run.checkpoint_every=0",
+         "run.progress=false", "run.tensorboard=false", "ray.mode=local", f"trainer.device={device}",
+         "sampler.ignore_eos=true", f"sampler.max_new_tokens={new_tokens}", f"data.eval_every={10 * steps}",
+         "data.eval_size=8"]
     if quick:
         o += ["model.hidden_size=64", "model.num_layers=2", "model.num_experts=4", "model.expert_intermediate_size=64",
               "model.num_heads=4", "model.max_seq_len=64", "model.dtype=float32", "rl.prompts_per_step=4",
