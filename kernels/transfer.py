@@ -4,11 +4,13 @@ A tensor built on the host (index lists, padded rollout values) copied to the
 GPU from pageable memory makes the host wait until the GPU has finished the
 work queued before it, so the host cannot queue the next kernels while the
 GPU runs: each such copy inside a training step serialized host and device.
-It lives in the kernels layer because the kernels' launchers make such copies too (segment tables, attention
-tables), and every layer above may import it.
 From pinned memory the copy is queued like a kernel (non_blocking) and the
 host runs on; PyTorch's pinned-memory allocator keeps the staging block
 alive until the copy has completed. Values are unchanged.
+
+In the kernels layer because the kernels' launchers make such copies too
+(the wgrad segment table, the attention tables); every layer above imports it
+from here.
 
 Leaves out: device -> host reads (`.item()`, `.tolist()`), which must wait.
 """

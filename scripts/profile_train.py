@@ -88,19 +88,14 @@ def sites(events, waits: bool = False) -> list[tuple[tuple[str, str], list[float
         if waits:
             if "Synchronize" not in evt.name:
                 continue
-            us, n = evt.cpu_time_total, 1
-            op = evt.cpu_parent.name if evt.cpu_parent is not None else evt.name
-            slot = out[(_site(evt), op)]
-            slot[0] += us
-            slot[1] += n
-            continue
-        if evt.kernels:
-            us, n = sum(k.duration for k in evt.kernels), len(evt.kernels)
+            op, us, n = (evt.cpu_parent or evt).name, evt.cpu_time_total, 1
+        elif evt.kernels:
+            op, us, n = evt.name, sum(k.duration for k in evt.kernels), len(evt.kernels)
         elif not evt.cpu_children and evt.name.startswith("aten::"):
-            us, n = evt.self_cpu_time_total, 1
+            op, us, n = evt.name, evt.self_cpu_time_total, 1
         else:
             continue
-        slot = out[(_site(evt), evt.name)]
+        slot = out[(_site(evt), op)]
         slot[0] += us
         slot[1] += n
     return sorted(out.items(), key=lambda kv: -kv[1][0])
