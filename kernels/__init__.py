@@ -10,7 +10,7 @@ imports Triton, so it works on machines without it. Spec:
 
 from contextlib import nullcontext
 
-from rl4bit.kernels.api import dequantize, quantize, quantize_reference, requantize
+from rl4bit.kernels.api import dequantize, quantize, quantize_columnwise, quantize_reference, requantize
 from rl4bit.kernels.checks import NonFiniteInputError, host_deferred
 from rl4bit.kernels.hadamard import inverse_rht, rht
 from rl4bit.kernels.philox import derive_seed, random_bits, sr_bits
@@ -37,6 +37,7 @@ __all__ = [
     "QTensor",
     "deferred_checks",
     "quantize",
+    "quantize_columnwise",
     "quantize_reference",
     "dequantize",
     "requantize",

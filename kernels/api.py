@@ -20,7 +20,7 @@ import torch
 
 from rl4bit.kernels.checks import check_choice
 from rl4bit.kernels.four_over_six import quantize_nvfp4_4over6
-from rl4bit.kernels.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+from rl4bit.kernels.mxfp8 import dequantize_mxfp8, quantize_mxfp8, quantize_mxfp8_columnwise
 from rl4bit.kernels.nvfp4 import dequantize_nvfp4, quantize_nvfp4
 from rl4bit.kernels.qtensor import FORMATS, QTensor
 from rl4bit.kernels.requant import requantize_nvfp4_to_mxfp8
@@ -104,6 +104,17 @@ def dequantize(q: QTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if q.fmt == "mxfp8":
         return dequantize_mxfp8(q, dtype)
     return dequantize_s2f6(q, dtype)
+
+
+def quantize_columnwise(x: torch.Tensor, *, rounding: str = "nearest", seed=None) -> QTensor:
+    """MXFP8 of x [..., M, K] with blocks of 32 along M: `quantize(x.transpose(-1, -2).contiguous(), "mxfp8")`
+    bitwise (SR offsets in the transposed [..., K, M] tensor), on CUDA in one transposing pass (no copy of x)."""
+    dispatch = _triton_dispatch() if isinstance(x, torch.Tensor) and x.is_cuda else None
+    if dispatch is not None:
+        q = dispatch.quantize_mxfp8_columnwise(x, rounding=rounding, seed=seed)
+        if q is not None:
+            return q
+    return quantize_mxfp8_columnwise(x, rounding=rounding, seed=seed)
 
 
 def requantize(q: QTensor, *, seed=None, rounding: str = "stochastic") -> QTensor:

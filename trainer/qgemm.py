@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rl4bit.kernels import QTensor, checks, dequantize, fused, invariant, quantize, requantize
+from rl4bit.kernels import QTensor, checks, dequantize, fused, invariant, quantize, quantize_columnwise, requantize
 from rl4bit.kernels.philox import derive_seed
 from rl4bit.kernels.transfer import to_device
 
@@ -226,6 +226,9 @@ def _layout(counts: list[int], device) -> _Layout:
 
 
 def _pad_rows(x: torch.Tensor, lay: _Layout) -> torch.Tensor:
+    """x [R, ...] -> [R_pad, ...] with zero rows in the padding (x itself when every count is a multiple of 32)."""
+    if lay.total == x.shape[0]:
+        return x
     out = x.new_zeros(lay.total, *x.shape[1:])
     out[lay.rows] = x
     return out
@@ -233,6 +236,8 @@ def _pad_rows(x: torch.Tensor, lay: _Layout) -> torch.Tensor:
 
 def _pad_qtensor_rows(q: QTensor, lay: _Layout) -> QTensor:
     """q [R, K] NVFP4 -> [R_pad, K] with zero rows (codes 0, block scales 0, outer 1) in the padding."""
+    if lay.total == q.shape[0]:
+        return q
     data = _pad_rows(q.data, lay)
     scale = _pad_rows(q.scale.view(torch.uint8), lay).view(q.scale.dtype)  # e4m3 0x00 == 0
     outer = q.outer
@@ -263,16 +268,16 @@ def _check_finite(t: torch.Tensor, what: str) -> None:
                                  "(lower the learning rate or check the loss)")
 
 
-def _mxfp8_backward(dy, xt: QTensor, wt: QTensor, lay: _Layout, spec: GemmSpec, seeds):
-    """dx = Q(dy) @ Q(Wᵀ)ᵀ and dW = Q(dyᵀ) @ Q(xᵀ)ᵀ per expert, FP32 accumulation."""
+def _mxfp8_backward(dy, xt: QTensor, wt: QTensor, lay: _Layout, spec: GemmSpec, seeds, dx_dtype: torch.dtype):
+    """dx = Q(dy) @ Q(Wᵀ)ᵀ (FP32 accumulation, rounded once to dx_dtype) and dW = Q(dyᵀ) @ Q(xᵀ)ᵀ per expert (FP32)."""
     sr = spec.grad_rounding == "stochastic"
     dy = dy.contiguous()
     qdy = quantize(dy, "mxfp8", rounding=spec.grad_rounding, seed=seeds[2] if sr else None)  # [R, N]
-    qdyt = quantize(_pad_rows(dy, lay).t().contiguous(), "mxfp8", rounding=spec.grad_rounding,
-                    seed=seeds[3] if sr else None)  # [N, R_pad]
+    qdyt = quantize_columnwise(_pad_rows(dy, lay), rounding=spec.grad_rounding,
+                               seed=seeds[3] if sr else None)  # [N, R_pad]
     kernels = gemm_kernels(dy)
-    if kernels is not None:
-        dx = kernels[1].grouped_mxfp8(qdy, wt, lay.counts, torch.float32)  # [R, N] x [E, K, N]ᵀ
+    if kernels is not None:  # dx rounded from the FP32 accumulator in the kernel: the bits of .to(dx_dtype)
+        dx = kernels[1].grouped_mxfp8(qdy, wt, lay.counts, dx_dtype)  # [R, N] x [E, K, N]ᵀ
         dw = kernels[1].wgrad_mxfp8(qdyt, xt, lay.padded, torch.float32)  # [N, R_pad] x [K, R_pad]ᵀ per expert
         return dx, dw
     dyd, dytd = dequantize(qdy), dequantize(qdyt)
@@ -285,7 +290,7 @@ def _mxfp8_backward(dy, xt: QTensor, wt: QTensor, lay: _Layout, spec: GemmSpec, 
             dx[start : start + m] = dyd[start : start + m] @ wtd[e].t()
             dw[e] = dytd[:, pstart : pstart + mp] @ xtd[:, pstart : pstart + mp].t()
         start, pstart = start + m, pstart + mp
-    return dx, dw
+    return dx.to(dx_dtype), dw
 
 
 def _qparts(q: QTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -320,7 +325,7 @@ class GroupedQGemm(torch.autograd.Function):
             _count(qx.nbytes, x.shape[0])
         else:
             lay = _layout(counts, x.device)
-            qxt = quantize(_pad_rows(x.detach(), lay).t().contiguous(), "mxfp8")
+            qxt = quantize_columnwise(_pad_rows(x.detach(), lay))
             ctx.save_for_backward(w, *_qparts(qxt))
             ctx.q_meta = (qxt.shape,)
             _count(qxt.nbytes, x.shape[0])
@@ -349,7 +354,7 @@ class GroupedQGemm(torch.autograd.Function):
             w, *parts = ctx.saved_tensors
             xt = QTensor(*parts, "mxfp8", ctx.q_meta[0])
             wt = quantize(w.detach().transpose(-1, -2).contiguous(), "mxfp8")
-        dx, dw = _mxfp8_backward(dy, xt, wt, lay, spec, seeds)
+        dx, dw = _mxfp8_backward(dy, xt, wt, lay, spec, seeds, ctx.x_dtype)
         return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None
 
 
