@@ -21,6 +21,7 @@ against."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -210,19 +211,31 @@ def _count(nbytes: int, rows: int) -> None:
 
 @dataclass
 class _Layout:
+    """Each expert's rows zero-padded to a multiple of ROW_BLOCK (the MXFP8 blocks along tokens never straddle
+    two experts)."""
+
     counts: list[int]
     padded: list[int]
-    rows: torch.Tensor  # [R] position of each row in the padded layout
     total: int  # R_pad
+    device: torch.device
+    _rows: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """int64 [R]: each row's position in the padded layout, built on the device at first use from the [2, E]
+        table of shifts and counts (no padding: never used). Built on the host, R indices took ~1 ms a GEMM."""
+        if self._rows is None:
+            shift = list(itertools.accumulate((p - c for p, c in zip(self.padded, self.counts)), initial=0))[:-1]
+            table = to_device(torch.tensor([shift, self.counts], dtype=torch.int64), self.device)
+            r = sum(self.counts)
+            self._rows = torch.arange(r, device=self.device) + torch.repeat_interleave(table[0], table[1],
+                                                                                       output_size=r)
+        return self._rows
 
 
 def _layout(counts: list[int], device) -> _Layout:
     padded = [-(-m // ROW_BLOCK) * ROW_BLOCK for m in counts]
-    c = torch.tensor(counts, dtype=torch.int64)
-    shift = torch.tensor(padded, dtype=torch.int64).cumsum(0) - c.cumsum(0)
-    shift = torch.cat([shift.new_zeros(1), shift[:-1]])
-    rows = torch.arange(int(c.sum())) + torch.repeat_interleave(shift, c)
-    return _Layout(counts, padded, to_device(rows, device), sum(padded))
+    return _Layout(counts, padded, sum(padded), torch.device(device))
 
 
 def _pad_rows(x: torch.Tensor, lay: _Layout) -> torch.Tensor:
