@@ -203,3 +203,24 @@ def raise_flag(bad, flag_ptr):
     b = tl.max(tl.max(bad, axis=1), axis=0)
     if b > 0:
         tl.atomic_max(flag_ptr, b)
+
+
+@triton.jit
+def _nonfinite_kernel(x_ptr, flag_ptr, n, BLOCK: tl.constexpr):
+    """Set *flag_ptr to 1 if x[:n] (contiguous) holds NaN or Inf: one read of x, one launch."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+    bad = ((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32)
+    raise_flag(tl.reshape(bad, [BLOCK // 128, 128]), flag_ptr)
+
+
+def flag_nonfinite(x: torch.Tensor, flag: torch.Tensor) -> bool:
+    """OR "x holds NaN/Inf" into the int32 [1] `flag` on x's device without a host read, in one pass over x;
+    False (nothing launched) where x is not a contiguous float tensor of up to 2**40 elements (the caller's
+    torch fallback)."""
+    if not x.is_contiguous() or x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.numel() >= 2**40:
+        return False
+    block = 4096
+    if x.numel():
+        _nonfinite_kernel[(triton.cdiv(x.numel(), block),)](x, flag, x.numel(), BLOCK=block, num_warps=8)
+    return True

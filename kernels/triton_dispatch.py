@@ -83,10 +83,11 @@ def deferring() -> bool:
 def defer_nonfinite(t: torch.Tensor) -> None:
     """OR "t holds NaN/Inf" into t's device flag without a host read (inside `deferred_checks()`: for checks
     other than the quantize kernels', e.g. a gradient about to be quantized to MXFP8, which encodes NaN)."""
-    from rl4bit.kernels.formats_triton import nonfinite_flag
+    from rl4bit.kernels.formats_triton import flag_nonfinite, nonfinite_flag
 
     flag = nonfinite_flag(t.device)
-    flag.bitwise_or_((~torch.isfinite(t)).any().to(torch.int32).reshape(1))
+    if not flag_nonfinite(t, flag):  # one Triton pass; torch's isfinite-any is five kernels
+        flag.bitwise_or_((~torch.isfinite(t)).any().to(torch.int32).reshape(1))
 
 
 def check_deferred() -> None:

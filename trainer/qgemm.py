@@ -366,7 +366,7 @@ class GroupedQGemm(torch.autograd.Function):
         else:
             w, *parts = ctx.saved_tensors
             xt = QTensor(*parts, "mxfp8", ctx.q_meta[0])
-            wt = quantize(w.detach().transpose(-1, -2).contiguous(), "mxfp8")
+            wt = quantize_columnwise(w.detach())  # [E, K, N], blocks along N: no transposed copy of W
         dx, dw = _mxfp8_backward(dy, xt, wt, lay, spec, seeds, ctx.x_dtype)
         return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None
 

@@ -583,6 +583,24 @@ def test_deferred_checks_raise_once_at_exit():
         td.quantize(torch.ones(4, 32, device=DEVICE), "nvfp4")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), None])
+def test_flag_nonfinite_sets_the_flag_exactly_for_nan_and_inf(dtype, value):
+    """`formats_triton.flag_nonfinite`, `defer_nonfinite`'s one-pass kernel: the flag is set iff the tensor holds
+    NaN/Inf, wherever it sits (the last, partial block included); finite extremes do not set it."""
+    from rl4bit.kernels.formats_triton import flag_nonfinite
+
+    x = torch.full((3, 4100), torch.finfo(dtype).max, dtype=dtype, device=DEVICE)
+    x[1, ::2] = torch.finfo(dtype).min
+    if value is not None:
+        x[2, 4099] = value
+    flag = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    assert flag_nonfinite(x, flag)
+    assert int(flag.item()) == (value is not None)
+    assert not flag_nonfinite(x.t(), flag)  # not contiguous: the caller's fallback
+    assert not flag_nonfinite(x.double(), flag)  # float64 would overflow the kernel's FP32: the fallback
+
+
 def test_bench_gemm_smoke(tmp_path):
     """rl4bit bench gemm --quick on CPU (reference path) writes its table; the MXFP8 cases run under the interpreter."""
     import json
