@@ -331,10 +331,10 @@ class GroupedQGemm(torch.autograd.Function):
         y = grouped_forward(qx, qw, counts, x.dtype)
         if spec.fmt == "nvfp4":
             # as saved tensors (not ctx attributes): activation recomputation and saved-tensor hooks see them. The
-            # weight's QTensor is not held: the backward quantizes w again (round to nearest from the same master
-            # weight, which changes only at the optimizer step: the same bits), as the other recipes keep w only
-            ctx.save_for_backward(*_qparts(qx), w)
-            ctx.q_meta = (qx.shape,)
+            # weight's QTensor too (4.5 bits a value until the backward), not w: quantizing w again there cost a
+            # reduction over W and a quantize launch a GEMM, for the same bits
+            ctx.save_for_backward(*_qparts(qx), *_qparts(qw))
+            ctx.q_meta = (qx.shape, qw.shape)
             _count(qx.nbytes, x.shape[0])
         else:
             lay = _layout(counts, x.device)
@@ -357,9 +357,9 @@ class GroupedQGemm(torch.autograd.Function):
         lay = _layout(counts, dy.device)
         if spec.fmt == "nvfp4":
             rounding = "stochastic" if spec.stochastic_requant else "nearest"
-            *parts, w = ctx.saved_tensors
-            qx = QTensor(*parts, "nvfp4", ctx.q_meta[0])
-            qw = quantize_weight(w, spec)  # the forward's bits (see forward)
+            parts = ctx.saved_tensors
+            qx = QTensor(*parts[:3], "nvfp4", ctx.q_meta[0])
+            qw = QTensor(*parts[3:], "nvfp4", ctx.q_meta[1])
             xt = requantize(_pad_qtensor_rows(qx, lay), seed=seeds[TENSOR_IDS["x"]], rounding=rounding)
             wt = requantize(qw, seed=seeds[TENSOR_IDS["w"]], rounding=rounding)
             del parts, qx, qw
