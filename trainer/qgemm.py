@@ -368,7 +368,7 @@ class GroupedQGemm(torch.autograd.Function):
             xt = QTensor(*parts, "mxfp8", ctx.q_meta[0])
             wt = quantize_columnwise(w.detach())  # [E, K, N], blocks along N: no transposed copy of W
         dx, dw = _mxfp8_backward(dy, xt, wt, lay, spec, seeds, ctx.x_dtype)
-        return dx.to(ctx.x_dtype), dw.to(ctx.w_dtype), None, None, None, None
+        return dx, dw.to(ctx.w_dtype), None, None, None, None  # dx: already in x's dtype
 
 
 def bf16_grouped(x: torch.Tensor, wc: torch.Tensor, counts, offs: torch.Tensor | None = None) -> torch.Tensor:
